@@ -1,0 +1,118 @@
+"""The embedded corpus: docstrings of a fixed list of standard-library modules, as bytes.
+
+Every Python installation carries this text, so nothing is downloaded; for a given Python version
+the corpus is identical on every machine. Tokenization is bytewise (vocabulary 256).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import math
+
+import numpy as np
+
+# Fixed, ordered list: changing it changes the corpus (and every number measured on it).
+STDLIB_MODULES = (
+    "abc", "argparse", "ast", "asyncio", "base64", "bisect", "calendar", "cmd", "codecs",
+    "collections", "concurrent.futures", "configparser", "contextlib", "copy", "csv",
+    "dataclasses", "datetime", "decimal", "difflib", "email", "enum", "fileinput", "fnmatch",
+    "fractions", "ftplib", "functools", "getopt", "gettext", "glob", "gzip", "hashlib", "heapq",
+    "hmac", "html", "http.client", "http.server", "imaplib", "inspect", "io", "ipaddress",
+    "itertools", "json", "logging", "lzma", "mailbox", "mimetypes", "multiprocessing", "netrc",
+    "numbers", "operator", "optparse", "os", "pathlib", "pdb", "pickle", "pkgutil", "platform",
+    "plistlib", "poplib", "pprint", "profile", "queue", "quopri", "random", "re", "sched",
+    "secrets", "selectors", "shelve", "shlex", "shutil", "signal", "smtplib", "socket",
+    "socketserver", "sqlite3", "ssl", "statistics", "string", "struct", "subprocess",
+    "tarfile", "tempfile", "textwrap", "threading", "timeit", "tokenize", "trace", "traceback",
+    "turtle", "typing", "unittest", "urllib.parse", "urllib.request", "uuid", "warnings",
+    "wave", "weakref", "xml.dom.minidom", "xml.etree.ElementTree", "zipfile", "zipimport",
+)
+
+
+def _docstrings(module) -> list[str]:
+    texts = []
+    doc = inspect.getdoc(module)
+    if doc:
+        texts.append(doc)
+    for name in sorted(vars(module)):
+        obj = getattr(module, name)
+        if getattr(obj, "__module__", None) != module.__name__:
+            continue
+        if inspect.isclass(obj) or inspect.isfunction(obj):
+            doc = inspect.getdoc(obj)
+            if doc:
+                texts.append(doc)
+            if inspect.isclass(obj):
+                for attr in sorted(vars(obj)):
+                    member = vars(obj)[attr]
+                    if inspect.isfunction(member) and member.__doc__:
+                        texts.append(inspect.getdoc(member))
+    return texts
+
+
+@functools.lru_cache(maxsize=None)
+def corpus_text(modules: tuple[str, ...] = STDLIB_MODULES) -> str:
+    """The corpus as one string (docstrings joined by blank lines), deterministic per Python."""
+    parts = []
+    for name in modules:
+        try:
+            module = importlib.import_module(name)
+        except Exception:  # a module missing from a stripped-down Python: skip it
+            continue
+        parts.extend(_docstrings(module))
+    return "\n\n".join(parts)
+
+
+@functools.lru_cache(maxsize=None)
+def corpus_bytes(modules: tuple[str, ...] = STDLIB_MODULES) -> np.ndarray:
+    """The corpus as a ``uint8`` array of UTF-8 bytes (the byte-level token ids)."""
+    return np.frombuffer(corpus_text(modules).encode("utf-8"), dtype=np.uint8).copy()
+
+
+def train_val_split(tokens: np.ndarray, val_fraction: float = 0.1):
+    """Deterministic split: the last ``val_fraction`` of the stream is validation."""
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction={val_fraction} must lie in (0, 1).")
+    cut = int(len(tokens) * (1.0 - val_fraction))
+    return tokens[:cut], tokens[cut:]
+
+
+def unigram_entropy_bits(tokens: np.ndarray, vocab_size: int = 256) -> float:
+    """Entropy of the empirical byte distribution, in bits per byte (the zero-context baseline)."""
+    counts = np.bincount(tokens, minlength=vocab_size).astype(np.float64)
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log2(p)).sum())
+
+
+def batch_at(tokens: np.ndarray, step: int, batch_size: int, seq_len: int, seed: int = 0):
+    """The training batch for ``step``: ``(inputs, targets)`` of shape ``[batch, seq_len]``.
+
+    Windows start at positions drawn from a generator seeded by ``(seed, step)``, so the batch of
+    a step never depends on what ran before: a resumed run sees exactly the same data.
+    """
+    if len(tokens) < seq_len + 2:
+        raise ValueError(f"corpus of {len(tokens)} tokens is shorter than seq_len+1={seq_len + 1}.")
+    rng = np.random.default_rng([seed, step])
+    starts = rng.integers(0, len(tokens) - seq_len - 1, size=batch_size)
+    idx = starts[:, None] + np.arange(seq_len + 1)[None, :]
+    window = tokens[idx].astype(np.int32)
+    return window[:, :-1], window[:, 1:]
+
+
+def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int, max_batches: int | None = None):
+    """Non-overlapping windows covering ``tokens`` in order (the last partial window dropped)."""
+    n = (len(tokens) - 1) // seq_len
+    if max_batches is not None:
+        n = min(n, max_batches * batch_size)
+    if n == 0:
+        raise ValueError(f"{len(tokens)} tokens are too few for one window of {seq_len}.")
+    for start in range(0, n, batch_size):
+        rows = range(start, min(n, start + batch_size))
+        window = np.stack([tokens[r * seq_len: r * seq_len + seq_len + 1] for r in rows])
+        yield window[:, :-1].astype(np.int32), window[:, 1:].astype(np.int32)
+
+
+def nats_to_bits(nats: float) -> float:
+    return nats / math.log(2.0)
