@@ -1,0 +1,230 @@
+"""Whole-model reports: every metric per matrix and per layer, head importance, cross-layer CKA of
+the KV cache's keys, and the PNG plots of ``lowrank-jax analyze`` (host-side).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+
+import jax.numpy as jnp
+import numpy as np
+
+from lowrank_jax.analysis.cka import cka_matrix
+from lowrank_jax.analysis.linalg import singular_values_gram
+from lowrank_jax.analysis.rank import anisotropy, isotropy_partition
+from lowrank_jax.analysis.spectra import compare_matrices, matrix_summary
+
+# A fixed English passage (our own text) for the key-CKA probe.
+PASSAGE = (
+    "The old lighthouse keeper climbed the narrow stairs every evening before sunset. From the "
+    "top of the tower he could see the fishing boats returning to the harbour, the gulls circling "
+    "above the nets, and the long line of cliffs that ran north toward the next village. He wrote "
+    "the weather in a small notebook: the direction of the wind, the height of the waves, the "
+    "colour of the sky. Years later his granddaughter found the notebooks in a wooden box and "
+    "read them one winter, page after page, until she knew the sea as well as he had."
+)
+
+_LAYER = re.compile(r"(?:^|/)layers/(\d+)/")
+
+
+def leaf_name(keypath) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in keypath)
+
+
+def named_matrices(params) -> list[tuple[str, int | None, np.ndarray]]:
+    """Every 2-D leaf of a parameter tree as ``(path, layer index or None, float32 array)``."""
+    import jax
+
+    out = []
+    for keypath, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if np.ndim(leaf) != 2:
+            continue
+        name = leaf_name(keypath)
+        match = _LAYER.search(name)
+        out.append((name, int(match.group(1)) if match else None, leaf))
+    return out
+
+
+def spectrum(matrix, *, gram_ratio: float = 8.0, block_rows: int = 4096) -> np.ndarray:
+    """Singular values (descending, float64): exact SVD, or the Gram backend for tall matrices
+    (``rows ≥ gram_ratio · cols``, e.g. a ``V × d`` embedding)."""
+    m = np.asarray(matrix, dtype=np.float32)
+    if m.shape[0] < m.shape[1]:
+        m = m.T
+    if m.shape[0] >= gram_ratio * m.shape[1]:
+        return singular_values_gram(m[i:i + block_rows] for i in range(0, m.shape[0], block_rows))
+    return np.linalg.svd(m.astype(np.float64), compute_uv=False)
+
+
+def analyze_params(params, *, layer_filter: str | None = None, base=None, top_k: int = 8) -> dict:
+    """Metrics of every (filtered) matrix, plus Diffract's comparison fields when ``base`` is given.
+
+    Args:
+      params: parameter tree (pure dict of a Llama; 2-D leaves are analysed).
+      layer_filter: regex searched in each leaf path (e.g. ``"self_attn"`` or ``"layers/1[0-9]/"``).
+      base: optional base tree of the same architecture (the checkpoint this one was tuned from).
+      top_k: components in the singular-vector overlaps.
+
+    Returns:
+      ``{"matrices": {path: metrics}, "spectra": {path: [σ...]}}``.
+
+    Raises:
+      ValueError: when the filter matches nothing, or base has a different architecture.
+    """
+    mats = named_matrices(params)
+    if layer_filter is not None:
+        pattern = re.compile(layer_filter)
+        mats = [m for m in mats if pattern.search(m[0])]
+        if not mats:
+            names = [n for n, _, _ in named_matrices(params)]
+            raise ValueError(
+                f"--layers {layer_filter!r} matches no matrix; paths look like {names[:3]}."
+            )
+    base_mats = {}
+    if base is not None:
+        base_mats = {n: w for n, _, w in named_matrices(base)}
+        for name, _, w in mats:
+            if name not in base_mats or np.shape(base_mats[name]) != np.shape(w):
+                raise ValueError(
+                    f"checkpoints have different architectures: {name} is {np.shape(w)} in the "
+                    f"model but {np.shape(base_mats.get(name))} in the comparison checkpoint."
+                )
+    results, spectra = {}, {}
+    for name, layer, w in mats:
+        s = spectrum(w)
+        w32 = jnp.asarray(np.asarray(w, np.float32))
+        rec = matrix_summary(w32, s=jnp.asarray(s))
+        rec["layer"] = layer
+        if name in base_mats:
+            w0 = jnp.asarray(np.asarray(base_mats[name], np.float32))
+            rec.update({f"vs_base/{k}": v for k, v in compare_matrices(w0, w32, k=top_k).items()})
+        results[name] = rec
+        spectra[name] = [float(x) for x in s]
+    return {"matrices": results, "spectra": spectra}
+
+
+def unembedding_report(matrix) -> dict:
+    """Effective rank, stable rank, anisotropy and isotropy of an unembedding ``[V, d]`` (rows =
+    token vectors). Tied models: pass the input embedding (do not count it twice)."""
+    m = np.asarray(matrix, dtype=np.float32)
+    s = spectrum(m)
+    rec = matrix_summary(jnp.asarray(m), s=jnp.asarray(s))
+    rec["anisotropy"] = float(anisotropy(jnp.asarray(m)))
+    rec["isotropy"] = float(isotropy_partition(jnp.asarray(m)))
+    return rec
+
+
+def layer_keys(model, tokens) -> list[np.ndarray]:
+    """Keys each layer writes to the KV cache (post-RoPE) for one sequence: ``[T, kv_heads·d_h]``."""
+    from lowrank_jax.models.llama import KVCache
+
+    tokens = jnp.asarray(tokens, jnp.int32).reshape(1, -1)
+    cache = KVCache.empty(model.cfg, 1, max_len=tokens.shape[1], dtype=jnp.float32)
+    _, cache = model(tokens, cache=cache)
+    keys = np.asarray(cache.keys)  # [L, 1, T, hk, d]
+    return [keys[i, 0].reshape(keys.shape[2], -1) for i in range(keys.shape[0])]
+
+
+def key_cka(model, tokens, *, unbiased: bool = True) -> np.ndarray:
+    """Cross-layer linear CKA of the cached keys (rows = positions of the passage)."""
+    reps = [jnp.asarray(k) for k in layer_keys(model, tokens)]
+    return np.asarray(cka_matrix(reps, unbiased=unbiased))
+
+
+def per_layer_table(results: dict, metric: str) -> dict[str, list]:
+    """``{projection: [metric per layer]}`` from :func:`analyze_params` output."""
+    table: dict[str, dict[int, float]] = {}
+    for name, rec in results["matrices"].items():
+        if rec.get("layer") is None or metric not in rec:
+            continue
+        proj = _LAYER.sub("", name).rsplit("/", 1)[0]
+        table.setdefault(proj, {})[rec["layer"]] = rec[metric]
+    return {p: [v[i] for i in sorted(v)] for p, v in sorted(table.items())}
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_spectra(spectra: dict, path: str, *, max_lines: int = 40) -> None:
+    """Log-log singular-value curves (normalised by σ_1) of up to ``max_lines`` matrices."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    names = list(spectra)[:max_lines]
+    cmap = plt.get_cmap("viridis")
+    for i, name in enumerate(names):
+        s = np.asarray(spectra[name])
+        s = s[s > 0]
+        ax.loglog(np.arange(1, s.size + 1), s / s[0], color=cmap(i / max(len(names) - 1, 1)),
+                  lw=0.8, alpha=0.8)
+    ax.set_xlabel("index i")
+    ax.set_ylabel("σ_i / σ_1")
+    ax.set_title(f"singular-value spectra ({len(names)} matrices, dark = first)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_by_layer(table: dict, path: str, *, ylabel: str = "effective rank") -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for proj, values in table.items():
+        ax.plot(range(len(values)), values, marker="o", ms=3, label=proj.split("/")[-1])
+    ax.set_xlabel("layer")
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_heatmap(matrix, path: str, *, title: str, xlabel: str, ylabel: str,
+                 vmin=None, vmax=None) -> None:
+    plt = _plt()
+    m = np.asarray(matrix)
+    fig, ax = plt.subplots(figsize=(6, 5))
+    im = ax.imshow(m, aspect="auto", cmap="magma", vmin=vmin, vmax=vmax, origin="upper")
+    fig.colorbar(im, ax=ax)
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _clean(obj):
+    if isinstance(obj, dict):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    if isinstance(obj, (np.floating, float)):
+        v = float(obj)
+        return None if math.isnan(v) or math.isinf(v) else v
+    if isinstance(obj, np.integer):
+        return int(obj)
+    if isinstance(obj, np.ndarray):
+        return _clean(obj.tolist())
+    return obj
+
+
+def write_json(obj, path: str) -> None:
+    """JSON with NaN/inf written as null and numpy types converted."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(_clean(obj), f, indent=1)
+
+
+__all__ = [
+    "PASSAGE", "analyze_params", "key_cka", "layer_keys", "named_matrices", "per_layer_table",
+    "plot_by_layer", "plot_heatmap", "plot_spectra", "spectrum", "unembedding_report",
+    "write_json",
+]

@@ -1,0 +1,322 @@
+"""Export / import LoRA adapters in HuggingFace PEFT's on-disk format (no torch needed).
+
+PEFT stores an adapter as ``adapter_config.json`` plus ``adapter_model.safetensors`` whose keys
+are ``base_model.model.<hf module name>.lora_A.weight`` (shape ``[r, in]``) and
+``...lora_B.weight`` (shape ``[out, r]``, torch layout ``W = [out, in]``). For
+``LlamaForCausalLM`` the module names are ``model.layers.{i}.self_attn.{q,k,v,o}_proj``,
+``model.layers.{i}.mlp.{gate,up,down}_proj`` and ``lm_head``. Our
+:class:`~lowrank_jax.nn.LoRALinear` keeps ``lora_a`` ``[in, r]`` and ``lora_b`` ``[r, out]``,
+so export is a transpose and import the reverse.
+
+References:
+    HuggingFace PEFT checkpoint format,
+    https://huggingface.co/docs/peft/developer_guides/checkpoint ; Hu et al,
+    `LoRA <https://arxiv.org/abs/2106.09685>`_, 2021.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import os
+import re
+from typing import Any, Mapping
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from lowrank_jax.nn.inject import LoRARule, apply_lora, linear_paths, lora_layers
+from lowrank_jax.nn.lora import LoRALinear, lora_scaling
+
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+
+
+def hf_module_name(path: str) -> str:
+    """Our module path → the module name in HF ``LlamaForCausalLM``.
+
+    ``layers/3/self_attn/q_proj`` → ``model.layers.3.self_attn.q_proj``; ``lm_head`` stays.
+
+    Example::
+
+        >>> hf_module_name("layers/0/mlp/up_proj")
+        'model.layers.0.mlp.up_proj'
+    """
+    dotted = path.replace("/", ".")
+    return dotted if dotted == "lm_head" else "model." + dotted
+
+
+def our_module_path(hf_name: str) -> str:
+    """Inverse of :func:`hf_module_name` (``model.layers.3.mlp.up_proj`` → ``layers/3/mlp/up_proj``).
+
+    Example::
+
+        >>> our_module_path("model.layers.2.self_attn.v_proj")
+        'layers/2/self_attn/v_proj'
+    """
+    name = hf_name[len("model."):] if hf_name.startswith("model.") else hf_name
+    return name.replace(".", "/")
+
+
+def _effective_alpha(layer: LoRALinear) -> float:
+    return float(layer.rank if layer.alpha is None else layer.alpha)
+
+
+def _number(x: float):
+    return int(x) if float(x).is_integer() else float(x)
+
+
+def export_peft(
+    model: nnx.Module,
+    folder: str | os.PathLike,
+    *,
+    base_model_name_or_path: str | None = None,
+    initial_adapters: Mapping[str, tuple[Any, Any]] | None = None,
+    task_type: str = "CAUSAL_LM",
+    dtype: Any = np.float32,
+) -> dict:
+    """Write every :class:`LoRALinear` adapter of ``model`` as a PEFT LoRA adapter folder.
+
+    .. math:: \\texttt{lora\\_A.weight} = A^\\top\\ [r, in],\\qquad
+              \\texttt{lora\\_B.weight} = B^\\top\\ [out, r]
+
+    The config carries ``peft_type="LORA"``, ``task_type``, ``r`` and ``lora_alpha`` (the most
+    common values), ``rank_pattern`` / ``alpha_pattern`` keyed by HF module name for layers that
+    differ, ``use_rslora``, ``use_dora=false`` and ``target_modules``: the list of short names
+    when every layer with such a name is adapted, else a regex that fully matches exactly the
+    adapted module names (PEFT ``re.fullmatch``es a string ``target_modules``).
+
+    PiSSA / OLoRA adapters change the base kernel; pass ``initial_adapters={path: (A0, B0)}``
+    (the adapter right after initialisation) to export PEFT's conversion to a plain LoRA on the
+    *original* base weights: ``A' = [A, A0]``, ``B' = [B; −B0]`` with rank ``2r`` and alpha
+    doubled (``√2·alpha`` with rsLoRA) so that the scale is unchanged.
+
+    Args:
+        model: an NNX model with (unmerged) :class:`LoRALinear` layers, module names as HF's
+            ``LlamaForCausalLM`` (:class:`~lowrank_jax.models.Llama`).
+        folder: output directory (created).
+        base_model_name_or_path: written to the config (e.g.
+            ``"HuggingFaceTB/SmolLM2-135M-Instruct"``) for ``PeftModel.from_pretrained``.
+        initial_adapters: optional ``{path: (A0 [in, r], B0 [r, out])}`` for PiSSA/OLoRA.
+        task_type: PEFT task type (``"CAUSAL_LM"``).
+        dtype: numpy dtype of the stored tensors (float32 default; bfloat16 via ml_dtypes).
+
+    Returns:
+        The config dict that was written.
+
+    Example::
+
+        >>> from flax import nnx
+        >>> from lowrank_jax.models import Llama, LlamaConfig
+        >>> from lowrank_jax.nn import apply_lora
+        >>> model = Llama(LlamaConfig(d_model=16, n_layers=1, n_heads=2, n_kv_heads=2, d_ff=32),
+        ...               rngs=nnx.Rngs(0))
+        >>> _ = apply_lora(model, {"q_proj": 2}, rngs=nnx.Rngs(1))
+        >>> import tempfile
+        >>> export_peft(model, tempfile.mkdtemp())["target_modules"]
+        ['q_proj']
+    """
+    from safetensors.numpy import save_file
+
+    layers = lora_layers(model)
+    if not layers:
+        raise ValueError("export_peft: model has no LoRALinear layer; add adapters with "
+                         "lowrank_jax.nn.apply_lora first.")
+    merged = [p for p, m in layers if m.merged]
+    if merged:
+        raise ValueError(f"export_peft: adapters {merged[:4]} are merged into their kernels; "
+                         "call lowrank_jax.nn.unmerge_lora(model) before exporting.")
+    rslora = {m.use_rslora for _, m in layers}
+    if len(rslora) != 1:
+        raise ValueError("export_peft: layers mix use_rslora=True and False; PEFT needs one value.")
+    use_rslora = rslora.pop()
+    initial_adapters = dict(initial_adapters or {})
+    unknown = sorted(set(initial_adapters) - {p for p, _ in layers})
+    if unknown:
+        raise ValueError(f"export_peft: initial_adapters names unknown paths {unknown[:4]}; "
+                         f"adapted paths: {[p for p, _ in layers][:8]}")
+    tensors, ranks, alphas = {}, {}, {}
+    for path, layer in layers:
+        a = np.asarray(layer.lora_a[...], np.float32)
+        b = np.asarray(layer.lora_b[...], np.float32)
+        rank, alpha = layer.rank, _effective_alpha(layer)
+        if path in initial_adapters:
+            a0, b0 = (np.asarray(t, np.float32) for t in initial_adapters[path])
+            if a0.shape != a.shape or b0.shape != b.shape:
+                raise ValueError(
+                    f"export_peft: initial adapter of {path} has shapes {a0.shape}, {b0.shape}; "
+                    f"expected {a.shape}, {b.shape}."
+                )
+            a, b = np.concatenate([a, a0], axis=1), np.concatenate([b, -b0], axis=0)
+            alpha = alpha * (math.sqrt(2.0) if use_rslora else 2.0)
+            rank = 2 * rank
+        name = hf_module_name(path)
+        tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"] = np.ascontiguousarray(a.T).astype(dtype)
+        tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"] = np.ascontiguousarray(b.T).astype(dtype)
+        ranks[name], alphas[name] = rank, alpha
+    r = collections.Counter(ranks.values()).most_common(1)[0][0]
+    alpha = collections.Counter(alphas.values()).most_common(1)[0][0]
+    adapted = {p for p, _ in layers}
+    short = sorted({p.rsplit("/", 1)[-1] for p in adapted})
+    every_linear = set(linear_paths(model)) | adapted
+    covers_all = all(p in adapted for p in every_linear if p.rsplit("/", 1)[-1] in short)
+    if covers_all:
+        target_modules: Any = short
+    else:
+        target_modules = "|".join(re.escape(n) for n in sorted(ranks))
+    dropouts = {float(m.lora_dropout.rate) if m.lora_dropout is not None else 0.0
+                for _, m in layers}
+    config = {
+        "peft_type": "LORA",
+        "task_type": task_type,
+        "base_model_name_or_path": base_model_name_or_path,
+        "revision": None,
+        "inference_mode": True,
+        "r": int(r),
+        "lora_alpha": _number(alpha),
+        "lora_dropout": max(dropouts),
+        "use_rslora": bool(use_rslora),
+        "use_dora": False,
+        "target_modules": target_modules,
+        "rank_pattern": {k: int(v) for k, v in sorted(ranks.items()) if v != r},
+        "alpha_pattern": {k: _number(v) for k, v in sorted(alphas.items()) if v != alpha},
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+    }
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, CONFIG_NAME), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    save_file(tensors, os.path.join(folder, WEIGHTS_NAME), metadata={"format": "pt"})
+    return config
+
+
+def _pattern_value(name: str, pattern: Mapping[str, Any], default):
+    for key, value in pattern.items():
+        if re.match(rf"(.*\.)?({key})$", name):
+            return value
+    return default
+
+
+def import_peft(model: nnx.Module, folder: str | os.PathLike, *,
+                rngs: nnx.Rngs | None = None) -> list[str]:
+    """Apply a PEFT LoRA adapter folder to ``model`` (in place); returns the adapted paths.
+
+    Plain ``nnx.Linear`` layers named in the adapter are wrapped in :class:`LoRALinear` with
+    the adapter's rank and alpha (``rank_pattern`` / ``alpha_pattern`` honoured); existing
+    :class:`LoRALinear` layers must have the same rank and get their factors and scale replaced.
+
+    Args:
+        model: an NNX model with HF ``LlamaForCausalLM`` module names.
+        folder: a directory with ``adapter_config.json`` and ``adapter_model.safetensors``.
+        rngs: keys for wrapping new layers (their random init is overwritten anyway).
+
+    Returns:
+        The adapted module paths (ours, e.g. ``layers/0/self_attn/q_proj``).
+
+    Raises:
+        FileNotFoundError: a file of the adapter folder is missing.
+        ValueError: not a LoRA adapter (DoRA unsupported), a module the model does not have
+            (the message lists the available ones), or a tensor whose shape does not match.
+
+    Example::
+
+        >>> import tempfile
+        >>> from flax import nnx
+        >>> from lowrank_jax.models import Llama, LlamaConfig
+        >>> from lowrank_jax.nn import apply_lora
+        >>> cfg = LlamaConfig(d_model=16, n_layers=1, n_heads=2, n_kv_heads=2, d_ff=32)
+        >>> src = Llama(cfg, rngs=nnx.Rngs(0))
+        >>> _ = apply_lora(src, {"v_proj": 2}, rngs=nnx.Rngs(1))
+        >>> folder = tempfile.mkdtemp()
+        >>> _ = export_peft(src, folder)
+        >>> import_peft(Llama(cfg, rngs=nnx.Rngs(0)), folder)
+        ['layers/0/self_attn/v_proj']
+    """
+    from safetensors.numpy import load_file
+
+    config_path = os.path.join(folder, CONFIG_NAME)
+    weights_path = os.path.join(folder, WEIGHTS_NAME)
+    for p in (config_path, weights_path):
+        if not os.path.exists(p):
+            raise FileNotFoundError(f"import_peft: {p} not found; a PEFT adapter folder holds "
+                                    f"{CONFIG_NAME} and {WEIGHTS_NAME}.")
+    with open(config_path) as f:
+        config = json.load(f)
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"import_peft: peft_type={config.get('peft_type')!r}; only 'LORA' "
+                         "adapters can be imported.")
+    if config.get("use_dora"):
+        raise ValueError("import_peft: use_dora=true adapters are not supported (LoRA only).")
+    tensors = load_file(weights_path)
+    modules: dict[str, dict[str, np.ndarray]] = {}
+    for key, value in tensors.items():
+        match = re.fullmatch(r"base_model\.model\.(.+)\.(lora_A|lora_B)(?:\.default)?\.weight", key)
+        if match is None:
+            raise ValueError(f"import_peft: unexpected tensor {key!r}; expected "
+                             "'base_model.model.<module>.lora_A.weight' / '.lora_B.weight'.")
+        modules.setdefault(match.group(1), {})[match.group(2)] = value
+    existing = {p: m for p, m in lora_layers(model)}
+    plain = set(linear_paths(model))
+    available = sorted(set(existing) | plain)
+    r_default, alpha_default = int(config.get("r", 8)), config.get("lora_alpha", 8)
+    use_rslora = bool(config.get("use_rslora", False))
+    plan = []
+    for hf_name in sorted(modules):
+        pair = modules[hf_name]
+        path = our_module_path(hf_name)
+        if path not in available:
+            raise ValueError(
+                f"import_peft: the adapter targets module {hf_name!r} (our path {path!r}) "
+                f"which this model does not have. Available modules: {', '.join(available)}"
+            )
+        if set(pair) != {"lora_A", "lora_B"}:
+            raise ValueError(f"import_peft: module {hf_name!r} lacks lora_A or lora_B.")
+        a_t, b_t = pair["lora_A"], pair["lora_B"]
+        rank = a_t.shape[0]
+        layer = existing.get(path)
+        if layer is None:
+            layer = next(m for p, m in nnx.iter_modules(model)
+                         if "/".join(str(x) for x in p) == path)
+        in_f, out_f = layer.in_features, layer.out_features
+        if a_t.shape != (rank, in_f) or b_t.shape != (out_f, rank):
+            raise ValueError(
+                f"import_peft: {hf_name} has lora_A {a_t.shape} and lora_B {b_t.shape}; this "
+                f"model's layer needs [r, {in_f}] and [{out_f}, r]. Was the adapter trained on "
+                "a different base model?"
+            )
+        expected_r = int(_pattern_value(hf_name, config.get("rank_pattern") or {}, r_default))
+        if expected_r != rank:
+            raise ValueError(f"import_peft: {hf_name} stores rank {rank} but the config says "
+                             f"{expected_r}; the adapter folder is inconsistent.")
+        if path in existing and existing[path].rank != rank:
+            raise ValueError(
+                f"import_peft: {path} already has a rank-{existing[path].rank} adapter but the "
+                f"PEFT adapter has rank {rank}; remove_lora(model) first or match the rank."
+            )
+        alpha = float(_pattern_value(hf_name, config.get("alpha_pattern") or {}, alpha_default))
+        plan.append((path, rank, alpha, a_t, b_t))
+    new = [(path, rank, alpha) for path, rank, alpha, _, _ in plan if path not in existing]
+    if new:
+        rngs = nnx.Rngs(0) if rngs is None else rngs
+        rules = [LoRARule("^" + re.escape(p) + "$", rank=r, alpha=a, use_rslora=use_rslora)
+                 for p, r, a in new]
+        apply_lora(model, rules, rngs=rngs)
+    layers = {p: m for p, m in lora_layers(model)}
+    for path, rank, alpha, a_t, b_t in plan:
+        layer = layers[path]
+        layer.alpha, layer.use_rslora = alpha, use_rslora
+        layer.scaling = lora_scaling(rank, alpha, use_rslora)
+        layer.lora_a[...] = jnp.asarray(a_t.T, layer.param_dtype)
+        layer.lora_b[...] = jnp.asarray(b_t.T, layer.param_dtype)
+    return [p for p, *_ in plan]
+
+
+__all__ = ["CONFIG_NAME", "PEFT_PREFIX", "WEIGHTS_NAME", "export_peft", "hf_module_name",
+           "import_peft", "our_module_path"]

@@ -1,0 +1,270 @@
+"""LoKRA / LoKRA+: Kruskal-rank regularised LoRA, and a Khatri–Rao factored adapter.
+
+LoRA's update ``ΔW = B A`` has matrix rank ≤ r, but its channels may still be near-duplicates.
+The Kruskal rank ``k(M)`` (largest k such that *every* k columns are independent) measures that
+diversity; with full-rank factors, ``k`` of the update's input channels is ``k(A)`` and of its
+output channels ``k(Bᵀ)``. LoKRA adds a penalty pushing up ``k(A)`` and ``k(Bᵀ)``; LoKRA+ builds
+the factors as Khatri–Rao products, whose k-rank has the lower bound
+``k(P ⊙ Q) ≥ min(k(P) + k(Q) − 1, n)``.
+
+In lowrank_jax's layout (``lora_a`` ``[in, r]``, ``lora_b`` ``[r, out]``) the channel-code
+matrices are ``A = lora_aᵀ`` ``[r, in]`` and ``Bᵀ = lora_b`` ``[r, out]``.
+
+DERIVED (the paper and its code were not readable): the penalty formula (frame potential or
+smooth max coherence), applying it to both ``A`` and ``Bᵀ``, skipping a still-zero factor,
+LoKRA+'s parameterisation (candidate P1 of the spec: ``A = A1 ⊙ A2``, ``Bᵀ = B1ᵀ ⊙ B2ᵀ``) and its
+initialisation (``B2 = 0`` so the update starts at zero).
+
+References:
+    AMD ROCm blog, *LoKRA: Low Kruskal-Rank Adaptation* (ICML 2026),
+    https://rocm.blogs.amd.com/artificial-intelligence/lokra/README.html ; Sidiropoulos & Bro,
+    *On the uniqueness of multilinear decomposition of N-way arrays*, 2000 (Khatri–Rao bound);
+    Albert et al, `KRAdapter <https://arxiv.org/abs/2508.00230>`_, 2025.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Float
+
+from lowrank_jax.nn.factorized import check_rank
+from lowrank_jax.nn.inject import lora_layers
+
+PenaltyKind = Literal["frame", "coherence"]
+
+
+def _unit_columns(m, eps):
+    norms = jnp.sqrt(jnp.sum(m * m, axis=0, keepdims=True) + eps * eps)
+    return m / norms
+
+
+def kruskal_penalty(
+    m: Float[Array, "p n"],
+    *,
+    kind: PenaltyKind = "frame",
+    eps: float = 1e-6,
+    tau: float = 20.0,
+    skip_below: float = 1e-3,
+) -> Float[Array, ""]:
+    """Surrogate pushing up the Kruskal rank of the columns of ``m`` (DERIVED).
+
+    .. math::
+
+        \\hat M = M / \\|m_j\\|,\\qquad
+        \\text{frame: } \\frac{\\|\\hat M \\hat M^\\top\\|_F^2}{n^2} - \\frac1p \\ge 0,\\qquad
+        \\text{coherence: } \\tfrac1\\tau \\log \\sum_{i<j} e^{\\tau \\cos^2(m_i, m_j)}
+
+    The frame potential is zero iff the normalised columns form a tight frame and costs
+    ``O(n p²)`` (no ``n × n`` Gram); the coherence form is a smooth max of ``cos²`` and costs
+    ``O(n² p)``. Column norms have an ``eps`` guard (finite gradients at a zero column); a
+    matrix whose largest entry is below ``skip_below`` (e.g. ``B = 0`` at init) gets 0.
+
+    Args:
+        m: ``[p, n]`` channel codes (columns = channels), e.g. ``lora_aᵀ`` or ``lora_b``.
+        kind: ``"frame"`` or ``"coherence"``.
+        eps: column-norm guard.
+        tau: sharpness of the coherence smooth max.
+        skip_below: below this max-abs value the penalty is 0.
+
+    Returns:
+        A scalar.
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> float(kruskal_penalty(jnp.concatenate([jnp.eye(2), jnp.eye(2)], axis=1)))
+        0.0
+    """
+    if m.ndim != 2:
+        raise ValueError(f"kruskal_penalty: m has shape {m.shape}; pass a [p, n] matrix.")
+    if kind not in ("frame", "coherence"):
+        raise ValueError(f"kruskal_penalty: kind={kind!r}; use 'frame' or 'coherence'.")
+    m = m.astype(jnp.float32)
+    p, n = m.shape
+    unit = _unit_columns(m, eps)
+    if kind == "frame":
+        gram = unit @ unit.T
+        value = jnp.sum(gram * gram) / (n * n) - 1.0 / p
+    else:
+        cos2 = (unit.T @ unit) ** 2
+        upper = jnp.triu(jnp.ones((n, n), bool), k=1)
+        value = jax.nn.logsumexp(jnp.where(upper, tau * cos2, -jnp.inf)) / tau
+    return jnp.where(jnp.max(jnp.abs(m)) > skip_below, value, 0.0)
+
+
+def coherence(m: Float[Array, "p n"], eps: float = 1e-12) -> Float[Array, ""]:
+    """Mutual coherence ``μ(M) = max_{i≠j} |cos(m_i, m_j)|`` (``k(M) ≥ 1/μ``).
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> float(coherence(jnp.eye(3)))
+        0.0
+    """
+    unit = _unit_columns(m.astype(jnp.float32), eps)
+    cos = jnp.abs(unit.T @ unit)
+    return jnp.max(jnp.where(jnp.eye(m.shape[1], dtype=bool), 0.0, cos))
+
+
+def kruskal_rank_exact(m: Float[Array, "p n"], *, tol: float = 1e-6) -> int:
+    """Exact Kruskal rank by brute force over column subsets (tests only, ``n ≤ 12``).
+
+    Example::
+
+        >>> import numpy as np
+        >>> kruskal_rank_exact(np.array([[1.0, 1.0, 0.0], [0.0, 0.0, 1.0]]))
+        1
+    """
+    m = np.asarray(m, np.float64)
+    n = m.shape[1]
+    if n > 12:
+        raise ValueError(f"kruskal_rank_exact: n={n} columns is too many for brute force (≤ 12).")
+    k = 0
+    for size in range(1, min(m.shape) + 1):
+        for cols in itertools.combinations(range(n), size):
+            sub = m[:, cols]
+            s = np.linalg.svd(sub, compute_uv=False)
+            if s[-1] <= tol * max(1.0, s[0]):
+                return k
+        k = size
+    return k
+
+
+def khatri_rao(p: Float[Array, "a n"], q: Float[Array, "b n"]) -> Float[Array, "ab n"]:
+    """Column-wise Kronecker product: column ``j`` is ``p_j ⊗ q_j``.
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> khatri_rao(jnp.ones((2, 3)), jnp.ones((4, 3))).shape
+        (8, 3)
+    """
+    if p.shape[1] != q.shape[1]:
+        raise ValueError(f"khatri_rao: p {p.shape} and q {q.shape} need the same column count.")
+    return jnp.einsum("in,jn->ijn", p, q).reshape(p.shape[0] * q.shape[0], p.shape[1])
+
+
+def lokra_regularizer(model: nnx.Module, *, kind: PenaltyKind = "frame",
+                      normalize: bool = True) -> Float[Array, ""]:
+    """LoKRA's penalty summed over every LoRA adapter: ``Σ pen(lora_aᵀ) + pen(lora_b)``.
+
+    With ``normalize`` the sum is divided by the number of adapters (so λ does not scale with
+    depth). Add ``λ · lokra_regularizer(model)`` to the task loss (λ ~ 1e-3, DERIVED default).
+    Works for :class:`~lowrank_jax.nn.LoRALinear` and :class:`LoKRAPlusLinear` (where it
+    penalises the four Khatri–Rao factors).
+
+    Example::
+
+        >>> from flax import nnx
+        >>> from lowrank_jax.nn import LoRALinear
+        >>> class M(nnx.Module):
+        ...     def __init__(self):
+        ...         self.up = LoRALinear(8, 6, rank=2, rngs=nnx.Rngs(0))
+        >>> float(lokra_regularizer(M())) >= 0.0
+        True
+    """
+    terms = []
+    for _, layer in lora_layers(model):
+        terms.append(kruskal_penalty(layer.lora_a[...].T, kind=kind)
+                     + kruskal_penalty(layer.lora_b[...], kind=kind))
+    for _, layer in nnx.iter_modules(model):
+        if isinstance(layer, LoKRAPlusLinear):
+            terms.append(layer.regularizer(kind=kind))
+    if not terms:
+        raise ValueError("lokra_regularizer: the model has no LoRA adapter; add some with "
+                         "apply_lora first.")
+    total = sum(terms)
+    return total / len(terms) if normalize else total
+
+
+class LoKRAPlusLinear(nnx.Linear):
+    """``nnx.Linear`` plus a Khatri–Rao factored adapter (LoKRA+, parameterisation P1, DERIVED).
+
+    .. math::
+
+        A = A_1 \\odot A_2 \\in \\mathbb R^{r_1 r_2 \\times in},\\quad
+        B^\\top = B_1^\\top \\odot B_2^\\top \\in \\mathbb R^{r_1 r_2 \\times out},\\quad
+        y = x W + s\\, x A^\\top B^\\top
+
+    so ``rank(ΔW) ≤ r_1 r_2`` with ``(r_1 + r_2)(in + out)`` parameters, and
+    ``k(A) ≥ min(k(A_1) + k(A_2) − 1, in)``. Params (``nnx.LoRAParam``): ``lora_a1`` ``[in, r1]``,
+    ``lora_a2`` ``[in, r2]``, ``lora_b1`` ``[r1, out]``, ``lora_b2`` ``[r2, out]``. Init (DERIVED):
+    ``A1, A2 ~ N(0, 1/√in)`` so ``A`` has LoRA-like scale, ``B1 ~ N(0, 1/√out)``, ``B2 = 0``
+    (so ``ΔW = 0`` at init and ``B2``'s gradient is non-zero). ``s = alpha / (r1 r2)``.
+
+    Example::
+
+        >>> from flax import nnx
+        >>> import jax.numpy as jnp
+        >>> layer = LoKRAPlusLinear(8, 6, rank1=2, rank2=2, rngs=nnx.Rngs(0))
+        >>> layer.lora_factors()[0].shape, layer(jnp.ones((3, 8))).shape
+        ((8, 4), (3, 6))
+
+    Args:
+        in_features, out_features: sizes, as ``nnx.Linear``.
+        rank1, rank2: Khatri–Rao ranks; the update has rank ≤ ``rank1 · rank2``.
+        alpha: scale numerator (defaults to ``rank1 · rank2``, scale 1).
+        kwargs: everything else ``nnx.Linear`` takes.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, rank1: int, rank2: int,
+                 alpha: float | None = None, rngs: nnx.Rngs, **linear_kwargs: Any):
+        super().__init__(in_features, out_features, rngs=rngs, **linear_kwargs)
+        rank = rank1 * rank2
+        check_rank(rank, in_features, out_features, "LoKRAPlusLinear (rank1·rank2): ")
+        self.rank1, self.rank2, self.rank = rank1, rank2, rank
+        self.alpha = alpha
+        self.scaling = float(rank if alpha is None else alpha) / rank
+        pdt = self.param_dtype
+        std_a = in_features ** -0.25
+        self.lora_a1 = nnx.LoRAParam(std_a * jax.random.normal(rngs.params(), (in_features, rank1),
+                                                               pdt))
+        self.lora_a2 = nnx.LoRAParam(std_a * jax.random.normal(rngs.params(), (in_features, rank2),
+                                                               pdt))
+        self.lora_b1 = nnx.LoRAParam(jax.random.normal(rngs.params(), (rank1, out_features), pdt)
+                                     / jnp.sqrt(out_features))
+        self.lora_b2 = nnx.LoRAParam(jnp.zeros((rank2, out_features), pdt))
+
+    @classmethod
+    def from_linear(cls, linear: nnx.Linear, *, rank1: int, rank2: int, rngs: nnx.Rngs,
+                    alpha: float | None = None) -> "LoKRAPlusLinear":
+        """Wrap an existing ``nnx.Linear`` (kernel and bias shared)."""
+        layer = cls(linear.in_features, linear.out_features, rank1=rank1, rank2=rank2,
+                    alpha=alpha, use_bias=linear.bias is not None, dtype=linear.dtype,
+                    param_dtype=linear.param_dtype, rngs=rngs)
+        layer.kernel, layer.bias = linear.kernel, linear.bias
+        return layer
+
+    def lora_factors(self) -> tuple[Float[Array, "in r"], Float[Array, "r out"]]:
+        """The equivalent plain LoRA factors ``(lora_a [in, r1 r2], lora_b [r1 r2, out])``."""
+        a = khatri_rao(self.lora_a1[...].T, self.lora_a2[...].T).T
+        b = khatri_rao(self.lora_b1[...], self.lora_b2[...])
+        return a, b
+
+    def delta(self) -> Float[Array, "in out"]:
+        """The dense update ``s · lora_a @ lora_b``."""
+        a, b = self.lora_factors()
+        return self.scaling * (a @ b)
+
+    def regularizer(self, *, kind: PenaltyKind = "frame") -> Float[Array, ""]:
+        """Kruskal penalty on the four factors' channel codes."""
+        return (kruskal_penalty(self.lora_a1[...].T, kind=kind)
+                + kruskal_penalty(self.lora_a2[...].T, kind=kind)
+                + kruskal_penalty(self.lora_b1[...], kind=kind)
+                + kruskal_penalty(self.lora_b2[...], kind=kind))
+
+    def __call__(self, inputs: Float[Array, "... in"]):
+        out = super().__call__(inputs)
+        a, b = self.lora_factors()
+        x, a, b = nnx.nn.dtypes.promote_dtype((inputs, a, b), dtype=self.dtype)
+        return out + self.scaling * ((x @ a) @ b)
+
+
+__all__ = ["LoKRAPlusLinear", "coherence", "khatri_rao", "kruskal_penalty", "kruskal_rank_exact",
+           "lokra_regularizer"]

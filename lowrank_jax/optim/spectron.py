@@ -1,0 +1,362 @@
+"""Spectron: spectral renormalization with orthogonalization for native low-rank pretraining.
+
+For every factor pair ``W = a·b`` (``a`` ``[m, r]``, ``b`` ``[r, n]``) Spectron orthogonalizes
+each factor's momentum with Newton–Schulz and scales both by one shared step
+
+.. math:: \\rho = \\frac{\\eta_t}{\\sigma_a + \\sigma_b + 1},
+
+with ``σ`` from warm-started power iteration, so that
+``‖ΔW‖₂ ≤ ρ‖b‖₂ + ρ‖a‖₂ + ρ² ≤ η_t`` whenever ``‖O‖₂ ≤ 1`` and ``ρ ≤ 1``.
+
+Spectron is a *complete* optimizer for factor pairs (its output already is ``−ρ·O``); never chain
+it after ``scale_by_adam``. Route the other parameters to AdamW with :func:`spectron_with_adamw`.
+
+References:
+    Janson, Oyallon, Belilovsky, `Stabilizing Native Low-Rank LLM Pretraining
+    <https://arxiv.org/abs/2602.12429>`_, ICML 2026.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from lowrank_jax.optim.factors import (
+    Path,
+    PairFn,
+    default_pair_fn,
+    label_factors,
+    normalize_path,
+    path_str,
+)
+from lowrank_jax.optim.linalg import (
+    MUON_COEFFS,
+    newton_schulz,
+    power_iteration,
+    spectral_norm_exact,
+)
+
+ScalarOrSchedule = float | optax.Schedule
+
+
+class SpectronState(NamedTuple):
+    """State of :func:`scale_by_spectron`.
+
+    Attributes:
+        count: steps taken (skipped non-finite steps not counted); shape=(), dtype=int32.
+        mu: fp32 EMA momentum, same tree as the params (``a``: ``[m, r]``, ``b``: ``[r, n]``).
+        v: fp32 power-iteration vectors, same tree as the params, each of shape ``[r]``
+            (the rank-sized side of its factor).
+    """
+
+    count: jax.Array
+    mu: optax.Updates
+    v: optax.Updates
+
+
+def _is_leaf(x) -> bool:
+    return isinstance(x, (nnx.Variable, optax.MaskedNode))
+
+
+def _value(x):
+    return x[...] if isinstance(x, nnx.Variable) else x
+
+
+def _rank_of(shape, role: str) -> int:
+    return shape[1] if role == "a" else shape[0]
+
+
+def _check_layout(params, pair_fn: PairFn) -> tuple[list[tuple[Path, Path]], dict[Path, str]]:
+    pairs = pair_fn(params)
+    roles = {p: "a" for p, _ in pairs} | {p: "b" for _, p in pairs}
+    leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_leaf)[0]
+    shapes = {}
+    for path, leaf in leaves:
+        if isinstance(leaf, optax.MaskedNode):
+            continue
+        p = normalize_path(path)
+        if p not in roles:
+            raise ValueError(
+                f"spectron: leaf {path_str(p)!r} is not part of an (a, b) factor pair. Spectron "
+                "only updates factors; route other leaves to AdamW with label_factors / "
+                "spectron_with_adamw."
+            )
+        shapes[p] = jnp.shape(_value(leaf))
+        if len(shapes[p]) != 2:
+            raise ValueError(f"spectron: factor {path_str(p)!r} must be 2-D, got {shapes[p]}.")
+    for pa, pb in pairs:
+        (m, r), (r2, n) = shapes[pa], shapes[pb]
+        if r != r2:
+            raise ValueError(
+                f"spectron: factor pair {path_str(pa)!r} {shapes[pa]} and {path_str(pb)!r} "
+                f"{shapes[pb]} disagree on the rank; a must be [in, r] and b [r, out]."
+            )
+    return pairs, roles
+
+
+def _flat(tree) -> tuple[dict[Path, Any], list[Path], Any]:
+    # MaskedNode is an empty pytree and NNX Variables flatten to their value, so the leaves are
+    # exactly the arrays to update and unflattening restores masks and Variable wrappers.
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    order = [normalize_path(p) for p, _ in leaves]
+    return {normalize_path(p): leaf for p, leaf in leaves}, order, treedef
+
+
+def _unflat(treedef, order, values: dict[Path, Any]):
+    return jax.tree_util.tree_unflatten(treedef, [values[p] for p in order])
+
+
+def scale_by_spectron(
+    *,
+    momentum: float = 0.95,
+    nesterov: bool = False,
+    ns_steps: int = 5,
+    ns_coeffs=MUON_COEFFS,
+    power_iters: int = 1,
+    weight_decay: float = 0.0,
+    wd_scale: Literal["eta", "rho"] = "eta",
+    exact_norm: bool = False,
+    eps: float = 1e-7,
+    pair_fn: PairFn = default_pair_fn,
+) -> optax.GradientTransformation:
+    """The Spectron direction per factor pair, before the (negative) step ``η_t``.
+
+    Per pair, with EMA momentum ``M ← βM + (1−β)G`` (fp32) and ``O = NS(M)``:
+
+    .. math::
+        d_a = \\frac{O_a}{\\sigma_a + \\sigma_b + 1} + \\lambda' a, \\qquad
+        d_b = \\frac{O_b}{\\sigma_a + \\sigma_b + 1} + \\lambda' b
+
+    where ``λ' = λ`` (``wd_scale="eta"``, so the final decay is ``η_t λ``, as NVIDIA's
+    implementation) or ``λ' = λ/(σ_a+σ_b+1)`` (``wd_scale="rho"``, decay ``ρλ``). Multiplying by
+    ``−η_t`` (:func:`spectron`) gives the paper's update ``−ρ·O``. ``σ`` are computed from the
+    factors *before* the update, by one warm-started power iteration (state ``v``), or exactly
+    from the ``r×r`` Gram matrix with ``exact_norm=True``.
+
+    Non-finite gradients: if any gradient entry is NaN/Inf the step is skipped — the output is
+    all zeros and the state (count, momentum, power vectors) is returned unchanged (DERIVED,
+    design rule "non-finite updates are detected, not applied").
+
+    Args:
+        momentum: EMA coefficient ``β``.
+        nesterov: orthogonalize ``βM + (1−β)G`` instead of ``M``.
+        ns_steps: Newton–Schulz iterations.
+        ns_coeffs: ``(a, b, c)``, a sequence of triples, or ``"exact"`` (SVD polar factor).
+        power_iters: power iterations per step.
+        weight_decay: decoupled decay ``λ`` (default 0).
+        wd_scale: ``"eta"`` or ``"rho"`` (see above).
+        exact_norm: use exact spectral norms (``eigvalsh`` of the Gram) instead of power
+            iteration.
+        eps: added to the Frobenius norm before Newton–Schulz.
+        pair_fn: ``params -> [(a_path, b_path)]``; every unmasked leaf must be in a pair.
+
+    Returns:
+        A :class:`optax.GradientTransformation` whose ``update`` needs ``params``.
+
+    Example::
+
+        >>> import jax.numpy as jnp, optax
+        >>> params = {"p": {"a": jnp.ones((8, 2)), "b": jnp.ones((2, 4))}}
+        >>> tx = optax.chain(scale_by_spectron(), optax.scale(-0.02))
+        >>> state = tx.init(params)
+        >>> updates, state = tx.update(params, state, params)
+        >>> updates["p"]["a"].shape
+        (8, 2)
+    """
+    if not 0.0 <= momentum < 1.0:
+        raise ValueError(f"spectron: momentum={momentum} must lie in [0, 1).")
+    if wd_scale not in ("eta", "rho"):
+        raise ValueError(f"spectron: wd_scale={wd_scale!r} must be 'eta' or 'rho'.")
+    if not isinstance(power_iters, int) or power_iters < 1:
+        raise ValueError(f"spectron: power_iters={power_iters!r} must be a positive int.")
+    if not isinstance(ns_steps, int) or ns_steps < 0:
+        raise ValueError(f"spectron: ns_steps={ns_steps!r} must be a non-negative int.")
+    if weight_decay < 0:
+        raise ValueError(f"spectron: weight_decay={weight_decay} must be >= 0.")
+    newton_schulz(jnp.ones((2, 2)), steps=0, coeffs=ns_coeffs)  # validates ns_coeffs early
+
+    def init_fn(params):
+        pairs, roles = _check_layout(params, pair_fn)
+        del pairs
+        values, order, treedef = _flat(params)
+        mu, v = {}, {}
+        for i, p in enumerate(order):
+            leaf = values[p]
+            mu[p] = jnp.zeros_like(leaf, dtype=jnp.float32)
+            rank = _rank_of(leaf.shape, roles[p])
+            vec = jax.random.normal(jax.random.fold_in(jax.random.key(0), i), (rank,))
+            v[p] = vec / jnp.linalg.norm(vec)
+        return SpectronState(
+            count=jnp.zeros([], jnp.int32),
+            mu=_unflat(treedef, order, mu),
+            v=_unflat(treedef, order, v),
+        )
+
+    def update_fn(updates, state, params=None):
+        if params is None:
+            raise ValueError("spectron: update needs params (the factors set the step size).")
+        pairs, _ = _check_layout(params, pair_fn)
+        grads, order, treedef = _flat(updates)
+        param_vals, _, _ = _flat(params)
+        mu_old, mu_order, mu_def = _flat(state.mu)
+        v_old, v_order, v_def = _flat(state.v)
+
+        finite = jnp.array(True)
+        for g in grads.values():
+            finite = finite & jnp.all(jnp.isfinite(_value(g)))
+
+        out, mu_new, v_new = {}, {}, {}
+        for pa, pb in pairs:
+            a = _value(param_vals[pa]).astype(jnp.float32)
+            b = _value(param_vals[pb]).astype(jnp.float32)
+            ortho = {}
+            for p in (pa, pb):
+                g = _value(grads[p]).astype(jnp.float32)
+                m = momentum * _value(mu_old[p]) + (1.0 - momentum) * g
+                mu_new[p] = m
+                ns_in = momentum * m + (1.0 - momentum) * g if nesterov else m
+                ortho[p] = newton_schulz(ns_in, steps=ns_steps, coeffs=ns_coeffs, eps=eps)
+            if exact_norm:
+                sigma_a, sigma_b = spectral_norm_exact(a), spectral_norm_exact(b)
+                v_new[pa], v_new[pb] = _value(v_old[pa]), _value(v_old[pb])
+            else:
+                sigma_a, v_new[pa] = power_iteration(a, _value(v_old[pa]), iters=power_iters)
+                sigma_b, v_new[pb] = power_iteration(b.T, _value(v_old[pb]), iters=power_iters)
+            inv = 1.0 / (sigma_a + sigma_b + 1.0)
+            decay = weight_decay * (inv if wd_scale == "rho" else 1.0)
+            for p, w in ((pa, a), (pb, b)):
+                d = inv * ortho[p]
+                if weight_decay:
+                    d = d + decay * w
+                out[p] = d
+
+        def select(new, old):
+            return jnp.where(finite, new, old)
+
+        dtype_of = {p: _value(grads[p]).dtype for p in order}
+        out = {p: jnp.where(finite, out[p], 0.0).astype(dtype_of[p]) for p in order}
+        mu_new = {p: select(mu_new[p], _value(mu_old[p])) for p in order}
+        v_new = {p: select(v_new[p], _value(v_old[p])) for p in order}
+        count = jnp.where(finite, optax.safe_increment(state.count), state.count)
+        new_state = SpectronState(
+            count=count,
+            mu=_unflat(mu_def, mu_order, mu_new),
+            v=_unflat(v_def, v_order, v_new),
+        )
+        return _unflat(treedef, order, out), new_state
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def spectron(
+    learning_rate: ScalarOrSchedule,
+    *,
+    momentum: float = 0.95,
+    nesterov: bool = False,
+    ns_steps: int = 5,
+    ns_coeffs=MUON_COEFFS,
+    power_iters: int = 1,
+    weight_decay: float = 0.0,
+    wd_scale: Literal["eta", "rho"] = "eta",
+    exact_norm: bool = False,
+    eps: float = 1e-7,
+    pair_fn: PairFn = default_pair_fn,
+) -> optax.GradientTransformation:
+    """Spectron for factor pairs: ``u_a = −ρ·NS(M_a)``, ``u_b = −ρ·NS(M_b)``,
+    ``ρ = η_t/(σ_a+σ_b+1)``.
+
+    .. math:: \\lVert (a+u_a)(b+u_b) - ab \\rVert_2 \\le \\rho(\\sigma_b + \\sigma_a + \\rho)
+       \\le \\eta_t \\quad (\\lVert O\\rVert_2 \\le 1,\\ \\rho \\le 1)
+
+    ``learning_rate`` (``η``) is a *spectral-norm budget for ΔW*, not a per-element step: AdamW
+    or Muon learning rates do not transfer (a sweep of 0.005–0.1 is reasonable at small scale).
+    The tree it sees must hold only factor pairs (``MaskedNode`` leaves allowed); for a whole
+    model use :func:`spectron_with_adamw`. Non-finite gradients skip the step (zero update,
+    unchanged state). Implemented as ``chain(scale_by_spectron(...),
+    scale_by_learning_rate(learning_rate))``.
+
+    Args:
+        learning_rate: ``η`` as a float or an optax schedule (warmup/cosine act on ``η``).
+        momentum, nesterov, ns_steps, ns_coeffs, power_iters, weight_decay, wd_scale,
+        exact_norm, eps, pair_fn: see :func:`scale_by_spectron`.
+
+    Returns:
+        A :class:`optax.GradientTransformation`.
+
+    Example::
+
+        >>> import jax, jax.numpy as jnp, optax
+        >>> params = {"p": {"a": jnp.ones((8, 2)), "b": jnp.ones((2, 4))}}
+        >>> tx = spectron(0.05)
+        >>> state = tx.init(params)
+        >>> grads = jax.tree.map(jnp.ones_like, params)
+        >>> updates, state = jax.jit(tx.update)(grads, state, params)
+        >>> params = optax.apply_updates(params, updates)
+
+    References:
+        Janson et al, `Stabilizing Native Low-Rank LLM Pretraining
+        <https://arxiv.org/abs/2602.12429>`_, 2026.
+    """
+    return optax.chain(
+        scale_by_spectron(
+            momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, ns_coeffs=ns_coeffs,
+            power_iters=power_iters, weight_decay=weight_decay, wd_scale=wd_scale,
+            exact_norm=exact_norm, eps=eps, pair_fn=pair_fn,
+        ),
+        optax.scale_by_learning_rate(learning_rate),
+    )
+
+
+def spectron_with_adamw(
+    eta: ScalarOrSchedule,
+    adamw_lr: ScalarOrSchedule,
+    *,
+    weight_decay: float = 0.0,
+    spectron_weight_decay: float = 0.0,
+    b1: float = 0.9,
+    b2: float = 0.95,
+    clip_norm: float | None = None,
+    **spectron_kwargs,
+) -> optax.GradientTransformation:
+    """A whole-model optimizer: Spectron on factor pairs, AdamW on every other leaf.
+
+    ``optax.partition({"spectron": spectron(eta), "adamw": adamw(adamw_lr)}, label_factors)``,
+    optionally preceded by ``clip_by_global_norm(clip_norm)``. Works with plain dicts and with
+    ``nnx.Optimizer(model, tx, wrt=nnx.Param)``.
+
+    Args:
+        eta: Spectron's ``‖ΔW‖₂`` budget (float or schedule).
+        adamw_lr: AdamW learning rate for embeddings, norms, biases, dense heads.
+        weight_decay: AdamW's decoupled weight decay.
+        spectron_weight_decay: Spectron's ``λ`` (see ``wd_scale``).
+        b1, b2: AdamW betas (DERIVED: LLM-typical 0.9 / 0.95).
+        clip_norm: optional global-norm clip applied to all gradients first.
+        **spectron_kwargs: forwarded to :func:`spectron`.
+
+    Returns:
+        A :class:`optax.GradientTransformation`.
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> tx = spectron_with_adamw(0.02, 3e-3, weight_decay=0.1)
+        >>> params = {"p": {"a": jnp.ones((8, 2)), "b": jnp.ones((2, 4))}, "norm": jnp.ones(4)}
+        >>> state = tx.init(params)
+    """
+    tx = optax.partition(
+        {
+            "spectron": spectron(eta, weight_decay=spectron_weight_decay, **spectron_kwargs),
+            "adamw": optax.adamw(adamw_lr, b1=b1, b2=b2, weight_decay=weight_decay),
+        },
+        lambda params: label_factors(params, "spectron", "adamw"),
+    )
+    if clip_norm is not None:
+        tx = optax.chain(optax.clip_by_global_norm(clip_norm), tx)
+    return tx
+
+
+__all__ = ["SpectronState", "scale_by_spectron", "spectron", "spectron_with_adamw"]

@@ -1,0 +1,58 @@
+"""Weight quantization: UniSVQ 2-bit lattice codes, the RTN baseline, packing and accounting."""
+
+from lowrank_jax.quant.packing import (
+    codes_to_words,
+    pack_bits,
+    pack_codes,
+    rtn_bits_per_weight,
+    unisvq_bits_per_weight,
+    unpack_bits,
+    unpack_codes,
+    vq_bits_per_weight,
+    words_to_codes,
+)
+from lowrank_jax.quant.rtn import RTNWeight, SUPPORTED_BITS, rtn_dequantize, rtn_quantize
+from lowrank_jax.quant.unisvq import (
+    UniSVQConfig,
+    UniSVQWeight,
+    dequantize,
+    finetune_block,
+    hessian,
+    initial_lattice,
+    ldlq_quantize,
+    make_grid,
+    nearest_codeword,
+    proxy_loss,
+    quantize_linear,
+    rht,
+    inverse_rht,
+)
+
+__all__ = [
+    "RTNWeight",
+    "SUPPORTED_BITS",
+    "UniSVQConfig",
+    "UniSVQWeight",
+    "codes_to_words",
+    "dequantize",
+    "finetune_block",
+    "hessian",
+    "initial_lattice",
+    "inverse_rht",
+    "ldlq_quantize",
+    "make_grid",
+    "nearest_codeword",
+    "pack_bits",
+    "pack_codes",
+    "proxy_loss",
+    "quantize_linear",
+    "rht",
+    "rtn_bits_per_weight",
+    "rtn_dequantize",
+    "rtn_quantize",
+    "unisvq_bits_per_weight",
+    "unpack_bits",
+    "unpack_codes",
+    "vq_bits_per_weight",
+    "words_to_codes",
+]

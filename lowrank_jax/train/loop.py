@@ -1,0 +1,277 @@
+"""The training loop behind ``lowrank-jax pretrain``: jitted step, evaluation, orbax checkpoints.
+
+The step is a pure function of ``(params, opt_state, batch)``; the batch of step ``t`` depends
+only on ``(seed, t)``; so a run interrupted after ``N`` steps and resumed from its checkpoint ends
+bit-identical (CPU, fp32) to an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import yaml
+from flax import nnx
+
+from lowrank_jax.data import (
+    batch_at,
+    corpus_bytes,
+    eval_batches,
+    nats_to_bits,
+    train_val_split,
+    unigram_entropy_bits,
+)
+from lowrank_jax.models.llama import Llama, count_params
+from lowrank_jax.train import sharding as shard_lib
+from lowrank_jax.train.config import RunConfig
+from lowrank_jax.train.optimizers import build_optimizer
+
+
+def cross_entropy(logits, targets):
+    """Mean next-token cross entropy in nats (fp32)."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+
+@dataclasses.dataclass
+class TrainState:
+    graphdef: nnx.GraphDef
+    params: nnx.State
+    opt_state: optax.OptState
+    step: int
+
+
+def init_state(cfg: RunConfig, mesh=None) -> tuple[TrainState, optax.GradientTransformation]:
+    """Build model and optimizer state; on a mesh, parameters are created already sharded."""
+    tx = build_optimizer(cfg.optimizer, cfg.train.steps)
+    make = lambda: nnx.split(Llama(cfg.model, rngs=nnx.Rngs(cfg.train.seed)), nnx.Param)
+    graphdef, abstract = nnx.eval_shape(lambda: Llama(cfg.model, rngs=nnx.Rngs(0))), None
+    graphdef, abstract = nnx.split(graphdef, nnx.Param)
+    if mesh is None:
+        params = make()[1]
+        opt_state = jax.jit(tx.init)(params)
+    else:
+        shardings = shard_lib.param_shardings(abstract, mesh)
+        params = jax.jit(lambda: make()[1], out_shardings=shardings)()
+        opt_state = jax.jit(tx.init)(params)
+    return TrainState(graphdef, params, opt_state, 0), tx
+
+
+def make_train_step(graphdef, tx) -> Callable:
+    """``step(params, opt_state, inputs, targets) -> (params, opt_state, metrics)``, jitted."""
+
+    def loss_fn(params, inputs, targets):
+        model = nnx.merge(graphdef, params)
+        logits, _ = model(inputs)
+        return cross_entropy(logits, targets)
+
+    @jax.jit
+    def step(params, opt_state, inputs, targets):
+        loss, grads = jax.value_and_grad(loss_fn)(params, inputs, targets)
+        updates, new_opt_state = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        finite = jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(updates))
+        # Never apply a non-finite update: keep the old state and report it.
+        new_params = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_params, params)
+        new_opt_state = jax.tree.map(
+            lambda n, o: jnp.where(finite, n, o), new_opt_state, opt_state
+        )
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "finite": finite}
+        return new_params, new_opt_state, metrics
+
+    return step
+
+
+def make_eval_fn(graphdef) -> Callable:
+    @jax.jit
+    def evaluate(params, inputs, targets):
+        model = nnx.merge(graphdef, params)
+        logits, _ = model(inputs)
+        return cross_entropy(logits, targets)
+
+    return evaluate
+
+
+def evaluate(eval_fn, params, tokens, batch_size, seq_len, max_batches) -> float:
+    losses = [float(eval_fn(params, x, y))
+              for x, y in eval_batches(tokens, batch_size, seq_len, max_batches)]
+    return float(np.mean(losses))
+
+
+def checkpoint_manager(run_dir: pathlib.Path, *, create: bool = True):
+    options = ocp.CheckpointManagerOptions(max_to_keep=2, create=create)
+    return ocp.CheckpointManager((run_dir / "checkpoints").absolute(), options=options)
+
+
+def save_checkpoint(manager, state: TrainState) -> None:
+    manager.save(state.step, args=ocp.args.StandardSave(
+        {"params": state.params, "opt_state": state.opt_state}))
+    manager.wait_until_finished()
+
+
+def restore_checkpoint(manager, state: TrainState, step: int | None = None) -> TrainState:
+    """Restore onto ``state``'s structure and shardings (so a different mesh reshards on load)."""
+    step = manager.latest_step() if step is None else step
+    if step is None:
+        raise FileNotFoundError(
+            f"--resume: no checkpoint in {manager.directory}; run without --resume first."
+        )
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+        {"params": state.params, "opt_state": state.opt_state},
+    )
+    restored = manager.restore(step, args=ocp.args.StandardRestore(abstract))
+    return dataclasses.replace(state, params=restored["params"],
+                               opt_state=restored["opt_state"], step=int(step))
+
+
+def plot_losses(metrics_path: pathlib.Path, out_png: pathlib.Path, entropy_bits: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    train = [(r["step"], r["loss"]) for r in rows if r["kind"] == "train"]
+    val = [(r["step"], r["val_loss"]) for r in rows if r["kind"] == "eval"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot(*zip(*train), label="train loss", lw=1)
+    if val:
+        ax.plot(*zip(*val), "o-", label="validation loss")
+    ax.axhline(entropy_bits * math.log(2), color="gray", ls="--",
+               label=f"unigram byte entropy ({entropy_bits:.2f} bits)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross entropy (nats / byte)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=120)
+    plt.close(fig)
+
+
+@dataclasses.dataclass
+class TrainResult:
+    state: TrainState
+    val_loss: float
+    val_bits_per_byte: float
+    unigram_entropy_bits: float
+    run_dir: pathlib.Path
+    losses: list[float]
+
+
+def train(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None,
+          progress: bool = True, mesh=None, log=print) -> TrainResult:
+    """Pretrain ``cfg.model`` on the embedded corpus; checkpoints, metrics and plot in ``run_dir``.
+
+    Args:
+        cfg: the run configuration.
+        resume: continue from the latest checkpoint in ``cfg.run_dir`` (error when none).
+        stop_after: stop (with a checkpoint) after this many steps in total, as if interrupted.
+        progress: show a tqdm progress bar.
+        mesh: a ``(data, fsdp, tensor)`` mesh; by default one is built from ``cfg.mesh`` when it
+            has more than one device.
+    """
+    from tqdm.auto import tqdm
+
+    run_dir = pathlib.Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if mesh is None and cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor > 1:
+        n = cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor
+        mesh = shard_lib.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor,
+                                   devices=jax.devices()[:n] if n <= len(jax.devices()) else None)
+    tokens = corpus_bytes()
+    train_tokens, val_tokens = train_val_split(tokens, cfg.train.val_fraction)
+    entropy = unigram_entropy_bits(train_tokens)
+    manager = checkpoint_manager(run_dir)
+    if resume and manager.latest_step() is None:
+        raise FileNotFoundError(
+            f"--resume: no checkpoint in {run_dir / 'checkpoints'}; run without --resume first."
+        )
+    if not resume and manager.latest_step() is not None:
+        raise FileExistsError(
+            f"{run_dir} already holds a checkpoint (step {manager.latest_step()}); pass --resume "
+            f"to continue it or choose another run_dir (--set run_dir=runs/new)."
+        )
+    state, tx = init_state(cfg, mesh)
+    if resume:
+        state = restore_checkpoint(manager, state)
+        log(f"resumed from step {state.step}")
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    step_fn = make_train_step(state.graphdef, tx)
+    eval_fn = make_eval_fn(state.graphdef)
+    batch_spec = shard_lib.batch_sharding(mesh) if mesh is not None else None
+    metrics_path = run_dir / "metrics.jsonl"
+    if not resume and metrics_path.exists():
+        metrics_path.unlink()
+    n_params = count_params(nnx.merge(state.graphdef, state.params))
+    log(f"model: {n_params:,} parameters ({cfg.model.projection}); optimizer: "
+        f"{cfg.optimizer.name}; {cfg.train.steps} steps of {cfg.train.batch_size}x"
+        f"{cfg.train.seq_len} bytes")
+    last = cfg.train.steps if stop_after is None else min(stop_after, cfg.train.steps)
+    losses: list[float] = []
+    bar = tqdm(total=last, initial=state.step, disable=not progress, desc="pretrain",
+               dynamic_ncols=True)
+    t0, tokens_seen = time.perf_counter(), 0
+    try:
+        with open(metrics_path, "a") as metrics_file:
+            while state.step < last:
+                x, y = batch_at(train_tokens, state.step, cfg.train.batch_size,
+                                cfg.train.seq_len, cfg.train.seed)
+                if batch_spec is not None:
+                    x, y = jax.device_put(x, batch_spec), jax.device_put(y, batch_spec)
+                params, opt_state, m = step_fn(state.params, state.opt_state, x, y)
+                state = dataclasses.replace(state, params=params, opt_state=opt_state,
+                                            step=state.step + 1)
+                loss = float(m["loss"])
+                if not bool(m["finite"]):
+                    save_checkpoint(manager, state)
+                    raise FloatingPointError(
+                        f"non-finite loss/update at step {state.step} (loss={loss}); the update "
+                        f"was not applied and a checkpoint was saved in {run_dir}. Lower "
+                        "optimizer.learning_rate or enable optimizer.grad_clip."
+                    )
+                losses.append(loss)
+                tokens_seen += x.size
+                bar.update(1)
+                if state.step % cfg.train.log_every == 0 or state.step == last:
+                    rate = tokens_seen / max(time.perf_counter() - t0, 1e-9)
+                    bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:,.0f}")
+                    metrics_file.write(json.dumps({"kind": "train", "step": state.step,
+                                                   "loss": loss,
+                                                   "grad_norm": float(m["grad_norm"]),
+                                                   "tokens_per_s": rate}) + "\n")
+                    metrics_file.flush()
+                if state.step % cfg.train.eval_every == 0 and state.step < last:
+                    vl = evaluate(eval_fn, state.params, val_tokens, cfg.train.batch_size,
+                                  cfg.train.seq_len, cfg.train.eval_batches)
+                    metrics_file.write(json.dumps({"kind": "eval", "step": state.step,
+                                                   "val_loss": vl}) + "\n")
+                if state.step % cfg.train.checkpoint_every == 0 and state.step < last:
+                    save_checkpoint(manager, state)
+            val_loss = evaluate(eval_fn, state.params, val_tokens, cfg.train.batch_size,
+                                cfg.train.seq_len, cfg.train.eval_batches)
+            metrics_file.write(json.dumps({"kind": "eval", "step": state.step,
+                                           "val_loss": val_loss}) + "\n")
+    except KeyboardInterrupt:
+        save_checkpoint(manager, state)
+        bar.close()
+        log(f"interrupted at step {state.step}; checkpoint saved — continue with --resume")
+        raise
+    bar.close()
+    save_checkpoint(manager, state)
+    plot_losses(metrics_path, run_dir / "loss.png", entropy)
+    bpb = nats_to_bits(val_loss)
+    summary = {"step": state.step, "val_loss": val_loss, "val_bits_per_byte": bpb,
+               "unigram_entropy_bits_per_byte": entropy, "params": n_params}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return TrainResult(state, val_loss, bpb, entropy, run_dir, losses)

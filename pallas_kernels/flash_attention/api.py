@@ -1,0 +1,247 @@
+"""Public flash attention: ``implementation="auto"|"pallas"|"xla"``, custom VJP, dispatcher entry.
+
+Importing this module registers ``"flash"`` with :func:`lowrank_jax.attention.register_attention`,
+so ``LlamaConfig(attention="flash")`` uses it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from pallas_kernels.flash_attention import kernel as _kernel
+from pallas_kernels.flash_attention.reference import (
+    check_attention_shapes,
+    flash_attention_reference,
+)
+
+IMPLEMENTATIONS = ("auto", "pallas", "xla")
+
+
+def _is_power_of_two(x: int) -> bool:
+    return isinstance(x, int) and x > 0 and x & (x - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile sizes of the flash kernels (forward and backward use the same tiles).
+
+    ``block_q`` query rows and ``block_k`` keys per tile. Both must be powers of two ≥ 8: Triton
+    needs power-of-two tiles and TPU needs row blocks divisible by 8. DERIVED: sequences shorter
+    than a block use the next power of two ≥ 16 instead, to avoid padding a 40-token prompt to 128.
+
+    Example::
+
+        >>> BlockSizes(block_q=64, block_k=32).block_q
+        64
+    """
+
+    block_q: int = 128
+    block_k: int = 128
+
+    def __post_init__(self):
+        for name in ("block_q", "block_k"):
+            value = getattr(self, name)
+            if not _is_power_of_two(value) or value < 8:
+                raise ValueError(
+                    f"BlockSizes.{name}={value!r} must be a power of two >= 8 "
+                    "(Triton needs power-of-two tiles, TPU needs multiples of 8); e.g. 64 or 128."
+                )
+
+    @classmethod
+    def get_default(cls) -> "BlockSizes":
+        return cls(128, 128)
+
+    def fitted(self, q_len: int, kv_len: int) -> "BlockSizes":
+        """These tiles, shrunk to the next power of two ≥ 16 above a shorter sequence."""
+
+        def fit(block: int, length: int) -> int:
+            return min(block, max(16, 1 << max(length - 1, 1).bit_length()))
+
+        return BlockSizes(fit(self.block_q, q_len), fit(self.block_k, kv_len))
+
+
+def _backend_platform() -> str:
+    backend = jax.default_backend()
+    if backend == "tpu":
+        return "tpu"
+    if backend in ("gpu", "cuda", "rocm"):
+        return "gpu"
+    return "interpret"
+
+
+def resolve_implementation(implementation: str) -> str:
+    """``"pallas"`` or ``"xla"`` for ``implementation`` (``"auto"``: pallas on GPU/TPU only)."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation={implementation!r} is unknown; choose one of {IMPLEMENTATIONS}."
+        )
+    if implementation == "auto":
+        return "pallas" if _backend_platform() != "interpret" else "xla"
+    return implementation
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def padded_head_dim(d: int) -> int:
+    """Head dim padded to a power of two ≥ 16 (Triton tile rule); zero columns change nothing."""
+    return max(16, 1 << (d - 1).bit_length())
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _flash_padded(q, k, v, static):
+    out, _ = _kernel.flash_forward(q, k, v, **static._asdict())
+    return out
+
+
+def _flash_padded_fwd(q, k, v, static):
+    out, lse = _kernel.flash_forward(q, k, v, **static._asdict())
+    return out, (q, k, v, out, lse)
+
+
+def _flash_padded_bwd(static, residuals, d_out):
+    q, k, v, out, lse = residuals
+    return _kernel.flash_backward(q, k, v, out, lse, d_out, **static._asdict())
+
+
+_flash_padded.defvjp(_flash_padded_fwd, _flash_padded_bwd)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """Hashable static kernel arguments (not a pytree, so custom_vjp keeps them static)."""
+
+    causal: bool
+    scale: float
+    block_q: int
+    block_k: int
+    kv_len: int
+    platform: str
+    interpret: Any
+
+    def _asdict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def flash_attention(
+    q: Float[Array, "b tq h d"],
+    k: Float[Array, "b tk hk d"],
+    v: Float[Array, "b tk hk d"],
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    block_sizes: BlockSizes | None = None,
+    implementation: str = "auto",
+    interpret: Any = None,
+    platform: str | None = None,
+) -> Float[Array, "b tq h d"]:
+    """Memory-efficient exact softmax attention (FlashAttention-2) as a Pallas kernel.
+
+    .. math:: O = \\mathrm{softmax}(c\\, Q K^\\top + M) V,
+
+    computed tile by tile with an online softmax (running max ``m``, sum ``l``, fp32), so the
+    ``[tq, tk]`` matrix is never stored. Grouped-query attention maps query head ``h`` to KV head
+    ``h // (heads / kv_heads)``. Sequences are padded to the tile sizes and the head dim to a
+    power of two ≥ 16; padded keys are masked, padded rows and columns are sliced off.
+    Differentiable: the VJP runs the Pallas dq and dk/dv kernels.
+
+    Args:
+      q: ``[batch, q_len, heads, head_dim]``.
+      k: ``[batch, kv_len, kv_heads, head_dim]``; ``heads % kv_heads == 0``.
+      v: same shape as ``k``.
+      causal: query ``i`` sees keys ``j <= i``.
+      scale: logit scale ``c`` (default ``head_dim ** -0.5``).
+      block_sizes: tiles; default :meth:`BlockSizes.get_default`.
+      implementation: ``"pallas"``, ``"xla"`` (the jnp reference) or ``"auto"`` (pallas on GPU
+        and TPU, xla on CPU).
+      interpret: passed to ``pallas_call``; ``None`` means ``True`` on CPU, ``False`` elsewhere.
+      platform: lowering to target: ``"gpu"`` (Triton), ``"tpu"`` (Mosaic) or ``"interpret"``;
+        default from ``jax.default_backend()``. Set it to export for another platform.
+
+    Returns:
+      ``[batch, q_len, heads, head_dim]`` in ``q.dtype``.
+
+    Example::
+
+        >>> import jax, jax.numpy as jnp
+        >>> q = jax.random.normal(jax.random.key(0), (1, 40, 4, 16))
+        >>> k = v = jax.random.normal(jax.random.key(1), (1, 40, 2, 16))
+        >>> o = flash_attention(q, k, v, implementation="pallas", interpret=True,
+        ...                     block_sizes=BlockSizes(16, 16))
+        >>> o.shape
+        (1, 40, 4, 16)
+
+    References:
+      Dao et al., FlashAttention, https://arxiv.org/abs/2205.14135;
+      Dao, FlashAttention-2, https://arxiv.org/abs/2307.08691
+    """
+    b, tq, tk, h, hk, d = check_attention_shapes(q, k, v)
+    if causal and tq > tk:
+        raise ValueError(
+            f"flash_attention: causal attention with q_len={tq} > kv_len={tk} leaves queries "
+            "with no key; pass equal lengths (prefill) or causal=False."
+        )
+    scale = d ** -0.5 if scale is None else float(scale)
+    if resolve_implementation(implementation) == "xla":
+        return flash_attention_reference(q, k, v, causal=causal, scale=scale)
+    if block_sizes is None:
+        block_sizes = BlockSizes.get_default()
+    if not isinstance(block_sizes, BlockSizes):
+        raise ValueError(f"block_sizes={block_sizes!r} must be a BlockSizes instance.")
+    platform = platform or _backend_platform()
+    if platform not in _kernel.PLATFORMS:
+        raise ValueError(f"platform={platform!r} is unknown; choose one of {_kernel.PLATFORMS}.")
+    if interpret is None:
+        interpret = platform == "interpret"
+    if platform == "interpret" and not interpret:
+        raise ValueError(
+            "flash_attention: Pallas kernels run on CPU only in interpret mode; pass "
+            "interpret=True or implementation='xla'."
+        )
+    blocks = block_sizes.fitted(tq, tk)
+    tq_pad, tk_pad = _round_up(tq, blocks.block_q), _round_up(tk, blocks.block_k)
+    d_pad = padded_head_dim(d)
+
+    def prep(x, t_pad):  # [b, t, h, d] -> zero-padded [b, h, t_pad, d_pad]
+        x = jnp.pad(x, ((0, 0), (0, t_pad - x.shape[1]), (0, 0), (0, d_pad - d)))
+        return jnp.transpose(x, (0, 2, 1, 3))
+
+    static = _Static(causal=bool(causal), scale=scale, block_q=blocks.block_q,
+                     block_k=blocks.block_k, kv_len=tk, platform=platform, interpret=interpret)
+    out = _flash_padded(prep(q, tq_pad), prep(k, tk_pad), prep(v.astype(q.dtype), tk_pad), static)
+    return jnp.transpose(out, (0, 2, 1, 3))[:, :tq, :, :d]
+
+
+def flash_dispatch(q, k, v, *, causal=True, q_offset=0, kv_length=None, scale=None):
+    """The attention-dispatcher entry: flash for prefill, the reference for KV-cache decode."""
+    from lowrank_jax.attention import reference_attention
+
+    plain_prefill = (
+        kv_length is None
+        and isinstance(q_offset, int)
+        and q_offset == 0
+        and (not causal or q.shape[1] <= k.shape[1])
+    )
+    if not plain_prefill:
+        return reference_attention(q, k, v, causal=causal, q_offset=q_offset,
+                                   kv_length=kv_length, scale=scale)
+    return flash_attention(q, k, v, causal=causal, scale=scale)
+
+
+def _register() -> None:
+    from lowrank_jax.attention import register_attention
+
+    register_attention("flash", flash_dispatch)
+
+
+_register()
+
+__all__ = ["BlockSizes", "IMPLEMENTATIONS", "flash_attention", "flash_dispatch",
+           "padded_head_dim", "resolve_implementation"]

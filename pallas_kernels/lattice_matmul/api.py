@@ -1,0 +1,185 @@
+"""Public UniSVQ matmul: ``y = x Wᵀ`` for a lattice-quantized ``W``, by kernel or by XLA.
+
+.. math::
+    W = \\mathrm{diag}(s_{out})\\, H_m^\\top C\\, H_n\\, \\mathrm{diag}(s_{in}),\\qquad
+    C_{i,4g:4g+4} = A z_{i,g} + b
+
+    y = s_{out} ⊙ H_m^\\top\\big(Z · x' + b^\\top Σ_g x_{r,g}\\big),\\quad
+    x_r = H_n(s_{in} ⊙ x),\\quad x'_g = A^\\top x_{r,g}   \\;(\\text{"fold"})
+
+References:
+    Wang et al, `UniSVQ: 2-bit Unified Scalar-Vector Quantization
+    <https://arxiv.org/abs/2606.10520>`_, 2026.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, UInt8
+
+from pallas_kernels.lattice_matmul import reference
+from pallas_kernels.lattice_matmul.kernel import lattice_planes_matmul
+
+IMPLEMENTATIONS = ("auto", "pallas", "xla")
+MODES = ("fold", "dequant")
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _next_pow2(value: int) -> int:
+    out = 1
+    while out < value:
+        out *= 2
+    return out
+
+
+def _resolve(implementation: str, interpret: bool) -> str:
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation={implementation!r} is unknown; use one of {IMPLEMENTATIONS}."
+        )
+    if implementation == "auto":
+        return "pallas" if (interpret or jax.default_backend() in ("gpu", "tpu")) else "xla"
+    return implementation
+
+
+def code_matmul(
+    x_rot: Float[Array, "t n"],
+    codes: UInt8[Array, "m q"],
+    affine: Float[Array, "4 4"],
+    offset: Float[Array, "4"],
+    *,
+    mode: Literal["fold", "dequant"] = "fold",
+    implementation: Literal["auto", "pallas", "xla"] = "auto",
+    interpret: bool = False,
+    block_t: int | None = None,
+    block_m: int = 64,
+    block_k: int = 128,
+) -> Float[Array, "t m"]:
+    """Rotated-domain product ``x_rot @ Cᵀ`` (fp32), ``C`` decoded from 2-bit codes.
+
+    Args:
+        x_rot: rotated activations ``[t, n]`` (``n = 4·q``); bf16 or fp32.
+        codes: packed codes ``[m, n/4]`` uint8.
+        affine: ``A [4, 4]``; offset: ``b [4]``.
+        mode: ``"fold"`` (A onto the activations, integer-weight GEMM + rank-1 correction) or
+            ``"dequant"`` (decode ``A z + b`` inside the kernel, float GEMM).
+        implementation: ``"pallas"`` (kernel), ``"xla"`` (reference), or ``"auto"`` (kernel on
+            GPU/TPU or when ``interpret`` is set, reference otherwise).
+        interpret: run the Pallas kernel in interpret mode (CPU tests).
+        block_t, block_m, block_k: tile sizes (tokens, output rows, packed K chunk).
+
+    Returns:
+        ``[t, m]`` fp32.
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> codes = jnp.full((3, 2), 0b00011011, jnp.uint8)   # z = (0, 1, 2, 3) per group
+        >>> y = code_matmul(jnp.ones((1, 8)), codes, jnp.eye(4), jnp.zeros(4), interpret=True)
+        >>> y.tolist()
+        [[12.0, 12.0, 12.0]]
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} is unknown; use 'fold' or 'dequant'.")
+    t, n = x_rot.shape
+    m, q = codes.shape
+    if n != 4 * q:
+        raise ValueError(
+            f"x_rot has n={n} features but codes [{m}, {q}] encode {4 * q}; pass activations "
+            "whose last dim is 4 × codes.shape[1]."
+        )
+    if codes.dtype != jnp.uint8:
+        raise ValueError(f"codes must be uint8 (got {codes.dtype}); pack them with 4 digits a byte.")
+    impl = _resolve(implementation, interpret)
+    if impl == "xla":
+        if mode == "fold":
+            planes, correction = reference.fold_activations(x_rot, affine, offset)
+            return reference.planes_matmul_reference(planes, codes) + correction[:, None]
+        return reference.code_matmul_reference(x_rot, codes, affine, offset)
+
+    on_gpu = jax.default_backend() == "gpu" and not interpret
+    if block_t is None:
+        block_t = min(64, max(16, _next_pow2(t)))
+    block_k = min(block_k, _next_pow2(q)) if not on_gpu else block_k
+    t_pad, m_pad = _round_up(t, block_t), _round_up(m, block_m)
+    q_pad = _round_up(q, block_k)
+    if on_gpu:  # Triton: every block must have a power-of-two size
+        q_pad = max(_next_pow2(q_pad), block_k)
+    if mode == "fold":
+        planes, correction = reference.fold_activations(x_rot, affine, offset)
+        planes = planes.astype(x_rot.dtype)
+    else:
+        planes = jnp.moveaxis(x_rot.reshape(t, q, 4), -1, 0)
+        correction = None
+    planes = jnp.pad(planes, ((0, 0), (0, t_pad - t), (0, q_pad - q)))
+    codes_p = jnp.pad(codes, ((0, m_pad - m), (0, q_pad - q)))
+    ab = jnp.zeros((8, 4), jnp.float32)
+    ab = ab.at[:4].set(affine.astype(jnp.float32)).at[4].set(offset.astype(jnp.float32))
+    out = lattice_planes_matmul(
+        planes, codes_p, ab, mode=mode, block_t=block_t, block_m=block_m, block_k=block_k,
+        interpret=interpret,
+    )[:t, :m]
+    # Padded codes decode to b in "dequant" mode, but their activations are 0: no effect.
+    if correction is not None:
+        out = out + correction[:, None]
+    return out
+
+
+def lattice_matmul(
+    x: Float[Array, "... n"],
+    codes: UInt8[Array, "m q"],
+    scale_in: Float[Array, "n"],
+    scale_out: Float[Array, "m"],
+    affine: Float[Array, "4 4"],
+    offset: Float[Array, "4"],
+    *,
+    block_in: int,
+    block_out: int,
+    mode: Literal["fold", "dequant"] = "fold",
+    implementation: Literal["auto", "pallas", "xla"] = "auto",
+    interpret: bool = False,
+) -> Float[Array, "... m"]:
+    """``y = x @ Wᵀ`` for a UniSVQ weight, without ever forming ``W``.
+
+    Input side: ``x_r = H_n (s_in ⊙ x)`` (block Hadamard of size ``block_in``); core:
+    :func:`code_matmul`; output side: ``y = s_out ⊙ H_mᵀ(·)`` (block ``block_out``). The result
+    equals :func:`reference.lattice_matmul_reference` (fp32 1e-5, bf16 2e-2 relative).
+
+    Args:
+        x: activations ``[..., n]``.
+        codes, scale_in, scale_out, affine, offset: the quantized weight (see module doc).
+        block_in, block_out: Hadamard block sizes on the input / output side.
+        mode, implementation, interpret: see :func:`code_matmul`.
+
+    Returns:
+        ``[..., m]`` in ``x.dtype``.
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> codes = jnp.zeros((4, 2), jnp.uint8)
+        >>> y = lattice_matmul(jnp.ones((2, 8)), codes, jnp.ones(8), jnp.ones(4), jnp.eye(4),
+        ...                    jnp.zeros(4), block_in=8, block_out=4)
+        >>> y.shape
+        (2, 4)
+    """
+    lead = x.shape[:-1]
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n)
+    x_rot = reference.block_hadamard(x2.astype(jnp.float32) * scale_in.astype(jnp.float32),
+                                     block_in)
+    out = code_matmul(
+        x_rot.astype(x.dtype), codes, affine, offset, mode=mode,
+        implementation=implementation, interpret=interpret,
+    )
+    y = reference.block_hadamard(out, block_out, transpose=True) * scale_out.astype(jnp.float32)
+    return y.astype(x.dtype).reshape(*lead, codes.shape[0])
+
+
+__all__ = ["IMPLEMENTATIONS", "MODES", "code_matmul", "lattice_matmul"]

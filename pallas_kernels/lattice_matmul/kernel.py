@@ -1,0 +1,94 @@
+"""Pallas kernel: fused 2-bit unpack (+ affine decode) + matmul in the UniSVQ rotated domain.
+
+Portable subset only (``pallas_call``, ``BlockSpec`` grid, ``fori_loop``, ref slicing), so the same
+body lowers with Triton on GPU and runs in interpret mode on CPU.
+
+Two modes over the same planar activation layout ``x_planes [4, t, n/4]``:
+
+* ``"fold"``: ``out = Σ_k x_planes[k] @ z_kᵀ`` — an unsigned-2-bit × float GEMM; the affine map was
+  moved onto the activations (:func:`reference.fold_activations`), so no float weight is formed.
+* ``"dequant"``: ``out = Σ_j x_planes[j] @ (Σ_k A[j,k] z_k + b_j)ᵀ`` — decode the codewords in
+  registers from the 20 affine numbers, then a float GEMM.
+
+Grid ``(t / block_t, m / block_m)``; each program loops over the packed K axis in chunks of
+``block_k`` codes (``4·block_k`` weights) and accumulates in fp32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jaxtyping import Array, Float, UInt8
+
+
+def _lattice_kernel(x_ref, codes_ref, ab_ref, out_ref, *, block_k: int, num_k: int, mode: str):
+    block_t = x_ref.shape[1]
+    block_m = codes_ref.shape[0]
+    dims = (((1,), (1,)), ((), ()))
+
+    def body(kk, acc):
+        window = pl.ds(pl.multiple_of(kk * block_k, block_k), block_k)
+        codes = codes_ref[:, window].astype(jnp.int32)
+        digits = [(codes >> (6 - 2 * j)) & 3 for j in range(4)]
+        for j in range(4):
+            x = x_ref[j, :, window]
+            if mode == "fold":
+                w = digits[j].astype(x.dtype)
+            else:
+                w = ab_ref[4, j] + ab_ref[j, 0] * digits[0].astype(jnp.float32)
+                for k in range(1, 4):
+                    w = w + ab_ref[j, k] * digits[k].astype(jnp.float32)
+                w = w.astype(x.dtype)
+            acc = acc + jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
+        return acc
+
+    acc = jax.lax.fori_loop(0, num_k, body, jnp.zeros((block_t, block_m), jnp.float32))
+    out_ref[...] = acc.astype(out_ref.dtype)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("mode", "block_t", "block_m", "block_k", "interpret")
+)
+def lattice_planes_matmul(
+    x_planes: Float[Array, "4 t q"],
+    codes: UInt8[Array, "m q"],
+    affine_offset: Float[Array, "8 4"],
+    *,
+    mode: str = "fold",
+    block_t: int = 16,
+    block_m: int = 64,
+    block_k: int = 128,
+    interpret: bool = False,
+) -> Float[Array, "t m"]:
+    """Run the kernel on padded operands (``t % block_t == m % block_m == q % block_k == 0``).
+
+    ``affine_offset`` rows 0-3 hold ``A``, row 4 holds ``b`` (rows 5-7 are padding, so the block is
+    a power-of-two size for Triton). Returns fp32 ``[t, m]``.
+    """
+    _, t, q = x_planes.shape
+    m = codes.shape[0]
+    if t % block_t or m % block_m or q % block_k:
+        raise ValueError(
+            f"padded shapes t={t}, m={m}, q={q} must be multiples of block_t={block_t}, "
+            f"block_m={block_m}, block_k={block_k}; call pallas_kernels.lattice_matmul.api."
+        )
+    kernel = functools.partial(_lattice_kernel, block_k=block_k, num_k=q // block_k, mode=mode)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((t, m), jnp.float32),
+        grid=(t // block_t, m // block_m),
+        in_specs=[
+            pl.BlockSpec((4, block_t, q), lambda i, j: (0, i, 0)),
+            pl.BlockSpec((block_m, q), lambda i, j: (j, 0)),
+            pl.BlockSpec((8, 4), lambda i, j: (0, 0)),
+        ],
+        out_specs=pl.BlockSpec((block_t, block_m), lambda i, j: (i, j)),
+        interpret=interpret,
+        name=f"lattice_{mode}_matmul",
+    )(x_planes, codes, affine_offset)
+
+
+__all__ = ["lattice_planes_matmul"]

@@ -1,0 +1,216 @@
+"""Public SALE sparse prefill attention and its attention-dispatcher entry (``"sale"``)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float
+
+from pallas_kernels.flash_attention.api import (
+    _backend_platform,
+    flash_attention,
+    padded_head_dim,
+    resolve_implementation,
+)
+from pallas_kernels.flash_attention.reference import check_attention_shapes
+from pallas_kernels.sparse_attention import kernel as _kernel
+from pallas_kernels.sparse_attention.reference import (
+    SaleConfig,
+    anchor_stats,
+    causal_block_mask,
+    combine_selection,
+    quantize_qk_int4,
+    sale_prefill_reference,
+    selection_thresholds,
+)
+
+#: The repo README's example threshold, used when no calibrated per-head τ is given.
+DEFAULT_TAU = 0.004
+
+
+def _tau_vector(tau, heads: int) -> jnp.ndarray:
+    tau = jnp.asarray(tau, jnp.float32)
+    if tau.ndim == 0:
+        tau = jnp.full((heads,), tau)
+    if tau.shape != (heads,):
+        raise ValueError(
+            f"sale: tau has shape {tau.shape}; pass a scalar or one threshold per query head "
+            f"({heads},)."
+        )
+    try:
+        concrete = np.asarray(tau)
+    except jax.errors.TracerArrayConversionError:  # traced τ (e.g. under jit): no value check
+        return tau
+    if np.any(concrete < 0) or np.any(np.isnan(concrete)):
+        raise ValueError(f"sale: thresholds tau={concrete} must be >= 0 (0 = dense head).")
+    return tau
+
+
+def lookup_table(block_mask: Bool[Array, "B H nQ nK"]):
+    """``(lut [B, H, nQ, nK] int32, counts [B, H, nQ] int32)``: selected block ids first, ascending."""
+    n_k = block_mask.shape[-1]
+    order = jnp.argsort(~block_mask, axis=-1, stable=True).astype(jnp.int32)
+    counts = jnp.sum(block_mask, axis=-1).astype(jnp.int32)
+    # slots past the count repeat the last selected id (no new DMA in the TPU kernel)
+    last = jnp.take_along_axis(order, jnp.maximum(counts - 1, 0)[..., None], axis=-1)
+    slot = jnp.arange(n_k)[None, None, None, :]
+    return jnp.where(slot < counts[..., None], order, last), counts
+
+
+def sale_prefill_attention(
+    q: Float[Array, "b n h d"],
+    k: Float[Array, "b n hk d"],
+    v: Float[Array, "b n hk d"],
+    tau: Any = DEFAULT_TAU,
+    cfg: SaleConfig | None = None,
+    *,
+    scale: float | None = None,
+    implementation: str = "auto",
+    interpret: Any = None,
+    platform: str | None = None,
+    return_mask: bool = False,
+):
+    """Causal prefill attention that computes only the key blocks SALE selects.
+
+    Steps (spec sections 1–5): centre and 4-bit-quantize Q, K; exact anchor statistics ``m, l``
+    over the sink + local blocks; log-domain thresholds ``T_i = m_i + ln(τ_h l_i)/c``; a key
+    block is kept when some pair in its tile has ``ŝ_ij > T_i`` (equivalently
+    ``RAS_ij = exp(c(ŝ_ij − m_i))/l_i > τ_h``); block-sparse flash attention over anchor ∪ kept.
+    Heads with ``τ_h < cfg.dense_tau`` (e.g. 0) and sequences with ``N ≤ cfg.dense_below``
+    are dense.
+
+    Args:
+      q: ``[batch, n, heads, head_dim]`` (the dispatcher layout).
+      k, v: ``[batch, n, kv_heads, head_dim]``.
+      tau: scalar or ``[heads]`` thresholds (per layer, from :func:`calibrate_thresholds`).
+      cfg: :class:`SaleConfig` (default: the repo's 64×32 tiles, 128 local window).
+      scale: logit scale ``c`` (default ``head_dim ** -0.5``).
+      implementation: ``"pallas"``, ``"xla"`` (jnp reference) or ``"auto"``.
+      interpret: Pallas interpret mode (``None``: on CPU only).
+      platform: ``"gpu"``, ``"tpu"`` or ``"interpret"`` (default from the backend).
+      return_mask: also return the ``[batch, heads, nQ, nK]`` block mask.
+
+    Returns:
+      ``[batch, n, heads, head_dim]`` (and the block mask when ``return_mask``).
+
+    Example::
+
+        >>> import jax
+        >>> q = jax.random.normal(jax.random.key(0), (1, 48, 2, 16))
+        >>> k = v = jax.random.normal(jax.random.key(1), (1, 48, 1, 16))
+        >>> cfg = SaleConfig(block_q=16, block_k=16, block_seg=16, local_window=16, dense_below=0)
+        >>> out, mask = sale_prefill_attention(q, k, v, 0.0, cfg, implementation="xla",
+        ...                                    return_mask=True)
+        >>> bool(mask.all(axis=(0, 1)).tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]])
+        True
+
+    References:
+      Ji et al., SALE, https://arxiv.org/abs/2505.24179
+    """
+    cfg = SaleConfig() if cfg is None else cfg
+    b, n, n_k_len, h, hk, d = check_attention_shapes(q, k, v, name="sale_prefill_attention")
+    if n != n_k_len:
+        raise ValueError(
+            f"sale_prefill_attention: q has {n} positions but k has {n_k_len}; SALE is a "
+            "causal prefill kernel and needs equal lengths (use the reference for decode)."
+        )
+    tau = _tau_vector(tau, h)
+    scale = d ** -0.5 if scale is None else float(scale)
+    impl = resolve_implementation(implementation)
+    if n <= cfg.dense_below:
+        out = flash_attention(q, k, v, causal=True, scale=scale, implementation=impl,
+                              interpret=interpret, platform=platform)
+        if return_mask:
+            dense = jnp.broadcast_to(jnp.asarray(causal_block_mask(n, cfg)), (b, h) + (
+                causal_block_mask(n, cfg).shape))
+            return out, dense
+        return out
+
+    qh, kh, vh = (jnp.transpose(x, (0, 2, 1, 3)) for x in (q, k, v))
+    if impl == "xla":
+        out, mask = sale_prefill_reference(qh, kh, vh, tau, cfg, scale=scale, return_mask=True)
+        out = jnp.transpose(out, (0, 2, 1, 3))
+        return (out, mask) if return_mask else out
+
+    platform = platform or _backend_platform()
+    if interpret is None:
+        interpret = platform == "interpret"
+    if platform == "interpret" and not interpret:
+        raise ValueError("sale_prefill_attention: on CPU pass interpret=True or "
+                         "implementation='xla'.")
+    bq, bk = cfg.block_q, cfg.block_k
+    n_pad = -(-n // max(bq, bk)) * max(bq, bk)
+    d_pad = padded_head_dim(d)
+
+    qk4 = quantize_qk_int4(qh, kh, cfg.granularity)
+    m, l = anchor_stats(qh, qk4.k_centred, cfg, scale=scale)
+    thresholds = selection_thresholds(m, l, tau, scale)
+
+    def pad_rows(x, value=0):
+        widths = [(0, 0)] * x.ndim
+        widths[2] = (0, n_pad - n)
+        return jnp.pad(x, widths, constant_values=value)
+
+    def pad_dim(x):
+        return jnp.pad(pad_rows(x), ((0, 0), (0, 0), (0, 0), (0, d_pad - d)))
+
+    statics = dict(block_q=bq, block_k=bk, n=n, platform=platform, interpret=interpret)
+    hits = _kernel.sale_select(
+        pad_dim(qk4.q_codes), pad_rows(qk4.q_scale)[..., None],
+        pad_rows(thresholds, jnp.inf)[..., None], pad_dim(qk4.k_codes),
+        pad_rows(qk4.k_scale)[:, :, None, :], pad_rows(qk4.qmk)[:, :, None, :],
+        local_blocks=cfg.local_blocks, blocks_per_segment=cfg.blocks_per_segment, **statics)
+    n_k = -(-n // bk)
+    n_q = -(-n // bq)
+    mask = combine_selection(hits[:, :, :n_q, :n_k], tau, n, cfg)
+    lut, counts = lookup_table(mask)
+    # queries padded to n_pad may add whole query blocks past n_q: give them the sink block
+    lut = jnp.pad(lut, ((0, 0), (0, 0), (0, n_pad // bq - n_q), (0, n_pad // bk - n_k)),
+                  mode="edge")
+    counts = jnp.pad(counts, ((0, 0), (0, 0), (0, n_pad // bq - n_q)), constant_values=1)
+    sparse = _kernel.block_sparse_attention_tpu if platform == "tpu" else (
+        _kernel.block_sparse_attention)
+    statics.pop("platform")
+    out = sparse(pad_dim(qh), pad_dim(kh.astype(q.dtype)), pad_dim(vh.astype(q.dtype)), lut,
+                 counts, scale=scale, platform=platform, **statics)
+    out = jnp.transpose(out[:, :, :n, :d], (0, 2, 1, 3))
+    return (out, mask) if return_mask else out
+
+
+def make_sale_attention(
+    tau: Any = DEFAULT_TAU, cfg: SaleConfig | None = None, *, implementation: str = "auto"
+) -> Callable:
+    """A dispatcher-signature function running SALE for causal prefill, reference otherwise.
+
+    Example::
+
+        >>> from lowrank_jax.attention import register_attention
+        >>> register_attention("sale_strict", make_sale_attention(tau=0.016))
+    """
+
+    def sale_attention(q, k, v, *, causal=True, q_offset=0, kv_length=None, scale=None):
+        from lowrank_jax.attention import reference_attention
+
+        prefill = (causal and kv_length is None and isinstance(q_offset, int) and q_offset == 0
+                   and q.shape[1] == k.shape[1])
+        if not prefill:
+            return reference_attention(q, k, v, causal=causal, q_offset=q_offset,
+                                       kv_length=kv_length, scale=scale)
+        return sale_prefill_attention(q, k, v, tau, cfg, scale=scale,
+                                      implementation=implementation)
+
+    return sale_attention
+
+
+def _register() -> None:
+    from lowrank_jax.attention import register_attention
+
+    register_attention("sale", make_sale_attention())
+
+
+_register()
+
+__all__ = ["DEFAULT_TAU", "lookup_table", "make_sale_attention", "sale_prefill_attention"]
