@@ -1,0 +1,367 @@
+"""Janus-LoRA: continual LoRA whose composite update stays out of past tasks' input subspace.
+
+Three pieces, each usable alone:
+
+* **Gradient Rectification (GR)** — :func:`janus_rectify`, an optax transform that maps the LoRA
+  gradients ``(g_a, g_b)`` to factor updates ``(Δa, Δb)`` whose composite ``Δa·b + a·Δb (+ Δa·Δb)``
+  satisfies ``Vᵀ·ΔW = 0`` for the protected input basis ``V``; and :func:`orthogonality_clamp`,
+  which re-imposes the constraints on the final deltas after Adam (an element-wise transform
+  breaks linear constraints).
+* **Online Estimation (OE)** — :class:`SubspaceMemory`, :func:`oe_accumulate`,
+  :func:`oe_finalize`: a running input second moment per protected layer, expanded into the
+  orthonormal basis at task end by the GPM energy criterion; no stored samples.
+* **Decoupled Margin Loss (DML)** — :func:`decoupled_margin_loss`: pushes new-task features away
+  from old-class prototypes.
+
+Flax layout (kernel ``K [in, out]``, ``a = lora_a [in, r]``, ``b = lora_b [r, out]``, scale ``s``):
+an input ``x`` in ``span(V)`` keeps its output when ``Vᵀ Δ(a b) = 0``; the sufficient linear
+constraints are
+
+.. math::  V^\\top \\Delta a = 0, \\qquad (V^\\top a)\\, \\Delta b = 0,
+
+which also kill the second-order term, so they hold for finite steps.
+
+GR in closed form ([DERIVED] from the paper's stated constraints; the paper's Sec. 3 equations were
+not readable): with ``P = I − V Vᵀ``, ``Π = I_r − Q Qᵀ`` (``Q`` an orthonormal basis of the range of
+``aᵀ V``), ``G_B = b bᵀ + δ_B I``, ``G_A = Π aᵀ a Π + δ_A I`` (``δ_A`` relative to ``tr(aᵀa)``):
+
+.. math::
+   \\Delta a = P\\, (g_a / s)\\, G_B^{-1}, \\qquad
+   \\Delta b = Π G_A^{-1} Π\\, (g_b / s)\\, (I - b^\\top G_B^{-1} b)
+
+(``precondition=False``: ``Δa = P g_a``, ``Δb = Π g_b``, also exactly safe). The composite is the
+LoRA-Pro-style tangent projection of the safe full-weight step.
+
+References:
+    Chen et al, `JANUS-LoRA: A Balanced Low-Rank Adaptation for Continual Learning
+    <https://arxiv.org/abs/2605.28495>`_, 2026; Liang & Li, `InfLoRA
+    <https://arxiv.org/abs/2404.00228>`_, 2024; Saha et al, `GPM <https://arxiv.org/abs/2103.09762>`_,
+    2021.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jaxtyping import Array, Float
+
+# ---------------------------------------------------------------------------------------------
+# Finding LoRA pairs in a parameter tree
+# ---------------------------------------------------------------------------------------------
+
+
+def _key_name(entry) -> str:
+    return str(getattr(entry, "key", getattr(entry, "name", getattr(entry, "idx", entry))))
+
+
+def lora_pair_paths(tree) -> dict[str, tuple[int, int]]:
+    """``{parent path: (index of lora_a, index of lora_b)}`` over the flattened leaves of ``tree``.
+
+    Leaves named ``lora_a`` / ``lora_b`` (an ``nnx.State``'s trailing ``value`` is ignored) under
+    the same parent form a pair; ``optax.MaskedNode`` leaves are skipped. A lone factor is an
+    error naming its path.
+    """
+    leaves = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: isinstance(x, optax.MaskedNode))[0]
+    found: dict[str, dict[str, int]] = {}
+    for i, (path, leaf) in enumerate(leaves):
+        if isinstance(leaf, optax.MaskedNode):
+            continue
+        names = [_key_name(p) for p in path]
+        if names and names[-1] == "value":
+            names = names[:-1]
+        if names and names[-1] in ("lora_a", "lora_b"):
+            found.setdefault("/".join(names[:-1]), {})[names[-1]] = i
+    pairs = {}
+    for parent, roles in found.items():
+        if set(roles) != {"lora_a", "lora_b"}:
+            raise ValueError(
+                f"janus: LoRA factor pair at {parent!r} is incomplete (found {sorted(roles)}); "
+                "both lora_a and lora_b must be in the tree the transform sees."
+            )
+        pairs[parent] = (roles["lora_a"], roles["lora_b"])
+    return pairs
+
+
+def _check_basis(parent: str, basis, d_in: int):
+    if basis.ndim != 2 or basis.shape[0] != d_in:
+        raise ValueError(
+            f"janus: protected basis for {parent!r} has shape {tuple(basis.shape)} but the layer "
+            f"input width is {d_in}; pass V of shape [{d_in}, k]."
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradient rectification
+# ---------------------------------------------------------------------------------------------
+
+
+def _range_projector(m: Float[Array, "r k"], tol: float) -> Float[Array, "r r"]:
+    """``Π = I − Q Qᵀ`` with ``Q`` an orthonormal basis of ``range(m)``."""
+    r = m.shape[0]
+    if m.shape[1] == 0:
+        return jnp.eye(r, dtype=m.dtype)
+    u, s, _ = jnp.linalg.svd(m, full_matrices=False)
+    keep = (s > tol * jnp.maximum(1.0, s.max(initial=0.0))).astype(m.dtype)
+    return jnp.eye(r, dtype=m.dtype) - (u * keep[None, :]) @ u.T
+
+
+def rectify_pair(
+    g_a: Float[Array, "d r"],
+    g_b: Float[Array, "r o"],
+    a: Float[Array, "d r"],
+    b: Float[Array, "r o"],
+    basis: Float[Array, "d k"],
+    *,
+    scale: float = 1.0,
+    precondition: bool = True,
+    eps_rel: float = 1e-3,
+    tol: float = 1e-6,
+):
+    """Rectified ``(Δa, Δb)`` for one LoRA pair (same sign convention as gradients)."""
+    f32 = jnp.float32
+    g_a, g_b, a, b, v = (x.astype(f32) for x in (g_a, g_b, a, b, basis))
+    d, r = a.shape
+    proj_in = lambda x: x - v @ (v.T @ x)  # P x
+    pi = _range_projector(a.T @ v, tol)
+    if not precondition:
+        return proj_in(g_a), pi @ g_b
+    gram_b = b @ b.T
+    gram_b = gram_b + (eps_rel * jnp.trace(gram_b) / r + 1e-12) * jnp.eye(r, dtype=f32)
+    a_t = a @ pi
+    gram_a = a_t.T @ a_t
+    # damping scaled by the unprojected a: when Π ≈ 0 the Gram of Πa vanishes and would blow up
+    gram_a = gram_a + (eps_rel * jnp.sum(a * a) / r + 1e-12) * jnp.eye(r, dtype=f32)
+    delta_a = jnp.linalg.solve(gram_b, proj_in(g_a / scale).T).T  # P (g_a/s) G_B⁻¹
+    gb = g_b / scale
+    gb = gb - (gb @ b.T) @ jnp.linalg.solve(gram_b, b)  # (g_b/s)(I − bᵀ G_B⁻¹ b)
+    delta_b = pi @ jnp.linalg.solve(gram_a, pi @ gb)
+    return delta_a, delta_b
+
+
+class JanusState(NamedTuple):
+    """GR and the clamp keep no state between steps."""
+
+
+def _map_pairs(fn, updates, params, subspaces):
+    leaves, treedef = jax.tree_util.tree_flatten(
+        updates, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+    param_leaves = jax.tree_util.tree_flatten(
+        params, is_leaf=lambda x: isinstance(x, optax.MaskedNode))[0]
+    pairs = lora_pair_paths(updates)
+    subspaces = subspaces or {}
+    unknown = sorted(set(subspaces) - set(pairs))
+    if unknown:
+        raise ValueError(
+            f"janus: subspaces given for {unknown[:3]} but no LoRA pair has that path; "
+            f"pairs: {sorted(pairs)[:6]}"
+        )
+    out = list(leaves)
+    for parent, (ia, ib) in pairs.items():
+        if parent not in subspaces:
+            continue
+        basis = subspaces[parent]
+        _check_basis(parent, basis, param_leaves[ia].shape[0])
+        da, db = fn(leaves[ia], leaves[ib], param_leaves[ia], param_leaves[ib], basis)
+        out[ia], out[ib] = da.astype(leaves[ia].dtype), db.astype(leaves[ib].dtype)
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def janus_rectify(
+    scale: float = 1.0, *, precondition: bool = True, eps_rel: float = 1e-3, tol: float = 1e-6,
+) -> optax.GradientTransformationExtraArgs:
+    """Gradient Rectification: make each LoRA pair's composite update orthogonal to ``V``.
+
+    Call as ``update(grads, state, params, subspaces={parent_path: V})`` where ``parent_path`` is
+    the LoRA layer's path written with ``/`` (``"layers/0/self_attn/k_proj"``) and ``V`` is an
+    orthonormal ``[in, k]`` basis (zero columns allowed: a fixed-shape basis with unused columns
+    keeps ``jit`` from retracing). Pairs without a subspace pass through unchanged.
+
+    Recommended chain for LoRA leaves (never weight-decay protected factors)::
+
+        optax.chain(janus_rectify(s), optax.scale_by_adam(), optax.scale_by_learning_rate(lr),
+                    orthogonality_clamp())
+
+    Args:
+        scale: the LoRA scale ``s = alpha / rank`` (gradients are divided by it).
+        precondition: use the Gram-preconditioned closed form (``False``: plain projections).
+        eps_rel: relative damping of the ``r × r`` Gram matrices.
+        tol: singular values of ``aᵀV`` below ``tol·max(1, σ_max)`` count as zero.
+
+    Returns:
+        A :class:`optax.GradientTransformationExtraArgs`.
+    """
+
+    def init_fn(params):
+        del params
+        return JanusState()
+
+    def update_fn(updates, state, params=None, *, subspaces=None, **extra):
+        del extra
+        if params is None:
+            raise ValueError("janus_rectify needs params: call update(grads, state, params, ...).")
+        fn = lambda ga, gb, a, b, v: rectify_pair(
+            ga, gb, a, b, v, scale=scale, precondition=precondition, eps_rel=eps_rel, tol=tol)
+        return _map_pairs(fn, updates, params, subspaces), state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def orthogonality_clamp(*, tol: float = 1e-6) -> optax.GradientTransformationExtraArgs:
+    """Re-impose ``Vᵀ δa = 0`` and ``(Vᵀ a) δb = 0`` on the final deltas (``δa ← P δa``,
+    ``δb ← Π δb``), using the pre-update ``params``. Put it last in the chain."""
+
+    def init_fn(params):
+        del params
+        return JanusState()
+
+    def clamp(da, db, a, b, v):
+        v = v.astype(jnp.float32)
+        pi = _range_projector(a.astype(jnp.float32).T @ v, tol)
+        da32 = da.astype(jnp.float32)
+        return da32 - v @ (v.T @ da32), pi @ db.astype(jnp.float32)
+
+    def update_fn(updates, state, params=None, *, subspaces=None, **extra):
+        del extra
+        if params is None:
+            raise ValueError("orthogonality_clamp needs params (the pre-update LoRA factors).")
+        return _map_pairs(clamp, updates, params, subspaces), state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+# ---------------------------------------------------------------------------------------------
+# Online subspace estimation
+# ---------------------------------------------------------------------------------------------
+
+
+class SubspaceMemory(NamedTuple):
+    """Protected basis of one input site, plus the running second moment of the current task.
+
+    ``basis`` is ``[d, max_rank]`` with orthonormal leading ``rank`` columns and zeros after;
+    ``covariance`` is the uncentred ``Σ x xᵀ`` and ``count`` the number of rows seen.
+    """
+
+    basis: Array  # [d, max_rank] fp32
+    rank: Array  # () int32
+    covariance: Array  # [d, d] fp32
+    count: Array  # () fp32
+
+    @classmethod
+    def empty(cls, d: int, max_rank: int | None = None) -> "SubspaceMemory":
+        k = d if max_rank is None else max_rank
+        return cls(jnp.zeros((d, k), jnp.float32), jnp.zeros((), jnp.int32),
+                   jnp.zeros((d, d), jnp.float32), jnp.zeros((), jnp.float32))
+
+
+def oe_accumulate(memory: SubspaceMemory, inputs: Float[Array, "... d"]) -> SubspaceMemory:
+    """Add a batch of layer inputs (any leading shape) to the running second moment."""
+    x = inputs.reshape(-1, inputs.shape[-1]).astype(jnp.float32)
+    if x.shape[1] != memory.covariance.shape[0]:
+        raise ValueError(
+            f"oe_accumulate: inputs have width {x.shape[1]} but the memory was built for "
+            f"{memory.covariance.shape[0]}."
+        )
+    return memory._replace(covariance=memory.covariance + x.T @ x,
+                           count=memory.count + x.shape[0])
+
+
+def oe_finalize(memory: SubspaceMemory, threshold: float) -> SubspaceMemory:
+    """Task end: grow the basis until it holds ``threshold`` of the task's input energy (GPM).
+
+    With ``C`` the task's second moment and ``P = I − V Vᵀ``: ``E = tr C``, already captured
+    ``E_V = E − tr(P C P)``; add the fewest top eigenvectors of ``P C P`` so that
+    ``(E_V + Σ λ_i) / E ≥ threshold`` (energy = eigenvalues, not their squares), re-orthonormalise
+    and reset the covariance. Not jit-compatible (the new rank is data dependent).
+    """
+    if not 0.0 < threshold <= 1.0:
+        raise ValueError(f"oe_finalize: threshold={threshold} must lie in (0, 1].")
+    v, k = memory.basis, int(memory.rank)
+    d, max_rank = v.shape
+    c = memory.covariance
+    total = float(jnp.trace(c))
+    if total <= 0.0:
+        return memory._replace(covariance=jnp.zeros_like(c), count=jnp.zeros_like(memory.count))
+    p = jnp.eye(d, dtype=jnp.float32) - v @ v.T
+    c_res = p @ c @ p
+    captured = total - float(jnp.trace(c_res))
+    lam, vec = jnp.linalg.eigh((c_res + c_res.T) / 2)
+    lam, vec = lam[::-1], vec[:, ::-1]
+    cumulative = captured + jnp.cumsum(jnp.clip(lam, 0.0))
+    need = int(jnp.sum(cumulative / total < threshold)) + 1 if captured / total < threshold else 0
+    need = min(need, max_rank - k, d - k)
+    if need > 0:
+        block = jnp.concatenate([v[:, :k], vec[:, :need]], axis=1)
+        q, _ = jnp.linalg.qr(block)
+        v = jnp.zeros_like(v).at[:, : k + need].set(q)
+    return SubspaceMemory(v, jnp.asarray(k + max(need, 0), jnp.int32), jnp.zeros_like(c),
+                          jnp.zeros_like(memory.count))
+
+
+def orthonormalize_basis(basis: Float[Array, "d k"], *, atol: float = 1e-4):
+    """Return ``basis`` if it is orthonormal; otherwise its QR orthonormalisation, with a warning."""
+    import warnings
+
+    gram = basis.T @ basis
+    if jnp.allclose(gram, jnp.eye(gram.shape[0]), atol=atol):
+        return basis
+    warnings.warn("janus: protected basis was not orthonormal; orthonormalised it with QR.",
+                  stacklevel=2)
+    q, _ = jnp.linalg.qr(basis)
+    return q
+
+
+def reanchor(layer: Any, basis: Float[Array, "d k"]) -> None:
+    """Task start: move ``a``'s protected part into the frozen kernel (function preserving).
+
+    ``K ← K + s·V Vᵀ a b``, ``a ← (I − V Vᵀ) a``; afterwards ``Vᵀ a = 0`` so ``Δb`` is
+    unconstrained. ``layer`` is a :class:`lowrank_jax.nn.LoRALinear` (modified in place).
+    """
+    a, b = layer.lora_a[...], layer.lora_b[...]
+    _check_basis("layer", basis, a.shape[0])
+    protected = basis @ (basis.T @ a)
+    layer.kernel[...] = layer.kernel[...] + layer.scaling * (protected @ b)
+    layer.lora_a[...] = a - protected
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoupled margin loss
+# ---------------------------------------------------------------------------------------------
+
+
+def decoupled_margin_loss(
+    features: Float[Array, "n f"],
+    labels,
+    prototypes: Float[Array, "c_old f"],
+    anchors: Float[Array, "classes f"],
+    *,
+    margin: float = 0.2,
+) -> Float[Array, ""]:
+    """``mean_i [max_c f_i·p_c − f_i·w_{y_i} + m]₊`` on unit-normalised features ([DERIVED]).
+
+    Args:
+        features: new-task features (normalised inside, so the loss is scale invariant).
+        labels: int class ids indexing ``anchors``.
+        prototypes: old-class prototypes (normalised inside); zero rows mean "no prototype yet".
+        anchors: cosine-classifier weights of the classes (normalised inside).
+        margin: the margin ``m``.
+    """
+    unit = lambda x: x / (jnp.linalg.norm(x, axis=-1, keepdims=True) + 1e-12)
+    f = unit(features.astype(jnp.float32))
+    if prototypes.shape[0] == 0:
+        return jnp.zeros((), jnp.float32)
+    p = unit(prototypes.astype(jnp.float32))
+    w = unit(anchors.astype(jnp.float32))[labels]
+    old = jnp.max(f @ p.T, axis=-1)
+    own = jnp.sum(f * w, axis=-1)
+    return jnp.mean(jax.nn.relu(old - own + margin))
+
+
+__all__ = [
+    "JanusState", "SubspaceMemory", "decoupled_margin_loss", "janus_rectify", "lora_pair_paths",
+    "oe_accumulate", "oe_finalize", "orthogonality_clamp", "orthonormalize_basis", "reanchor",
+    "rectify_pair",
+]
