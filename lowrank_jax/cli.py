@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print(f"lowrank-jax {args.command}: interrupted", file=sys.stderr)
+        return 130
     except USER_ERRORS as error:
         if args.debug:
             raise

@@ -152,7 +152,7 @@ def iter_checkpoint_matrices(
 
 
 def check_same_architecture(shapes_a: dict, shapes_b: dict, what_a="base", what_b="other") -> None:
-    """Raise a ValueError naming the first differing leaf when two trees differ in structure/shape."""
+    """Raise a ValueError naming the first leaf that differs between two shape maps."""
     only_a = sorted(set(shapes_a) - set(shapes_b))
     only_b = sorted(set(shapes_b) - set(shapes_a))
     if only_a or only_b:
@@ -165,12 +165,15 @@ def check_same_architecture(shapes_a: dict, shapes_b: dict, what_a="base", what_
         if tuple(shapes_a[name][0]) != tuple(shapes_b[name][0]):
             raise ValueError(
                 f"checkpoints have different architectures: {name} is {shapes_a[name][0]} in "
-                f"{what_a} but {shapes_b[name][0]} in {what_b}; compare checkpoints of the same model."
+                f"{what_a} but {shapes_b[name][0]} in {what_b}; compare checkpoints of the same "
+                "model."
             )
 
 
 def compare_checkpoints(
-    path0: str | os.PathLike, path1: str | os.PathLike, fn: Callable[[np.ndarray, np.ndarray], dict],
+    path0: str | os.PathLike,
+    path1: str | os.PathLike,
+    fn: Callable[[np.ndarray, np.ndarray], dict],
     select: str | Callable[[str], bool] | None = None,
 ) -> dict[str, dict]:
     """Apply ``fn(w0, w1)`` to every selected 2-D leaf of two checkpoints, one leaf at a time.

@@ -195,7 +195,9 @@ def head_scores(
     """
     num_kv_heads = num_kv_heads or num_heads
     if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}.")
+        raise ValueError(
+            f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}."
+        )
     layers = sorted(_layers(base))
     if sorted(_layers(tuned)) != layers:
         raise ValueError("base and tuned have different layer sets; compare the same architecture.")
@@ -272,7 +274,8 @@ def rewind_heads(
     mask = np.asarray(mask, dtype=bool)
     if mask.shape != (len(layers), num_heads):
         raise ValueError(
-            f"mask has shape {mask.shape}; expected (n_layers={len(layers)}, num_heads={num_heads})."
+            f"mask has shape {mask.shape}; expected "
+            f"(n_layers={len(layers)}, num_heads={num_heads})."
         )
     out = jax.tree.map(lambda x: x, tuned)  # structural copy
     for i, layer in enumerate(layers):

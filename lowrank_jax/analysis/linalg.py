@@ -139,7 +139,9 @@ def randomized_svd(
     m, n = matrix.shape
     if not isinstance(rank, (int, np.integer)) or not 1 <= rank <= min(m, n):
         raise ValueError(f"rank={rank} must be an int in [1, min(m, n)={min(m, n)}].")
-    return _jitted_shared_rsvd()(matrix, int(rank), oversample=oversample, power_iters=power_iterations, key=key)
+    return _jitted_shared_rsvd()(
+        matrix, int(rank), oversample=oversample, power_iters=power_iterations, key=key
+    )
 
 
 __all__ = ["randomized_svd", "singular_values", "singular_values_gram", "svd_exact"]

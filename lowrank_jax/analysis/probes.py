@@ -59,7 +59,9 @@ def local_kfac(
     """
     n = inputs.shape[0]
     if output_grads.shape[0] != n:
-        raise ValueError(f"inputs {inputs.shape} and output_grads {output_grads.shape} need equal n.")
+        raise ValueError(
+            f"inputs {inputs.shape} and output_grads {output_grads.shape} need the same n."
+        )
     return inputs.T @ inputs / n, output_grads.T @ output_grads / n
 
 
@@ -149,7 +151,9 @@ def harm_signal(deltas: dict, curvatures: dict) -> dict:
     per = {}
     for name, delta in deltas.items():
         if name not in curvatures:
-            raise ValueError(f"no curvature for layer {name!r}; pass curvatures[{name!r}] = (A, G).")
+            raise ValueError(
+                f"no curvature for layer {name!r}; pass curvatures[{name!r}] = (A, G)."
+            )
         a, g = _factors(curvatures[name])
         if a.shape[0] != delta.shape[0] or g.shape[0] != delta.shape[1]:
             raise ValueError(

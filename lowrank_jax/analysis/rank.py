@@ -17,7 +17,8 @@ from lowrank_jax.analysis.linalg import singular_values
 def _check_spectrum(s, name: str = "s") -> None:
     if getattr(s, "ndim", None) != 1:
         raise ValueError(
-            f"{name} must be a 1-D array of singular values, got shape {getattr(s, 'shape', None)}; "
+            f"{name} must be a 1-D array of singular values, got shape "
+            f"{getattr(s, 'shape', None)}; "
             "use the *_of(matrix) wrapper to pass a matrix."
         )
 
@@ -183,7 +184,7 @@ def anisotropy(vectors: Float[Array, "n d"]) -> Float[Array, ""]:
     n = vectors.shape[0]
     unit = vectors / jnp.maximum(jnp.linalg.norm(vectors, axis=1, keepdims=True), 1e-30)
     total = jnp.sum(unit, axis=0)
-    return (jnp.sum(total * total) - n) / (n * (n - 1))
+    return (jnp.sum(total * total) - n) / (float(n) * (n - 1))  # float: n² overflows int32
 
 
 def isotropy_partition(vectors: Float[Array, "n d"]) -> Float[Array, ""]:

@@ -48,15 +48,18 @@ def named_matrices(params) -> list[tuple[str, int | None, np.ndarray]]:
     return out
 
 
-def spectrum(matrix, *, gram_ratio: float = 8.0, block_rows: int = 4096) -> np.ndarray:
-    """Singular values (descending, float64): exact SVD, or the Gram backend for tall matrices
-    (``rows ≥ gram_ratio · cols``, e.g. a ``V × d`` embedding)."""
+def spectrum(matrix, *, block_rows: int = 4096) -> np.ndarray:
+    """Singular values (descending, float64) by the Gram backend, ``σ = sqrt(eig(WᵀW))`` on the
+    smaller side, accumulated in float64 over row blocks.
+
+    DERIVED choice: Gram instead of a full SVD for every matrix (5–20× cheaper on CPU). In float64
+    it loses relative accuracy only below ``σ_i ≈ 1e-8·σ_1``, far under every threshold used here
+    (numerical rank uses ``σ² > 1e-5·σ_1²``).
+    """
     m = np.asarray(matrix, dtype=np.float32)
     if m.shape[0] < m.shape[1]:
         m = m.T
-    if m.shape[0] >= gram_ratio * m.shape[1]:
-        return singular_values_gram(m[i:i + block_rows] for i in range(0, m.shape[0], block_rows))
-    return np.linalg.svd(m.astype(np.float64), compute_uv=False)
+    return singular_values_gram(m[i:i + block_rows] for i in range(0, m.shape[0], block_rows))
 
 
 def analyze_params(params, *, layer_filter: str | None = None, base=None, top_k: int = 8) -> dict:
@@ -118,12 +121,17 @@ def unembedding_report(matrix) -> dict:
 
 
 def layer_keys(model, tokens) -> list[np.ndarray]:
-    """Keys each layer writes to the KV cache (post-RoPE) for one sequence: ``[T, kv_heads·d_h]``."""
+    """Keys each layer writes to the KV cache (post-RoPE) for one sequence.
+
+    Returns one ``[T, kv_heads·d_h]`` array per layer.
+    """
     from lowrank_jax.models.llama import KVCache
 
     tokens = jnp.asarray(tokens, jnp.int32).reshape(1, -1)
     cache = KVCache.empty(model.cfg, 1, max_len=tokens.shape[1], dtype=jnp.float32)
-    _, cache = model(tokens, cache=cache)
+    from flax import nnx
+
+    _, cache = nnx.jit(lambda m, t, c: m(t, cache=c))(model, tokens, cache)
     keys = np.asarray(cache.keys)  # [L, 1, T, hk, d]
     return [keys[i, 0].reshape(keys.shape[2], -1) for i in range(keys.shape[0])]
 

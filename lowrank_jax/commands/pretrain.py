@@ -29,6 +29,12 @@ def run(args) -> int:
     from lowrank_jax.train.config import MeshConfig, load_config
     from lowrank_jax.train.loop import train
 
+    import signal
+
+    def _interrupt(signum, frame):  # SIGTERM (a scheduler, a closed session) → checkpoint, exit
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _interrupt)
     sharding.maybe_initialize_distributed()
     cfg = load_config(args.config, args.overrides)
     if args.mesh:

@@ -29,6 +29,7 @@ References:
 from __future__ import annotations
 
 import contextlib
+import functools
 import contextvars
 import re
 from typing import Any, Callable, Iterable, Literal, Mapping, NamedTuple, Sequence
@@ -380,6 +381,7 @@ def add_damping(factors: KFACFactors, damping: float) -> KFACFactors:
     }
 
 
+@functools.partial(jax.jit, static_argnames=("eig_floor",))
 def eigenbasis(factor: KFACFactor, *, eig_floor: float = 0.0) -> KFACEigenbasis:
     """``eigh`` of both factors (fp32 at least), eigenvalues clamped at ``eig_floor``.
 

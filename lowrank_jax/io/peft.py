@@ -50,7 +50,7 @@ def hf_module_name(path: str) -> str:
 
 
 def our_module_path(hf_name: str) -> str:
-    """Inverse of :func:`hf_module_name` (``model.layers.3.mlp.up_proj`` → ``layers/3/mlp/up_proj``).
+    """Inverse of :func:`hf_module_name`: ``model.layers.3.mlp.up_proj`` → ``layers/3/mlp/up_proj``.
 
     Example::
 

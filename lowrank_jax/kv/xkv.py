@@ -331,7 +331,7 @@ def xkv_compress(
     *,
     rope_theta: float,
     ratio: float | None = None,
-    rank: int | tuple[int, int] | None = None,
+    rank: int | tuple[int, int] | str | None = None,
     group_size: int = DEFAULT_GROUP_SIZE,
     value_rank_scale: float = DEFAULT_VALUE_RANK_SCALE,
     selective: SelectiveConfig | None = None,
@@ -353,7 +353,8 @@ def xkv_compress(
         values: values, same shape.
         rope_theta: RoPE base (used for selective-reconstruction landmarks and decode).
         ratio: target compression ratio; ranks come from :func:`choose_ranks` per group.
-        rank: explicit ``rank`` or ``(rank_k, rank_v)`` per group instead of ``ratio``.
+        rank: explicit ``rank`` or ``(rank_k, rank_v)`` per group instead of ``ratio``;
+            ``"full"`` keeps ``min(L, G·H_kv·D)`` per group (lossless, for testing).
         group_size: ``G`` adjacent layers per SVD (1 = per-layer SVD baseline).
         value_rank_scale: ``r_v / r_k`` when ``ratio`` is given.
         selective: enable selective reconstruction with these settings.
@@ -377,8 +378,10 @@ def xkv_compress(
             "[layers, batch, tokens, kv_heads, head_dim]."
         )
     if (ratio is None) == (rank is None):
-        raise ValueError("give exactly one of ratio= (e.g. 8.0) or rank= (int or (rank_k, rank_v)).")
-    if rank is not None and not np.isscalar(rank):
+        raise ValueError(
+            "give exactly one of ratio= (e.g. 8.0) or rank= (int, (rank_k, rank_v) or 'full')."
+        )
+    if rank is not None and not isinstance(rank, str) and not np.isscalar(rank):
         rank = tuple(int(r) for r in rank)
     return _xkv_compress(
         jnp.asarray(keys), jnp.asarray(values), rope_theta=float(rope_theta),
@@ -401,7 +404,9 @@ def _xkv_compress(keys, values, *, rope_theta, ratio, rank, group_size, value_ra
     key_bases, value_bases = [None] * n_layers, [None] * n_layers
     for members in groups:
         g = len(members)
-        if rank is not None:
+        if rank == "full":
+            rank_k = rank_v = _full_rank(length, g, hk, d)
+        elif rank is not None:
             rank_k, rank_v = (rank, rank) if np.isscalar(rank) else tuple(rank)
             full = _full_rank(length, g, hk, d)
             for name, r in (("rank_k", rank_k), ("rank_v", rank_v)):
@@ -815,7 +820,8 @@ def xkv_perplexity_sweep(
 
     Returns:
         One dict per setting: ``method, target_ratio, compression_ratio, rank_k, rank_v
-        (first group), nll, perplexity, tokens``.
+        (first group), key_error, value_error`` (relative Frobenius error of the pre-RoPE
+        context K / V over all layers) ``, nll, perplexity, tokens``.
     """
     ids = jnp.asarray(ids)
     ids = ids[None] if ids.ndim == 1 else ids
@@ -836,15 +842,18 @@ def xkv_perplexity_sweep(
         gs = _method_group_size(method, group_size)
         if method == "none":
             ctx_k, ctx_v, info = keys, values, dict(compression_ratio=1.0, rank_k=None,
-                                                    rank_v=None)
+                                                    rank_v=None, key_error=0.0,
+                                                    value_error=0.0)
         else:
             cache = xkv_compress(keys, values, rope_theta=theta, ratio=ratio, group_size=gs,
                                  value_rank_scale=value_rank_scale)
             n = cache.n_layers
             ctx_k = jnp.stack([xkv_reconstruct(cache, l, "k") for l in range(n)])
             ctx_v = jnp.stack([xkv_reconstruct(cache, l, "v") for l in range(n)])
+            rel = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
             info = dict(compression_ratio=compression_ratio(cache), rank_k=cache.ranks[0][0],
-                        rank_v=cache.ranks[0][1])
+                        rank_v=cache.ranks[0][1], key_error=rel(ctx_k, keys),
+                        value_error=rel(ctx_v, values))
         ctx_k = jax.vmap(lambda k: rope(k, positions, theta))(ctx_k)
         logits = _block_forward(model, inputs, ctx_k, ctx_v.astype(jnp.float32))
         logp = jax.nn.log_softmax(logits, axis=-1)

@@ -393,6 +393,51 @@ def perplexity(
     return PerplexityResult(math.exp(nll), nll, count, windows)
 
 
+def english_eval_text(*, include_python_license: bool = True) -> str:
+    """Plain English for perplexity checks, available offline on any machine.
+
+    The shipped ``models/data/licenses.txt`` (MIT, BSD-3-Clause and the Apache-2.0 terms,
+    about 2,900 SmolLM2 tokens), then the Python interpreter's own ``LICENSE.txt`` (history of the
+    software and the PSF license, about 3,000 more) when the standard library has it, then the
+    Zen of Python. License texts are common in web-scale training data, so perplexities on them
+    are lower than on unseen prose (DERIVED: the only English prose every installation carries).
+
+    Args:
+        include_python_license: append the interpreter's license and the Zen of Python.
+
+    Returns:
+        The text (paragraphs separated by blank lines).
+
+    Example::
+
+        >>> len(english_eval_text(include_python_license=False).split()) > 1500
+        True
+    """
+    import codecs
+    import importlib.resources
+    import os
+    import sysconfig
+
+    parts = [
+        importlib.resources.files("lowrank_jax.models").joinpath("data/licenses.txt")
+        .read_text(encoding="utf-8")
+    ]
+    if include_python_license:
+        for key in ("stdlib", "platstdlib"):
+            path = os.path.join(sysconfig.get_paths().get(key, ""), "LICENSE.txt")
+            if os.path.isfile(path):
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    parts.append(f.read())
+                break
+        import contextlib
+        import io
+
+        with contextlib.redirect_stdout(io.StringIO()):
+            import this  # prints the Zen on first import; its text is rot13 in this.s
+        parts.append(codecs.decode(this.s, "rot13"))
+    return "\n\n".join(part.strip() for part in parts) + "\n"
+
+
 def logits_full(
     model: Llama, token_ids: Int[Array, "b t"], *, scan_layers: bool = True
 ) -> Float[Array, "b t vocab"]:
@@ -419,6 +464,7 @@ def _full(static, state, tokens):
 __all__ = [
     "GenerationResult",
     "PerplexityResult",
+    "english_eval_text",
     "forward",
     "generate",
     "logits_full",

@@ -219,7 +219,7 @@ def unpermute_rope_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def permute_rope_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
-    """llama.cpp's permutation (HF → GGUF row order); the inverse of :func:`unpermute_rope_rows`."""
+    """llama.cpp's permutation (HF → GGUF row order), inverse of :func:`unpermute_rope_rows`."""
     out_dim = weight.shape[0]
     return (
         weight.reshape(n_heads, 2, out_dim // n_heads // 2, *weight.shape[1:])

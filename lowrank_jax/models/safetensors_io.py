@@ -181,7 +181,8 @@ def llama_from_state_dict(
 
         >>> import numpy as np
         >>> from flax import nnx
-        >>> cfg = LlamaConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, d_ff=16)
+        >>> cfg = LlamaConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, n_kv_heads=2,
+        ...                   d_ff=16)
         >>> m = Llama(cfg, rngs=nnx.Rngs(0))
         >>> m2 = llama_from_state_dict(cfg, state_dict_from_llama(m))
         >>> bool((m2.norm.weight[...] == m.norm.weight[...]).all())
@@ -270,7 +271,7 @@ def state_dict_from_llama(model: Llama) -> dict[str, np.ndarray]:
 
 
 def save_hf_checkpoint(model: Llama, folder: str | os.PathLike, *, tokenizer=None) -> str:
-    """Write ``model`` as a HF ``LlamaForCausalLM`` folder (``config.json`` + ``model.safetensors``).
+    """Write ``model`` as a HF ``LlamaForCausalLM`` folder (config.json + model.safetensors).
 
     Args:
         model: a :class:`Llama` (dense, factorized or with LoRA: exported as dense weights).
@@ -284,7 +285,8 @@ def save_hf_checkpoint(model: Llama, folder: str | os.PathLike, *, tokenizer=Non
 
         >>> import tempfile
         >>> from flax import nnx
-        >>> cfg = LlamaConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, d_ff=16)
+        >>> cfg = LlamaConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, n_kv_heads=2,
+        ...                   d_ff=16)
         >>> path = save_hf_checkpoint(Llama(cfg, rngs=nnx.Rngs(0)), tempfile.mkdtemp())
         >>> load_hf_checkpoint(path).cfg.d_model
         8

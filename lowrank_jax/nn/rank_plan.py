@@ -39,7 +39,10 @@ def sample_weights(
 ) -> Float[Array, " batch"]:
     """Confidence weights ``w = softmax(γ d)`` over a batch (constants: no gradient).
 
-    .. math:: d_i = 1 - p_\\theta(y_i | x_i),\\qquad w_i = \\frac{e^{\\gamma d_i}}{\\sum_j e^{\\gamma d_j}}
+    .. math::
+
+        d_i = 1 - p_\\theta(y_i | x_i),\\qquad
+        w_i = \\frac{e^{\\gamma d_i}}{\\sum_j e^{\\gamma d_j}}
 
     ``"adaptive"`` uses ``γ_eff = min(γ_s / std(d), γ_max)`` on centred difficulties (uniform
     when ``std(d) < min_std``); ``"uniform"`` (or ``γ = 0``, or a batch of one) gives ``1/B``.
@@ -74,7 +77,8 @@ def per_sample_loss_and_confidence(
     Example::
 
         >>> import jax.numpy as jnp
-        >>> loss, conf = per_sample_loss_and_confidence(jnp.zeros((1, 2, 4)), jnp.zeros((1, 2), int))
+        >>> logits, labels = jnp.zeros((1, 2, 4)), jnp.zeros((1, 2), int)
+        >>> loss, conf = per_sample_loss_and_confidence(logits, labels)
         >>> round(float(conf[0]), 2)
         0.25
     """
@@ -273,8 +277,8 @@ def allocate_ranks(
 
     Example::
 
-        >>> allocate_ranks({"a": 1.0, "b": 3.0}, 64, {"a": (4, 4), "b": (4, 4)}, r_min=1)
-        {'a': 1, 'b': 3}
+        >>> allocate_ranks({"a": 1.0, "b": 3.0}, 96, {"a": (8, 8), "b": (8, 8)}, r_min=1)
+        {'a': 2, 'b': 4}
     """
     if not importance:
         raise ValueError("allocate_ranks: importance is empty; probe at least one module.")

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Float
 
-from lowrank_jax.curvature.kfac import KFACFactor, eigenbasis
+from lowrank_jax.curvature.kfac import KFACEigenbasis, KFACFactor, eigenbasis
 
 
 class LayerProjector(NamedTuple):
@@ -69,7 +69,6 @@ def _check_energy(energy: float) -> None:
         )
 
 
-@functools.partial(jax.jit, static_argnames=("energy",))
 def energy_threshold_sorted(
     lam_A: Float[Array, " d_in"], lam_G: Float[Array, " d_out"], energy: float
 ) -> Float[Array, ""]:
@@ -79,18 +78,20 @@ def energy_threshold_sorted(
     ``energy = 1`` gives the smallest positive product (only zero-curvature directions kept).
     """
     _check_energy(energy)
+    return _threshold_sorted(lam_A, lam_G, jnp.asarray(energy, jnp.result_type(lam_A)))
+
+
+@jax.jit
+def _threshold_sorted(lam_A, lam_G, energy):
     prods = jnp.sort((lam_A[:, None] * lam_G[None, :]).reshape(-1))[::-1]
     total = jnp.sum(lam_A) * jnp.sum(lam_G)
     csum = jnp.cumsum(prods)
     k = jnp.searchsorted(csum, energy * total, side="left")  # first index with csum >= target
     k = jnp.minimum(k, prods.shape[0] - 1)
-    tau = prods[k]
-    if energy >= 1.0:
-        tau = jnp.min(jnp.where(prods > 0, prods, jnp.inf))
+    tau = jnp.where(energy >= 1.0, jnp.min(jnp.where(prods > 0, prods, jnp.inf)), prods[k])
     return jnp.where(total > 0, tau, jnp.inf)
 
 
-@functools.partial(jax.jit, static_argnames=("energy", "iterations"))
 def energy_threshold(
     lam_A: Float[Array, " d_in"],
     lam_G: Float[Array, " d_out"],
@@ -114,6 +115,12 @@ def energy_threshold(
         Scalar τ (``inf`` when the layer has no curvature: everything kept).
     """
     _check_energy(energy)
+    return _threshold_bisect(lam_A, lam_G, jnp.asarray(energy, jnp.result_type(lam_A)),
+                             iterations)
+
+
+@functools.partial(jax.jit, static_argnames=("iterations",))
+def _threshold_bisect(lam_A, lam_G, energy, iterations):
     lam_A = jnp.asarray(lam_A)
     lam_G_sorted = jnp.sort(jnp.asarray(lam_G))
     prefix = jnp.concatenate([jnp.zeros((1,), lam_G_sorted.dtype), jnp.cumsum(lam_G_sorted)])
@@ -153,16 +160,21 @@ def energy_threshold(
         jnp.inf,
     )
     tau = jnp.min(jnp.where(pos_A, cand, jnp.inf))
-    if energy < 1.0:
-        # the top product alone may already suffice
-        tau = jnp.where(removed_energy(hi0) >= target, hi0, tau)
-    else:  # γ = 1: remove every positive-curvature direction
-        tau = jnp.min(jnp.where(lam_A[:, None] > 0, lam_A[:, None] * jnp.where(
-            lam_G_sorted > 0, lam_G_sorted, jnp.inf)[None, :], jnp.inf))
+    tau = jnp.where(removed_energy(hi0) >= target, hi0, tau)  # top product alone suffices
+    # γ = 1: remove every positive-curvature direction (min positive product, both factors ≥ 0)
+    min_pos = (jnp.min(jnp.where(pos_A, lam_A, jnp.inf))
+               * jnp.min(jnp.where(lam_G_sorted > 0, lam_G_sorted, jnp.inf)))
+    tau = jnp.where(energy >= 1.0, min_pos, tau)
     return jnp.where(total > 0, tau, jnp.inf)
 
 
-@functools.partial(jax.jit, static_argnames=("energy", "eig_floor"))
+def projector_from_eigenbasis(basis: KFACEigenbasis, energy: float = 0.9) -> LayerProjector:
+    """Threshold an existing eigenbasis (reuse one ``eigh`` for several γ)."""
+    _check_energy(energy)
+    tau = energy_threshold(basis.lam_A, basis.lam_G, energy)
+    return LayerProjector(basis.U_A, basis.lam_A, basis.U_G, basis.lam_G, tau)
+
+
 def layer_projector(
     factor: KFACFactor, energy: float = 0.9, *, eig_floor: float = 0.0
 ) -> LayerProjector:

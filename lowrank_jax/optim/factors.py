@@ -116,6 +116,8 @@ def label_factors(
     params,
     factor_label: str = "spectron",
     other_label: str = "adamw",
+    *,
+    pair_fn=None,
 ):
     """Label every leaf for ``optax.partition``: factors get ``factor_label``, the rest
     ``other_label`` (embeddings, norms, biases, a dense LM head).
@@ -124,6 +126,7 @@ def label_factors(
         params: the parameter tree (dict or ``nnx.State``).
         factor_label: label of leaves that belong to a complete factor pair.
         other_label: label of every other leaf.
+        pair_fn: custom ``params -> [(a_path, b_path)]`` (default :func:`factor_pairs`).
 
     Returns:
         A tree of strings with the structure of ``params`` (``Variable`` leaves become strings).
@@ -134,7 +137,7 @@ def label_factors(
         >>> label_factors({"p": {"a": jnp.ones((4, 2)), "b": jnp.ones((2, 3))}, "w": jnp.ones(3)})
         {'p': {'a': 'spectron', 'b': 'spectron'}, 'w': 'adamw'}
     """
-    in_pair = {p for pair in factor_pairs(params) for p in pair}
+    in_pair = {p for pair in (pair_fn or factor_pairs)(params) for p in pair}
 
     def label(path, leaf):
         if isinstance(leaf, optax.MaskedNode):

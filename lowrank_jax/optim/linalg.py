@@ -104,7 +104,7 @@ def polar(x: Float[Array, "*batch m n"], *, eps: float = 1e-7) -> Float[Array, "
     """
     _check_matrix(x, "polar: x")
     u, s, vt = jnp.linalg.svd(x.astype(jnp.float32), full_matrices=False)
-    rel = max(eps, 10 * float(jnp.finfo(jnp.float32).eps) * max(x.shape[-2:]))
+    rel = jnp.maximum(eps, 10 * float(jnp.finfo(jnp.float32).eps) * max(x.shape[-2:]))
     keep = (s > rel * s[..., :1]).astype(jnp.float32)
     return ((u * keep[..., None, :]) @ vt).astype(x.dtype)
 

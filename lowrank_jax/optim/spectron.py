@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from lowrank_jax.optim.factors import (
     Path,
@@ -66,6 +67,13 @@ def _value(x):
     return x[...] if isinstance(x, nnx.Variable) else x
 
 
+def _concrete(x) -> float | None:
+    """``float(x)`` when ``x`` is a concrete number, ``None`` when it is traced."""
+    if isinstance(x, jax.core.Tracer):
+        return None
+    return float(x)
+
+
 def _rank_of(shape, role: str) -> int:
     return shape[1] if role == "a" else shape[0]
 
@@ -96,6 +104,23 @@ def _check_layout(params, pair_fn: PairFn) -> tuple[list[tuple[Path, Path]], dic
                 f"{shapes[pb]} disagree on the rank; a must be [in, r] and b [r, out]."
             )
     return pairs, roles
+
+
+def _on_mesh_of(x, ref):
+    """Replicate ``x`` on ``ref``'s Explicit mesh (so init and update agree on ``jax.typeof``)."""
+    sharding = getattr(jax.typeof(ref), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or not any(
+        t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())
+    ):
+        return x
+    spec = PartitionSpec(*([None] * x.ndim))
+    concrete = getattr(ref, "sharding", None)
+    if isinstance(concrete, NamedSharding) and not isinstance(ref, jax.core.Tracer):
+        return jax.device_put(x, NamedSharding(concrete.mesh, spec))
+    if jax.sharding.get_abstract_mesh().empty:  # traced without jax.set_mesh: leave it to jit
+        return x
+    return jax.sharding.reshard(x, NamedSharding(mesh, spec))
 
 
 def _flat(tree) -> tuple[dict[Path, Any], list[Path], Any]:
@@ -167,16 +192,21 @@ def scale_by_spectron(
         >>> updates["p"]["a"].shape
         (8, 2)
     """
-    if not 0.0 <= momentum < 1.0:
+    # Under optax.inject_hyperparams numeric arguments arrive as arrays (traced in update):
+    # check what is concrete; ns_steps and power_iters must be static_args there.
+    if _concrete(momentum) is not None and not 0.0 <= _concrete(momentum) < 1.0:
         raise ValueError(f"spectron: momentum={momentum} must lie in [0, 1).")
     if wd_scale not in ("eta", "rho"):
         raise ValueError(f"spectron: wd_scale={wd_scale!r} must be 'eta' or 'rho'.")
-    if not isinstance(power_iters, int) or power_iters < 1:
-        raise ValueError(f"spectron: power_iters={power_iters!r} must be a positive int.")
-    if not isinstance(ns_steps, int) or ns_steps < 0:
-        raise ValueError(f"spectron: ns_steps={ns_steps!r} must be a non-negative int.")
-    if weight_decay < 0:
+    for name, value, low in (("power_iters", power_iters, 1), ("ns_steps", ns_steps, 0)):
+        if isinstance(value, jax.Array) or not isinstance(value, int) or value < low:
+            raise ValueError(
+                f"spectron: {name}={value!r} must be a Python int >= {low} (with "
+                f"optax.inject_hyperparams pass static_args=('{name}', ...))."
+            )
+    if _concrete(weight_decay) is not None and _concrete(weight_decay) < 0:
         raise ValueError(f"spectron: weight_decay={weight_decay} must be >= 0.")
+    no_decay = _concrete(weight_decay) == 0.0
     newton_schulz(jnp.ones((2, 2)), steps=0, coeffs=ns_coeffs)  # validates ns_coeffs early
 
     def init_fn(params):
@@ -189,9 +219,12 @@ def scale_by_spectron(
             mu[p] = jnp.zeros_like(leaf, dtype=jnp.float32)
             rank = _rank_of(leaf.shape, roles[p])
             vec = jax.random.normal(jax.random.fold_in(jax.random.key(0), i), (rank,))
-            v[p] = vec / jnp.linalg.norm(vec)
+            v[p] = _on_mesh_of(vec / jnp.linalg.norm(vec), leaf)
+        count = jnp.zeros([], jnp.int32)
+        if order:
+            count = _on_mesh_of(count, values[order[0]])
         return SpectronState(
-            count=jnp.zeros([], jnp.int32),
+            count=count,
             mu=_unflat(treedef, order, mu),
             v=_unflat(treedef, order, v),
         )
@@ -230,7 +263,7 @@ def scale_by_spectron(
             decay = weight_decay * (inv if wd_scale == "rho" else 1.0)
             for p, w in ((pa, a), (pb, b)):
                 d = inv * ortho[p]
-                if weight_decay:
+                if not no_decay:
                     d = d + decay * w
                 out[p] = d
 
@@ -320,13 +353,23 @@ def spectron_with_adamw(
     b1: float = 0.9,
     b2: float = 0.95,
     clip_norm: float | None = None,
-    **spectron_kwargs,
+    momentum: float = 0.95,
+    nesterov: bool = False,
+    ns_steps: int = 5,
+    ns_coeffs=MUON_COEFFS,
+    power_iters: int = 1,
+    wd_scale: Literal["eta", "rho"] = "eta",
+    exact_norm: bool = False,
+    eps: float = 1e-7,
+    pair_fn: PairFn = default_pair_fn,
 ) -> optax.GradientTransformation:
     """A whole-model optimizer: Spectron on factor pairs, AdamW on every other leaf.
 
     ``optax.partition({"spectron": spectron(eta), "adamw": adamw(adamw_lr)}, label_factors)``,
     optionally preceded by ``clip_by_global_norm(clip_norm)``. Works with plain dicts and with
-    ``nnx.Optimizer(model, tx, wrt=nnx.Param)``.
+    ``nnx.Optimizer(model, tx, wrt=nnx.Param)``. With ``optax.inject_hyperparams`` pass
+    ``static_args=("ns_steps", "ns_coeffs", "power_iters", "pair_fn")`` so that ``eta`` and
+    ``adamw_lr`` become per-step settable hyperparameters.
 
     Args:
         eta: Spectron's ``‖ΔW‖₂`` budget (float or schedule).
@@ -335,7 +378,8 @@ def spectron_with_adamw(
         spectron_weight_decay: Spectron's ``λ`` (see ``wd_scale``).
         b1, b2: AdamW betas (DERIVED: LLM-typical 0.9 / 0.95).
         clip_norm: optional global-norm clip applied to all gradients first.
-        **spectron_kwargs: forwarded to :func:`spectron`.
+        momentum, nesterov, ns_steps, ns_coeffs, power_iters, wd_scale, exact_norm, eps,
+        pair_fn: forwarded to :func:`spectron`.
 
     Returns:
         A :class:`optax.GradientTransformation`.
@@ -349,10 +393,14 @@ def spectron_with_adamw(
     """
     tx = optax.partition(
         {
-            "spectron": spectron(eta, weight_decay=spectron_weight_decay, **spectron_kwargs),
+            "spectron": spectron(
+                eta, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+                ns_coeffs=ns_coeffs, power_iters=power_iters, weight_decay=spectron_weight_decay,
+                wd_scale=wd_scale, exact_norm=exact_norm, eps=eps, pair_fn=pair_fn,
+            ),
             "adamw": optax.adamw(adamw_lr, b1=b1, b2=b2, weight_decay=weight_decay),
         },
-        lambda params: label_factors(params, "spectron", "adamw"),
+        lambda params: label_factors(params, "spectron", "adamw", pair_fn=pair_fn),
     )
     if clip_norm is not None:
         tx = optax.chain(optax.clip_by_global_norm(clip_norm), tx)

@@ -45,7 +45,7 @@ from lowrank_jax.quant.unisvq import (
 )
 from pallas_kernels.lattice_matmul.api import lattice_matmul
 
-METHODS = ("unisvq", "rtn")
+METHODS = ("unisvq", "rtn", "kmeans")
 UNISVQ_BITS = (2,)
 FORMAT_VERSION = 1
 _BLOCKS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
@@ -255,7 +255,8 @@ def quantize_model(
         model: a dense :class:`Llama`.
         calib_tokens: ``[n_seq, seq_len]`` int token ids (required for UniSVQ: Hessians and
             block fine-tuning; ignored by RTN).
-        method: ``"unisvq"`` (2 bits) or ``"rtn"`` (2, 3, 4 or 8 bits).
+        method: ``"unisvq"`` (2 bits), ``"rtn"`` (2, 3, 4 or 8 bits) or ``"kmeans"`` (2-bit
+            k-means VQ baseline, simulated: the dequantized weight stays in a dense layer).
         bits: bits per weight of the codes.
         group_size: RTN group size (must divide every input dim); ignored by UniSVQ.
         cfg: :class:`UniSVQConfig`.
@@ -274,7 +275,7 @@ def quantize_model(
     """
     if method not in METHODS:
         raise ValueError(f"method={method!r} is unknown; use one of {METHODS}.")
-    check_bits(bits, UNISVQ_BITS if method == "unisvq" else (2, 3, 4, 8),
+    check_bits(bits, (2, 3, 4, 8) if method == "rtn" else UNISVQ_BITS,
                where=f"bits (method={method})")
     n_layers = len(model.layers)
     layers = list(range(n_layers)) if layers is None else sorted(set(layers))
@@ -286,7 +287,7 @@ def quantize_model(
             for proj, block_name in _BLOCKS.items():
                 w = getattr(getattr(model.layers[i], block_name), proj)
                 check_group_size(group_size, _dense_weight(w).shape[1])
-    if method == "unisvq":
+    if method in ("unisvq", "kmeans"):
         if calib_tokens is None or np.asarray(calib_tokens).size == 0:
             raise ValueError(
                 "calib_tokens is missing: UniSVQ needs calibration text for its Hessians and "
@@ -302,7 +303,7 @@ def quantize_model(
     blocks_report = []
     total_bits = total_weights = 0.0
     x = None
-    if method == "unisvq":
+    if method in ("unisvq", "kmeans"):
         x = model.embed_tokens(calib_tokens).astype(jnp.dtype(model.cfg.dtype))
     iterator = range(max(layers) + 1 if layers else 0)
     bar = None
@@ -333,19 +334,29 @@ def quantize_model(
                 block = getattr(layer, block_name)
                 w = _dense_weight(getattr(block, proj))
                 h = _damped(hessians[proj], cfg.damp)
-                q = quantize_linear(w, h, cfg, key=jax.random.fold_in(key, 7 * i + j))
-                setattr(block, proj, QuantizedLinear(q))
-                total_bits += unisvq_bits_per_weight(*w.shape) * w.size
+                sub_key = jax.random.fold_in(key, 7 * i + j)
+                if method == "kmeans":
+                    from lowrank_jax.quant.kmeans_vq import kmeans_vq_quantize
+
+                    w_hat, bpw = kmeans_vq_quantize(w, h, cfg, key=sub_key)
+                    lin = getattr(block, proj)
+                    lin.kernel.set_value(w_hat.T.astype(lin.kernel[...].dtype))
+                else:
+                    setattr(block, proj, QuantizedLinear(quantize_linear(w, h, cfg, key=sub_key)))
+                    bpw = unisvq_bits_per_weight(*w.shape)
+                total_bits += bpw * w.size
                 total_weights += w.size
             info["seconds_round"] = time.perf_counter() - t0 - info["seconds_calibrate"]
-            if cfg.finetune_steps > 0:
+            if cfg.finetune_steps > 0 and method == "unisvq":
                 graph, scales, lattice, rest = nnx.split(layer, QuantScale, LatticeParam, ...)
                 best, ft = finetune_block(_BlockApply(graph), (scales, lattice), x, y, cfg,
                                           frozen=rest, labels=_scale_affine_labels)
                 nnx.update(layer, best[0], best[1])
                 info.update(ft)
             for proj, block_name in _BLOCKS.items():
-                _round_floats_to_storage(getattr(getattr(layer, block_name), proj))
+                lin = getattr(getattr(layer, block_name), proj)
+                if isinstance(lin, QuantizedLinear):
+                    _round_floats_to_storage(lin)
             x = y
         info["seconds"] = time.perf_counter() - t0
         blocks_report.append(info)

@@ -109,6 +109,10 @@ def rtn_bits_per_weight(m: int, n: int, bits: int, group_size: int | None,
     byte once per matrix, which is counted too.
     """
     group = n if group_size is None else group_size
+    if group < 1 or n % group:
+        raise ValueError(
+            f"group_size={group_size} must be a positive divisor of the input dim {n}."
+        )
     code_bits = 8 * math.ceil(m * n * bits / 8)
     return (code_bits + 2 * float_bits * m * (n // group)) / (m * n)
 

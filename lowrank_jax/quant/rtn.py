@@ -4,7 +4,8 @@ Each row of ``W [out, in]`` is cut into groups of ``group_size`` input coordinat
 minimum ``lo`` and maximum ``hi`` gets an asymmetric grid
 
 .. math::
-    s = (hi - lo)/(2^{bits} - 1),\\quad q = \\mathrm{clip}(\\mathrm{round}((w - lo)/s), 0, 2^{bits}-1),
+    s = (hi - lo)/(2^{bits} - 1),\\quad
+    q = \\mathrm{clip}(\\mathrm{round}((w - lo)/s), 0, 2^{bits}-1),
     \\quad \\hat w = q·s + lo
 
 with ``s`` (scale) and ``lo`` (zero) stored in fp16: ``bits + 32/group_size`` bits per weight.

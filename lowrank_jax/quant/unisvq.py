@@ -80,7 +80,8 @@ class UniSVQConfig:
             raise ValueError(f"rotation={self.rotation!r} must be 'random' or 'identity'.")
         if self.tune_iters < 0 or self.finetune_steps < 0:
             raise ValueError(
-                f"tune_iters={self.tune_iters} and finetune_steps={self.finetune_steps} must be ≥ 0."
+                f"tune_iters={self.tune_iters} and finetune_steps={self.finetune_steps} "
+                "must be ≥ 0."
             )
 
 
@@ -180,7 +181,8 @@ def hessian(x: Float[Array, "... n"], *, damp: float = 1e-2) -> Float[Array, "n 
 def block_ldl(h: Float[Array, "n n"], block: int = 4) -> tuple[Array, Array]:
     """``H = L D Lᵀ`` with ``L`` unit block-lower-triangular and ``D`` block-diagonal (4×4 blocks).
 
-    From the Cholesky factor ``H = C Cᵀ``: ``L = C·blockdiag(C_kk)⁻¹``, ``D = blockdiag(C_kk C_kkᵀ)``.
+    From the Cholesky factor ``H = C Cᵀ``: ``L = C·blockdiag(C_kk)⁻¹`` and
+    ``D = blockdiag(C_kk C_kkᵀ)``.
     """
     n = h.shape[0]
     c = jnp.linalg.cholesky(h.astype(jnp.float32))
@@ -399,7 +401,7 @@ def finetune_block(
     """Minimize ``MSE(block_fn(params, frozen, X), Y)`` with Adam over the float parameters.
 
     .. math::
-        \min_{s_{in}, s_{out}, A, b}\; \| \mathrm{block}_q(X) - \mathrm{block}_{fp}(X) \|^2
+        \\min_{s_{in}, s_{out}, A, b}\\; \\| \\mathrm{block}_q(X) - \\mathrm{block}_{fp}(X) \\|^2
 
     The integer codes live in ``frozen`` (or in ``block_fn``) and never change. Two learning
     rates: leaves labelled ``"scale"`` use ``cfg.lr_scale``, ``"affine"`` use ``cfg.lr_affine``.

@@ -208,13 +208,19 @@ def flash_attention(
     blocks = block_sizes.fitted(tq, tk)
     tq_pad, tk_pad = _round_up(tq, blocks.block_q), _round_up(tk, blocks.block_k)
     d_pad = padded_head_dim(d)
+    static = _Static(causal=bool(causal), scale=scale, block_q=blocks.block_q,
+                     block_k=blocks.block_k, kv_len=tk, platform=platform, interpret=interpret)
+    return _flash_pallas(q, k, v, static=static, tq_pad=tq_pad, tk_pad=tk_pad, d_pad=d_pad)
+
+
+@functools.partial(jax.jit, static_argnames=("static", "tq_pad", "tk_pad", "d_pad"))
+def _flash_pallas(q, k, v, *, static, tq_pad, tk_pad, d_pad):
+    tq, d = q.shape[1], q.shape[3]
 
     def prep(x, t_pad):  # [b, t, h, d] -> zero-padded [b, h, t_pad, d_pad]
         x = jnp.pad(x, ((0, 0), (0, t_pad - x.shape[1]), (0, 0), (0, d_pad - d)))
         return jnp.transpose(x, (0, 2, 1, 3))
 
-    static = _Static(causal=bool(causal), scale=scale, block_q=blocks.block_q,
-                     block_k=blocks.block_k, kv_len=tk, platform=platform, interpret=interpret)
     out = _flash_padded(prep(q, tq_pad), prep(k, tk_pad), prep(v.astype(q.dtype), tk_pad), static)
     return jnp.transpose(out, (0, 2, 1, 3))[:, :tq, :, :d]
 

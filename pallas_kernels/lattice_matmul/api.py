@@ -95,7 +95,9 @@ def code_matmul(
             "whose last dim is 4 × codes.shape[1]."
         )
     if codes.dtype != jnp.uint8:
-        raise ValueError(f"codes must be uint8 (got {codes.dtype}); pack them with 4 digits a byte.")
+        raise ValueError(
+            f"codes must be uint8 (got {codes.dtype}); pack them with 4 digits a byte."
+        )
     impl = _resolve(implementation, interpret)
     if impl == "xla":
         if mode == "fold":

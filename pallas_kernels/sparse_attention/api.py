@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
@@ -50,7 +51,7 @@ def _tau_vector(tau, heads: int) -> jnp.ndarray:
 
 
 def lookup_table(block_mask: Bool[Array, "B H nQ nK"]):
-    """``(lut [B, H, nQ, nK] int32, counts [B, H, nQ] int32)``: selected block ids first, ascending."""
+    """``(lut [B, H, nQ, nK], counts [B, H, nQ])`` int32: selected block ids first, ascending."""
     n_k = block_mask.shape[-1]
     order = jnp.argsort(~block_mask, axis=-1, stable=True).astype(jnp.int32)
     counts = jnp.sum(block_mask, axis=-1).astype(jnp.int32)
@@ -58,6 +59,47 @@ def lookup_table(block_mask: Bool[Array, "B H nQ nK"]):
     last = jnp.take_along_axis(order, jnp.maximum(counts - 1, 0)[..., None], axis=-1)
     slot = jnp.arange(n_k)[None, None, None, :]
     return jnp.where(slot < counts[..., None], order, last), counts
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "scale", "platform", "interpret"))
+def _sale_pallas(qh, kh, vh, tau, *, cfg, scale, platform, interpret):
+    """Selection + block-sparse kernels on head-major inputs; returns ``(out [b,n,h,d], mask)``."""
+    b, h, n, d = qh.shape
+    bq, bk = cfg.block_q, cfg.block_k
+    n_pad = -(-n // max(bq, bk)) * max(bq, bk)
+    d_pad = padded_head_dim(d)
+
+    qk4 = quantize_qk_int4(qh, kh, cfg.granularity)
+    m, l = anchor_stats(qh, qk4.k_centred, cfg, scale=scale)
+    thresholds = selection_thresholds(m, l, tau, scale)
+
+    def pad_rows(x, value=0):
+        widths = [(0, 0)] * x.ndim
+        widths[2] = (0, n_pad - n)
+        return jnp.pad(x, widths, constant_values=value)
+
+    def pad_dim(x):
+        return jnp.pad(pad_rows(x), ((0, 0), (0, 0), (0, 0), (0, d_pad - d)))
+
+    statics = dict(block_q=bq, block_k=bk, n=n, interpret=interpret)
+    hits = _kernel.sale_select(
+        pad_dim(qk4.q_codes), pad_rows(qk4.q_scale)[..., None],
+        pad_rows(thresholds, jnp.inf)[..., None], pad_dim(qk4.k_codes),
+        pad_rows(qk4.k_scale)[:, :, None, :], pad_rows(qk4.qmk)[:, :, None, :],
+        local_blocks=cfg.local_blocks, blocks_per_segment=cfg.blocks_per_segment,
+        platform=platform, **statics)
+    n_k, n_q = -(-n // bk), -(-n // bq)
+    mask = combine_selection(hits[:, :, :n_q, :n_k], tau, n, cfg)
+    lut, counts = lookup_table(mask)
+    # queries padded to n_pad may add whole query blocks past n_q: give them the sink block
+    lut = jnp.pad(lut, ((0, 0), (0, 0), (0, n_pad // bq - n_q), (0, n_pad // bk - n_k)),
+                  mode="edge")
+    counts = jnp.pad(counts, ((0, 0), (0, 0), (0, n_pad // bq - n_q)), constant_values=1)
+    sparse = _kernel.block_sparse_attention_tpu if platform == "tpu" else (
+        _kernel.block_sparse_attention)
+    out = sparse(pad_dim(qh), pad_dim(kh.astype(qh.dtype)), pad_dim(vh.astype(qh.dtype)), lut,
+                 counts, scale=scale, platform=platform, **statics)
+    return jnp.transpose(out[:, :, :n, :d], (0, 2, 1, 3)), mask
 
 
 def sale_prefill_attention(
@@ -141,42 +183,8 @@ def sale_prefill_attention(
     if platform == "interpret" and not interpret:
         raise ValueError("sale_prefill_attention: on CPU pass interpret=True or "
                          "implementation='xla'.")
-    bq, bk = cfg.block_q, cfg.block_k
-    n_pad = -(-n // max(bq, bk)) * max(bq, bk)
-    d_pad = padded_head_dim(d)
-
-    qk4 = quantize_qk_int4(qh, kh, cfg.granularity)
-    m, l = anchor_stats(qh, qk4.k_centred, cfg, scale=scale)
-    thresholds = selection_thresholds(m, l, tau, scale)
-
-    def pad_rows(x, value=0):
-        widths = [(0, 0)] * x.ndim
-        widths[2] = (0, n_pad - n)
-        return jnp.pad(x, widths, constant_values=value)
-
-    def pad_dim(x):
-        return jnp.pad(pad_rows(x), ((0, 0), (0, 0), (0, 0), (0, d_pad - d)))
-
-    statics = dict(block_q=bq, block_k=bk, n=n, platform=platform, interpret=interpret)
-    hits = _kernel.sale_select(
-        pad_dim(qk4.q_codes), pad_rows(qk4.q_scale)[..., None],
-        pad_rows(thresholds, jnp.inf)[..., None], pad_dim(qk4.k_codes),
-        pad_rows(qk4.k_scale)[:, :, None, :], pad_rows(qk4.qmk)[:, :, None, :],
-        local_blocks=cfg.local_blocks, blocks_per_segment=cfg.blocks_per_segment, **statics)
-    n_k = -(-n // bk)
-    n_q = -(-n // bq)
-    mask = combine_selection(hits[:, :, :n_q, :n_k], tau, n, cfg)
-    lut, counts = lookup_table(mask)
-    # queries padded to n_pad may add whole query blocks past n_q: give them the sink block
-    lut = jnp.pad(lut, ((0, 0), (0, 0), (0, n_pad // bq - n_q), (0, n_pad // bk - n_k)),
-                  mode="edge")
-    counts = jnp.pad(counts, ((0, 0), (0, 0), (0, n_pad // bq - n_q)), constant_values=1)
-    sparse = _kernel.block_sparse_attention_tpu if platform == "tpu" else (
-        _kernel.block_sparse_attention)
-    statics.pop("platform")
-    out = sparse(pad_dim(qh), pad_dim(kh.astype(q.dtype)), pad_dim(vh.astype(q.dtype)), lut,
-                 counts, scale=scale, platform=platform, **statics)
-    out = jnp.transpose(out[:, :, :n, :d], (0, 2, 1, 3))
+    out, mask = _sale_pallas(qh, kh, vh, tau, cfg=cfg, scale=scale, platform=platform,
+                             interpret=interpret)
     return (out, mask) if return_mask else out
 
 

@@ -127,7 +127,8 @@ def quantize_qk_int4(
     """Centre Q and K per head over the sequence and quantize both to symmetric 4 bits.
 
     .. math:: \\tilde K = K - \\bar k,\\ \\tilde Q = Q - \\bar q,\\ \\hat s_{ij} =
-       s^q_i s^k_j (\\hat Q_i \\cdot \\hat K_j) + \\bar q \\cdot \\tilde K_j \\approx Q_i \\cdot \\tilde K_j
+       s^q_i s^k_j (\\hat Q_i \\cdot \\hat K_j) + \\bar q \\cdot \\tilde K_j
+       \\approx Q_i \\cdot \\tilde K_j
 
     Shifting all keys by ``k̄`` adds a per-row constant to the logits, so softmax is unchanged.
 
@@ -212,6 +213,13 @@ def causal_block_mask(n: int, cfg: SaleConfig) -> np.ndarray:
     return np.arange(n_k)[None, :] <= diagonal_blocks(n, cfg)[:, None]
 
 
+def causal_density(block_mask, n: int, cfg: SaleConfig):
+    """Fraction of the causal ``(query block, key block)`` tiles a block mask computes."""
+    causal = jnp.asarray(causal_block_mask(n, cfg))
+    per_head = jnp.sum(block_mask & causal, axis=(-2, -1))
+    return jnp.mean(per_head / jnp.sum(causal))
+
+
 def expand_block_mask(block_mask, n: int, cfg: SaleConfig, *, causal: bool = True):
     """Element mask ``[..., N, N]`` from a block mask ``[..., nQ, nK]`` (∩ causal)."""
     rows = np.arange(n) // cfg.block_q
@@ -287,7 +295,8 @@ def sale_select_reference(
     hit = jnp.pad(hit, ((0, 0), (0, 0), (0, n_q * cfg.block_q - n), (0, n_k * cfg.block_k - n)))
     tiles = hit.reshape(b, hq, n_q, cfg.block_q, n_k, cfg.block_k).any(axis=(3, 5))
     d = diagonal_blocks(n, cfg)
-    middle = (np.arange(n_k)[None, :] >= 1) & (np.arange(n_k)[None, :] <= middle_end(d, cfg)[:, None])
+    j = np.arange(n_k)[None, :]
+    middle = (j >= 1) & (j <= middle_end(d, cfg)[:, None])
     return combine_selection(tiles & middle, tau, n, cfg)
 
 
@@ -365,16 +374,20 @@ def calibrate_thresholds(
 
         >>> stub = lambda layer, qkv, tau: 1000.0 * np.asarray(tau)  # E grows with τ
         >>> qkv = (np.zeros((1, 2, 10, 4)),) * 3
-        >>> np.round(calibrate_thresholds([qkv], SaleConfig(), error_fn=stub), 4).tolist()
+        >>> taus = calibrate_thresholds([qkv], SaleConfig(), error_fn=stub)
+        >>> taus.astype(float).round(4).tolist()
         [[0.002, 0.002]]
     """
-    def default_error(layer, qkv, tau):
-        q, k, v = qkv
+    @jax.jit
+    def sale_error(q, k, v, tau):
         dense = jnp.asarray(causal_block_mask(q.shape[2], cfg))
         ref = block_sparse_attention_reference(q, k, v, dense[None, None], cfg)
-        out = sale_prefill_reference(q, k, v, jnp.asarray(tau), cfg)
+        out = sale_prefill_reference(q, k, v, tau, cfg)
         diff = jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))
-        return np.asarray(jnp.sum(diff, axis=(0, 2, 3)))
+        return jnp.sum(diff, axis=(0, 2, 3))
+
+    def default_error(layer, qkv, tau):
+        return np.asarray(sale_error(*qkv, jnp.asarray(tau)))
 
     error_fn = error_fn or default_error
     result = []
@@ -399,6 +412,7 @@ def calibrate_thresholds(
 __all__ = [
     "GRANULARITIES", "MASK_VALUE", "QK4", "SaleConfig", "anchor_block_mask", "anchor_stats",
     "block_sparse_attention_reference", "calibrate_thresholds", "causal_block_mask",
+    "causal_density",
     "combine_selection", "diagonal_blocks", "estimated_logits", "expand_block_mask",
     "integer_qk", "middle_end", "quantize_int4_symmetric", "quantize_qk_int4",
     "sale_prefill_reference", "sale_select_reference", "selection_thresholds",

@@ -95,18 +95,32 @@ def xkv_decode_kernel(
     l_ref[...] = l
 
 
+def default_compiler_params(interpret=False):
+    """Triton parameters on GPU (the portable path; Mosaic GPU would stage whole blocks in
+    shared memory), ``None`` elsewhere."""
+    if interpret or jax.default_backend() != "gpu":
+        return None
+    from jax.experimental.pallas import triton as pl_triton
+
+    return pl_triton.CompilerParams(num_warps=4, num_stages=2)
+
+
 @functools.partial(
-    jax.jit, static_argnames=("rope_theta", "scale", "block_k", "num_splits", "interpret")
+    jax.jit, static_argnames=("rope_theta", "scale", "block_k", "num_splits", "interpret",
+                              "compiler_params")
 )
 def xkv_decode_partials(
     q, key_factor, key_basis, value_factor, *, rope_theta: float, scale: float,
-    block_k: int = 128, num_splits: int = 4, interpret=False,
+    block_k: int = 128, num_splits: int = 4, interpret=False, compiler_params=None,
 ):
     """Run the kernel; return merged latent partials ``(o_lat [b,hk,g,rv], m, l [b,hk,g])``.
 
     ``o_lat`` is unnormalized (``Σ_t e^{s_t - m} A_v[t]``); ``m`` and ``l`` are the softmax max and
-    sum over the prompt. Padding added here is removed before returning.
+    sum over the prompt. Padding added here is removed before returning. ``compiler_params``
+    defaults to :func:`default_compiler_params`.
     """
+    if compiler_params is None:
+        compiler_params = default_compiler_params(interpret)
     b, hq, d = q.shape
     length, rk = key_factor.shape[1], key_factor.shape[2]
     hk, rv = key_basis.shape[1], value_factor.shape[2]
@@ -157,6 +171,7 @@ def xkv_decode_partials(
             jax.ShapeDtypeStruct((b, hk, splits, gp), jnp.float32),
         ],
         interpret=interpret,
+        compiler_params=compiler_params,
         name="xkv_decode",
     )(q1, q2, inv_freq, ak, bk1, bk2, av)
     # log-sum-exp merge of the splits
@@ -167,4 +182,4 @@ def xkv_decode_partials(
     return o_all[:, :, :groups, :rv], m_all[:, :, :groups], l_all[:, :, :groups]
 
 
-__all__ = ["xkv_decode_kernel", "xkv_decode_partials"]
+__all__ = ["default_compiler_params", "xkv_decode_kernel", "xkv_decode_partials"]

@@ -122,7 +122,8 @@ def test_interpolation_endpoints_and_barrier():
         out = interpolate(a, b, alpha)
         for x, y in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
             np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-7)
-    assert loss_barrier([0.0, 0.5, 1.0], [2.0, 1.0, 2.0]) == pytest.approx(-1.0)
+    assert loss_barrier([0.0, 0.5, 1.0], [2.0, 1.0, 2.0]) == pytest.approx(0.0)  # no barrier
+    assert loss_barrier([0.0, 0.5, 1.0], [1.0, 3.0, 2.0]) == pytest.approx(1.5)
     with pytest.raises(ValueError, match="tree structures"):
         interpolate(a, {"w": jnp.zeros(2)}, 0.5)
 
@@ -140,7 +141,8 @@ def test_analyze_params_bad_filter_and_architecture():
 def test_analyze_command_end_to_end(tmp_path):
     from lowrank_jax.commands import analyze
 
-    model, params = analyze._load("tiny")
+    model, _ = analyze._load("tiny")
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     perturbed = jax.tree.map(lambda x: x * 1.01, params)
     ck = save_params(tmp_path / "base", perturbed)
     out = tmp_path / "report"

@@ -148,3 +148,47 @@ def test_padding_is_masked():
     tokens = jnp.array([[5, 6, 7, 8, 0, 0]])
     f = kfac.estimate_kfac_factors(model, [kfac.lm_batch(tokens, pad_id=0)], targets="down")
     assert float(f["layers/0/mlp/down_proj"].n) == 3.0
+
+
+# ------------------------------------------------------------------------ editing runner
+
+
+def test_edit_inputs_are_validated():
+    from lowrank_jax.curvature import editing as ed
+    from lowrank_jax.models.tokenizer import ByteTokenizer
+
+    edits = ed.parse_edits(['{"prompt": "a b", "target": " c", "paraphrases": ["b a"]}', ""])
+    assert edits == [ed.EditRequest("a b", " c", ("b a",))]
+    with pytest.raises(ValueError, match=":1: each line must be"):
+        ed.parse_edits(['{"prompt": 3}'])
+    with pytest.raises(ValueError, match="target='' .* tokenises to nothing"):
+        ed.tokenize_edits(ByteTokenizer(), ["x"], [""])
+    for gamma in (0.0, 1.2):
+        with pytest.raises(ValueError, match="gamma="):
+            ed.EditConfig(gamma=gamma)
+    batch = ed.tokenize_edits(ByteTokenizer(), ["ab", "abcd"], ["X", "YZ"])
+    np.testing.assert_array_equal(batch.target_mask, [[0, 1, 0, 0, 0], [0, 0, 0, 1, 1]])
+    np.testing.assert_array_equal(batch.labels[1, 3:], [ord("Y"), ord("Z")])
+
+
+def test_crispedit_run_on_tiny_llama():
+    from lowrank_jax.curvature import editing as ed
+    from lowrank_jax.models.tokenizer import ByteTokenizer
+
+    cfg = LlamaConfig(vocab_size=256, d_model=16, n_layers=2, n_heads=2, n_kv_heads=2, d_ff=32)
+    model = Llama(cfg, rngs=nnx.Rngs(0))
+    tok = ByteTokenizer()
+    edits = [ed.EditRequest("ab", "c", ("ba",)), ed.EditRequest("de", "f", ())]
+    cap = [kfac.lm_batch(jax.random.randint(jax.random.key(0), (4, 12), 0, 256))]
+    with pytest.raises(ValueError, match="available dense layers"):
+        ed.edit_model(model, tok, edits, ed.EditConfig(layers="nope"), capability_batches=cap)
+    before = model.layers[1].mlp.down_proj.kernel[...]
+    config = ed.EditConfig(layers="layers/1/mlp/down_proj", steps=4, lr=1e-2)
+    log = ed.edit_model(model, tok, edits, config, capability_batches=cap)
+    assert log["losses"][-1] < log["losses"][0]
+    delta = model.layers[1].mlp.down_proj.kernel[...] - before
+    assert float(jnp.abs(delta).max()) > 0
+    held = np.asarray(jax.random.randint(jax.random.key(1), (2, 10), 0, 256))
+    metrics = ed.evaluate(model, tok, edits, held)
+    assert set(metrics) >= {"edit_success", "paraphrase_success", "perplexity",
+                            "next_token_accuracy"}

@@ -35,11 +35,13 @@ def test_saliency_matches_hand_computation():
     y = (x + 1) % 32
     scores = probe_importance(model, [(x, y)], targets="up_proj", gamma=0.0)
 
-    def loss(model):
-        losses, _ = per_sample_loss_and_confidence(model(x)[0], y)
+    graphdef, params = nnx.split(model)
+
+    def loss(params):
+        losses, _ = per_sample_loss_and_confidence(nnx.merge(graphdef, params)(x)[0], y)
         return losses.mean()
 
-    grads = nnx.grad(loss)(model)
+    grads = jax.jit(jax.grad(loss))(params)
     g = grads["layers"][0]["mlp"]["up_proj"]["kernel"][...]
     w = model.layers[0].mlp.up_proj.kernel[...]
     np.testing.assert_allclose(scores["layers/0/mlp/up_proj"], float(jnp.abs(w * g).sum()),

@@ -24,7 +24,11 @@ class TwoFactorized(nnx.Module):
 
 @pytest.fixture(scope="module")
 def model():
-    return TwoFactorized(nnx.Rngs(0))
+    # Shapes from an abstract model, values from NumPy: no eager SVD init (slow on a busy CPU).
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: TwoFactorized(nnx.Rngs(0))))
+    rng = np.random.default_rng(0)
+    state = jax.tree.map(lambda s: jnp.asarray(rng.normal(size=s.shape), s.dtype), state)
+    return nnx.merge(graphdef, state)
 
 
 def test_two_factorized_layers_and_embedding_give_two_pairs(model):

@@ -10,7 +10,13 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lowrank_jax.models import Llama, LlamaConfig
-from lowrank_jax.optim import SpectronState, power_iteration, scale_by_spectron, spectron, spectron_with_adamw
+from lowrank_jax.optim import (
+    SpectronState,
+    power_iteration,
+    scale_by_spectron,
+    spectron,
+    spectron_with_adamw,
+)
 
 MUON = (3.4445, -4.7750, 2.0315)
 
@@ -43,16 +49,20 @@ def _delta_w(params, updates):
 # ---------------------------------------------------------------- property 3: update bound
 
 
-@pytest.mark.parametrize("eta", [0.01, 0.3, 1.0])
-def test_exact_polar_and_norms_bound_delta_w(eta):
+def test_exact_polar_and_norms_bound_delta_w():
     params = _pair_params(0)
-    tx = spectron(eta, ns_coeffs="exact", exact_norm=True)
-    updates, _ = jax.jit(tx.update)(_grads(0, params), tx.init(params), params)
-    assert np.linalg.norm(_delta_w(params, updates), 2) <= eta * (1 + 1e-5)
+    tx = optax.inject_hyperparams(spectron, static_args=("ns_steps", "power_iters", "pair_fn"))(
+        learning_rate=0.1, ns_coeffs="exact", exact_norm=True)
+    state = tx.init(params)
+    update = jax.jit(tx.update)
     sa, sb = _norm2(params["layer"]["a"]), _norm2(params["layer"]["b"])
-    rho = eta / (sa + sb + 1.0)
-    np.testing.assert_allclose(_norm2(updates["layer"]["a"]), rho, rtol=1e-5)
-    np.testing.assert_allclose(_norm2(updates["layer"]["b"]), rho, rtol=1e-5)
+    for eta in (0.01, 0.3, 1.0):
+        state.hyperparams["learning_rate"] = jnp.asarray(eta)
+        updates, _ = update(_grads(0, params), state, params)
+        assert np.linalg.norm(_delta_w(params, updates), 2) <= eta * (1 + 1e-5)
+        rho = eta / (sa + sb + 1.0)
+        np.testing.assert_allclose(_norm2(updates["layer"]["a"]), rho, rtol=1e-5)
+        np.testing.assert_allclose(_norm2(updates["layer"]["b"]), rho, rtol=1e-5)
 
 
 def test_ns5_and_warm_power_iteration_bound_over_steps():
@@ -80,11 +90,11 @@ def test_ns5_and_warm_power_iteration_bound_over_steps():
 
 def test_gradient_scale_invariance():
     params0 = _pair_params(2)
+    tx = spectron(0.05)
+    update = jax.jit(tx.update)
     results = []
     for c in (1e-3, 1.0, 1e3):
-        tx = spectron(0.05)
         params, state = params0, tx.init(params0)
-        update = jax.jit(tx.update)
         trace = []
         for step in range(5):
             updates, state = update(_grads(step, params0, scale=c), state, params)
@@ -94,6 +104,17 @@ def test_gradient_scale_invariance():
     for trace in results[::2]:
         for got, want in zip(jax.tree.leaves(trace), jax.tree.leaves(results[1])):
             np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_composes_after_clip_by_global_norm():
+    params = _pair_params(2)
+    grads = _grads(2, params, scale=10.0)
+    clipped = optax.chain(optax.clip_by_global_norm(1.0), spectron(0.05))
+    got, _ = jax.jit(clipped.update)(grads, clipped.init(params), params)
+    plain = spectron(0.05)
+    want, _ = jax.jit(plain.update)(grads, plain.init(params), params)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):  # NS removes the clip scale
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
 
 
 # --------------------------------------------------------------------- property 5: zero factor
@@ -214,30 +235,34 @@ def _two_pairs(seed=7):
 def test_state_structure_and_jit_parity():
     params = _two_pairs()
     params["up"] = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params["up"])
-    tx = optax.chain(optax.clip_by_global_norm(1.0), spectron(optax.linear_schedule(0.0, 0.1, 4)))
+    tx = spectron(optax.linear_schedule(0.0, 0.1, 4))
     state0 = tx.init(params)
-    inner = state0[1][0]
+    inner = state0[0]
     assert isinstance(inner, SpectronState)
     assert inner.count.dtype == jnp.int32
     assert inner.mu["up"]["a"].dtype == jnp.float32  # momentum fp32 even for bf16 params
     assert inner.v["q"]["a"].shape == (4,) and inner.v["q"]["b"].shape == (4,)
-    grads = jax.tree.map(lambda p: jnp.ones_like(p) * 0.1, params)
-    eager_u, eager_s = tx.update(grads, state0, params)
-    jit_u, jit_s = jax.jit(tx.update)(grads, state0, params)
-    assert float(jnp.abs(eager_u["q"]["a"]).max()) == 0.0  # schedule starts at η=0
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), _grads(0, params), params)
+    update = jax.jit(tx.update)
+    jit_u, jit_s = update(grads, state0, params)
+    assert float(jnp.abs(jit_u["q"]["a"]).max()) == 0.0  # the schedule starts at η=0
     assert jax.tree.structure(jit_s) == jax.tree.structure(state0)
-    for before, after, eager in zip(jax.tree.leaves(state0), jax.tree.leaves(jit_s),
-                                    jax.tree.leaves(eager_s)):
+    for before, after in zip(jax.tree.leaves(state0), jax.tree.leaves(jit_s)):
         assert before.shape == after.shape and before.dtype == after.dtype
-        np.testing.assert_allclose(np.asarray(after, np.float32), np.asarray(eager, np.float32),
-                                   atol=1e-6)
-    assert jit_u["up"]["a"].dtype == jnp.bfloat16
-    jit_u2, _ = jax.jit(tx.update)(grads, jit_s, params)
-    eager_u2, _ = tx.update(grads, eager_s, params)
-    for got, want in zip(jax.tree.leaves(jit_u2), jax.tree.leaves(eager_u2)):
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), _grads(1, params), params)
+    jit_u, new_s = update(grads, jit_s, params)
+    assert jit_u["up"]["a"].dtype == jnp.bfloat16 and jit_u["q"]["a"].dtype == jnp.float32
+    # Without jit (op by op) on the fp32 pair: the same numbers.
+    sub = {"q": params["q"]}
+    sub_state = (inner._replace(count=jit_s[0].count, mu={"q": jit_s[0].mu["q"]},
+                                v={"q": jit_s[0].v["q"]}), jit_s[1])
+    eager_u, eager_s = tx.update({"q": grads["q"]}, sub_state, sub)
+    jit_sub = ({"q": jit_u["q"]}, (new_s[0]._replace(mu={"q": new_s[0].mu["q"]},
+                                                     v={"q": new_s[0].v["q"]}), new_s[1]))
+    for got, want in zip(jax.tree.leaves(jit_sub), jax.tree.leaves((eager_u, eager_s))):
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
-                                   atol=1e-6)
-        assert float(jnp.abs(got.astype(jnp.float32)).max()) > 0.0
+                                   rtol=1e-5, atol=1e-7)
+    assert float(jnp.abs(jit_u["q"]["a"]).max()) > 0.0
 
 
 def test_sharded_explicit_mesh_matches_unsharded():
@@ -295,7 +320,10 @@ def test_rho_weight_decay_scale():
 def test_nnx_optimizer_on_factorized_llama_reduces_loss():
     cfg = LlamaConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, n_kv_heads=2, d_ff=32,
                       projection="factorized")
-    model = Llama(cfg, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))))
+    rng = np.random.default_rng(0)
+    state = jax.tree.map(lambda s: jnp.asarray(0.2 * rng.normal(size=s.shape), s.dtype), state)
+    model = nnx.merge(graphdef, state)
     optimizer = nnx.Optimizer(model, spectron_with_adamw(0.05, 1e-2, weight_decay=0.01),
                               wrt=nnx.Param)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 32, (2, 12)), jnp.int32)
@@ -311,6 +339,6 @@ def test_nnx_optimizer_on_factorized_llama_reduces_loss():
         return loss
 
     a_before = np.asarray(model.layers[0].mlp.up_proj.a[...])
-    losses = [float(train_step(model, optimizer, tokens)) for _ in range(6)]
-    assert losses[-1] < losses[0] - 0.1, losses
+    losses = [float(train_step(model, optimizer, tokens)) for _ in range(4)]
+    assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < losses[0] - 0.05, losses
     assert not np.allclose(a_before, np.asarray(model.layers[0].mlp.up_proj.a[...]))

@@ -109,9 +109,9 @@ def test_sale_kernels_match_reference(n, heads, kv_heads, dim, dtype):
     taus = jnp.asarray(([0.0, 0.05, np.inf] * 3)[:heads], jnp.float32)  # dense / sparse / anchor
     out, mask = api.sale_prefill_attention(q, k, v, taus, CFG, implementation="pallas",
                                            interpret=True, return_mask=True)
-    ref_out, ref_mask = jax.jit(lambda q, k, v: api.sale_prefill_attention(
-        q, k, v, taus, CFG, implementation="xla", return_mask=True))(q, k, v)
-    dense = jax.jit(lambda q, k, v: flash_attention_reference(q, k, v))(q, k, v)
+    ref_out, ref_mask, dense = jax.jit(lambda q, k, v: api.sale_prefill_attention(
+        q, k, v, taus, CFG, implementation="xla", return_mask=True) + (
+        flash_attention_reference(q, k, v),))(q, k, v)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == jnp.float32 else dict(atol=2e-2, rtol=2e-2)
     np.testing.assert_array_equal(np.asarray(mask), np.asarray(ref_mask))
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out, np.float32), **tol)

@@ -1,5 +1,6 @@
 """Tests for pallas_kernels.xkv_decode: kernel (interpret mode) against its reference."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -64,3 +65,27 @@ def test_bad_shapes_and_implementation_raise():
     bad = dict(x, key_basis=x["key_basis"][..., :-1])
     with pytest.raises(ValueError, match="key_basis"):
         xkv_decode_attention(**bad, rope_theta=1e4)
+
+
+def test_triton_lowering_at_production_sizes():
+    # Pallas -> Triton lowering runs on CPU (no device): bf16, Hq=32, H_kv=8, D=128, xKV-4 ranks
+    from jax import export
+    from jax.experimental.pallas import triton as pl_triton
+    from jax.sharding import AbstractDevice, AbstractMesh
+
+    from pallas_kernels.xkv_decode import xkv_decode_partials
+
+    shape = jax.ShapeDtypeStruct
+    args = (shape((2, 32, 128), jnp.bfloat16), shape((2, 4096, 384), jnp.bfloat16),
+            shape((2, 8, 384, 128), jnp.bfloat16), shape((2, 4096, 576), jnp.bfloat16))
+    params = pl_triton.CompilerParams(num_warps=4, num_stages=2)
+    fn = jax.jit(lambda q, ak, bk, av: xkv_decode_partials(
+        q, ak, bk, av, rope_theta=1e7, scale=128 ** -0.5, block_k=64, num_splits=8,
+        compiler_params=params))
+    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+        device_kind="NVIDIA H200", num_cores=None, platform="cuda"))
+    with jax.sharding.use_abstract_mesh(mesh):
+        exported = export.export(fn, platforms=["cuda"], disabled_checks=[
+            export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+    assert "xkv_decode" in exported.mlir_module()
+    assert exported.out_avals[0].shape == (2, 8, 4, 576)

@@ -1,0 +1,67 @@
+"""``lowrank-jax generate``: stream a continuation of a prompt from a real checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(subparsers) -> None:
+    """Add the ``generate`` subcommand."""
+    parser = subparsers.add_parser(
+        "generate",
+        help="generate text from a model (greedy or top-p sampling, KV cache, streaming)",
+        description="Continue a prompt (or answer it as a chat with --chat).",
+    )
+    parser.add_argument("--model", default="smollm2",
+                        help="'smollm2', a .gguf file, or a folder with config.json")
+    parser.add_argument("--prompt", required=True, help="the prompt text")
+    parser.add_argument("--chat", action="store_true",
+                        help="wrap the prompt as a user message in the chat template")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (with T > 0)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--projection", default="dense", choices=("dense", "factorized"))
+    parser.add_argument("--rank-ratio", type=float, default=None,
+                        help="rank ratio for --projection factorized (default 0.5)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace, *, cache_factory=None) -> int:
+    """Load, generate with streaming to stdout; returns the exit code.
+
+    ``cache_factory`` is the hook for compressed KV caches (see
+    :func:`lowrank_jax.models.generate.generate`).
+    """
+    import jax
+
+    from lowrank_jax.models.generate import generate
+    from lowrank_jax.models.hub import load_model
+
+    model, tokenizer = load_model(
+        args.model, dtype=args.dtype, projection=args.projection,
+        rank_ratio=args.rank_ratio if args.projection == "factorized" else None,
+    )
+    if tokenizer is None:
+        raise ValueError(f"--model {args.model}: the checkpoint has no tokenizer.json.")
+    prompt = args.prompt
+    if args.chat:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+
+    def stream(token_id: int, piece: str) -> None:
+        if token_id == tokenizer.eos_id:  # the end token ends the turn; do not print it
+            return
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    result = generate(
+        model, tokenizer, prompt, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_p=args.top_p, key=jax.random.key(args.seed),
+        stream=stream, cache_factory=cache_factory,
+    )
+    sys.stdout.write("\n")
+    reason = "end token" if result.stopped_at_eos else f"{len(result.token_ids)} new tokens"
+    print(f"[stopped: {reason}]", file=sys.stderr)
+    return 0

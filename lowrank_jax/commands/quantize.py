@@ -1,0 +1,102 @@
+"""``lowrank-jax quantize``: UniSVQ 2-bit (or RTN) quantization of a Llama checkpoint into a folder.
+
+Example::
+
+    lowrank-jax quantize --model smollm2 --bits 2 --method unisvq --out runs/smollm2-unisvq2
+    lowrank-jax quantize --model smollm2 --bits 4 --method rtn --out runs/smollm2-rtn4
+
+The folder (``quantization.json``, ``model.safetensors``, ``tokenizer.json``) loads with
+:func:`lowrank_jax.quant.model.load_quantized`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import numpy as np
+
+METHOD_BITS = {"unisvq": (2,), "rtn": (2, 3, 4, 8)}
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "quantize", help="quantize every projection (UniSVQ 2-bit lattice or RTN) into a folder"
+    )
+    parser.add_argument("--model", default="smollm2", help="name, .gguf file or HF folder")
+    parser.add_argument("--method", default="unisvq", choices=sorted(METHOD_BITS))
+    parser.add_argument("--bits", type=int, default=2, help="2 (unisvq); 2, 3, 4, 8 (rtn)")
+    parser.add_argument("--group-size", type=int, default=64,
+                        help="RTN input coordinates per scale/zero (must divide every input dim)")
+    parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--calib-file", default=None,
+                        help="calibration text file (default: the stdlib-docstring corpus)")
+    parser.add_argument("--calib-seqs", type=int, default=32)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--tune-iters", type=int, default=3)
+    parser.add_argument("--finetune-steps", type=int, default=20)
+    parser.add_argument("--layers", type=int, default=None,
+                        help="quantize only the first N blocks (quick runs)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.set_defaults(func=run)
+
+
+def calibration_tokens(tokenizer, text: str, n_seq: int, seq_len: int, seed: int = 0):
+    """``[n_seq, seq_len]`` windows of the tokenized ``text`` at sorted random offsets."""
+    if not text or not text.strip():
+        raise ValueError("calibration text is empty; pass --calib-file with English text.")
+    ids = np.asarray(tokenizer.encode(text) if tokenizer is not None
+                     else list(text.encode("utf-8")), np.int32)
+    if len(ids) < n_seq * seq_len // 2 or len(ids) <= seq_len:
+        raise ValueError(
+            f"calibration text has {len(ids)} tokens, too few for --calib-seqs {n_seq} × "
+            f"--seq-len {seq_len}; give a longer --calib-file or lower them."
+        )
+    rng = np.random.default_rng(seed)
+    starts = np.sort(rng.choice(len(ids) - seq_len, size=n_seq, replace=len(ids) - seq_len < n_seq))
+    return np.stack([ids[s:s + seq_len] for s in starts])
+
+
+def run(args: argparse.Namespace) -> int:
+    from lowrank_jax.quant.model import quantize_model, save_quantized
+    from lowrank_jax.quant.unisvq import UniSVQConfig
+
+    allowed = METHOD_BITS.get(args.method)
+    if allowed is None:
+        raise ValueError(f"--method {args.method!r} is unknown; use one of {sorted(METHOD_BITS)}.")
+    if args.bits not in allowed:
+        raise ValueError(
+            f"--bits {args.bits} is not supported by --method {args.method}; use one of {allowed}."
+        )
+    if args.calib_file is not None and not os.path.isfile(args.calib_file):
+        raise FileNotFoundError(f"--calib-file {args.calib_file!r} does not exist.")
+    if os.path.exists(os.path.join(args.out, "quantization.json")):
+        raise FileExistsError(f"--out {args.out!r} already holds a quantized model; pick another.")
+
+    from lowrank_jax.models.hub import load_model
+
+    model, tokenizer = load_model(args.model)
+    calib = None
+    if args.method == "unisvq":
+        if args.calib_file is not None:
+            with open(args.calib_file, encoding="utf-8") as f:
+                text = f.read()
+        else:
+            from lowrank_jax.data import corpus_text
+
+            text = corpus_text()
+        calib = calibration_tokens(tokenizer, text, args.calib_seqs, args.seq_len, args.seed)
+    layers = None if args.layers is None else list(range(min(args.layers, model.cfg.n_layers)))
+    cfg = UniSVQConfig(tune_iters=args.tune_iters, finetune_steps=args.finetune_steps,
+                       seed=args.seed)
+    report = quantize_model(model, calib, method=args.method, bits=args.bits,
+                            group_size=args.group_size, cfg=cfg, layers=layers, progress=True)
+    save_quantized(model, args.out, tokenizer=tokenizer, report=report)
+    summary = {k: report[k] for k in ("method", "bits", "bits_per_weight", "seconds")}
+    print(json.dumps(summary))
+    print(f"wrote {args.out}")
+    return 0
+
+
+__all__ = ["calibration_tokens", "register", "run"]
