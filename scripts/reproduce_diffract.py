@@ -18,12 +18,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
-import json
 import os
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx

@@ -16,7 +16,6 @@ import math
 from typing import NamedTuple
 
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Float
 
 from lowrank_jax.analysis.linalg import randomized_svd, svd_exact

@@ -26,6 +26,14 @@ def register(subparsers) -> None:
     parser.add_argument("--projection", default="dense", choices=("dense", "factorized"))
     parser.add_argument("--rank-ratio", type=float, default=None,
                         help="rank ratio for --projection factorized (default 0.5)")
+    parser.add_argument("--attention", default="reference", choices=("reference", "flash", "sale"),
+                        help="attention implementation (Pallas kernels: flash, sale)")
+    parser.add_argument("--kv", default="none", choices=("none", "xkv"),
+                        help="score each window from an xKV-compressed cache of its context")
+    parser.add_argument("--kv-ratio", type=float, default=8.0, help="xKV compression ratio")
+    parser.add_argument("--kv-group", type=int, default=4, help="layers per xKV group")
+    parser.add_argument("--kv-eval-tokens", type=int, default=128,
+                        help="with --kv: tokens scored per window after the compressed context")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.set_defaults(func=run)
 
@@ -42,10 +50,16 @@ def run(args: argparse.Namespace) -> int:
             raise FileNotFoundError(f"--text {args.text}: no such file.")
         with open(args.text, encoding="utf-8") as f:
             text, source = f.read(), args.text
-    model, tokenizer = load_model(
-        args.model, dtype=args.dtype, projection=args.projection,
-        rank_ratio=args.rank_ratio if args.projection == "factorized" else None,
-    )
+    from lowrank_jax.quant.model import is_quantized_folder, load_quantized
+
+    if is_quantized_folder(args.model):  # a folder written by `lowrank-jax quantize`
+        model, tokenizer = load_quantized(args.model)
+    else:
+        model, tokenizer = load_model(
+            args.model, dtype=args.dtype, projection=args.projection,
+            rank_ratio=args.rank_ratio if args.projection == "factorized" else None,
+            attention=args.attention,
+        )
     if tokenizer is None:
         raise ValueError(f"--model {args.model}: the checkpoint has no tokenizer.json.")
     ids = tokenizer.encode(text)
@@ -54,10 +68,38 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--max-tokens {args.max_tokens} must be at least 2.")
         ids = ids[: args.max_tokens]
     window = min(args.window, model.cfg.max_seq_len)
+    if getattr(args, "kv", "none") == "xkv":
+        return _eval_xkv(args, model, ids, window, source)
     result = perplexity(model, ids, window=window, stride=args.stride,
                         progress=not getattr(args, "no_progress", False))
     print(
         f"perplexity {result.perplexity:.3f} (nll {result.nll:.4f} nats/token) on "
         f"{result.n_tokens} tokens of {source}, {result.n_windows} window(s) of {window}"
     )
+    return 0
+
+
+def _eval_xkv(args, model, ids, window: int, source: str) -> int:
+    """Per window: prefill ``window - kv_eval_tokens`` tokens, compress, score the rest."""
+    import math
+
+    from tqdm.auto import tqdm
+
+    from lowrank_jax.kv import xkv_cache_factory
+
+    eval_len = args.kv_eval_tokens
+    if not 0 < eval_len < window - 1:
+        raise ValueError(f"--kv-eval-tokens {eval_len} must lie in [1, window-2={window - 2}].")
+    n_windows = len(ids) // window
+    if n_windows == 0:
+        raise ValueError(f"the text has {len(ids)} tokens, fewer than one window of {window}.")
+    factory = xkv_cache_factory(args.kv_ratio, args.kv_group)
+    logs = []
+    for w in tqdm(range(n_windows), desc="xkv eval", disable=args.no_progress):
+        chunk = ids[w * window:(w + 1) * window]
+        ppl = factory.perplexity(model, chunk, context_len=window - eval_len, eval_len=eval_len)
+        logs.append(math.log(ppl))
+    print(f"perplexity {math.exp(sum(logs) / len(logs)):.3f} with an xKV cache (ratio "
+          f"{args.kv_ratio}, groups of {args.kv_group}): {n_windows} window(s) of {window}, "
+          f"last {eval_len} tokens of each scored, on {source}")
     return 0

@@ -26,6 +26,12 @@ def register(subparsers) -> None:
     parser.add_argument("--projection", default="dense", choices=("dense", "factorized"))
     parser.add_argument("--rank-ratio", type=float, default=None,
                         help="rank ratio for --projection factorized (default 0.5)")
+    parser.add_argument("--attention", default="reference", choices=("reference", "flash", "sale"),
+                        help="attention implementation (Pallas kernels: flash, sale)")
+    parser.add_argument("--kv", default="none", choices=("none", "xkv"),
+                        help="compress the prompt's KV cache with xKV (cross-layer SVD)")
+    parser.add_argument("--kv-ratio", type=float, default=8.0, help="xKV compression ratio")
+    parser.add_argument("--kv-group", type=int, default=4, help="layers per xKV group")
     parser.set_defaults(func=run)
 
 
@@ -43,12 +49,31 @@ def run(args: argparse.Namespace, *, cache_factory=None) -> int:
     model, tokenizer = load_model(
         args.model, dtype=args.dtype, projection=args.projection,
         rank_ratio=args.rank_ratio if args.projection == "factorized" else None,
+        attention=getattr(args, "attention", "reference"),
     )
     if tokenizer is None:
         raise ValueError(f"--model {args.model}: the checkpoint has no tokenizer.json.")
     prompt = args.prompt
     if args.chat:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+
+    if getattr(args, "kv", "none") == "xkv":
+        import jax.numpy as jnp
+
+        from lowrank_jax.kv import xkv_cache_factory
+
+        if args.temperature > 0:
+            raise ValueError("--kv xkv generates greedily; drop --temperature.")
+        factory = xkv_cache_factory(args.kv_ratio, args.kv_group)
+        ids = tokenizer.encode(prompt)
+        out = [int(t) for t in factory.generate(model, jnp.asarray([ids], jnp.int32),
+                                                max_new_tokens=args.max_new_tokens)[0]]
+        if tokenizer.eos_id in out:
+            out = out[: out.index(tokenizer.eos_id)]
+        print(tokenizer.decode(out))
+        print(f"[xKV cache: ratio {args.kv_ratio}, groups of {args.kv_group} layers]",
+              file=sys.stderr)
+        return 0
 
     def stream(token_id: int, piece: str) -> None:
         if token_id == tokenizer.eos_id:  # the end token ends the turn; do not print it

@@ -254,7 +254,8 @@ def edit_model(
     """Apply ``edits`` to ``model`` in place with the chosen method; returns a training log.
 
     CrispEdit: K-FAC factors of the targeted layers from ``capability_batches``, projector at
-    energy γ (or a prebuilt ``projector`` for the same layers), then Adam with every step projected (see :func:`crispedit_adam`); factors are
+    energy γ (or a prebuilt ``projector`` for the same layers), then Adam with every step
+    projected (see :func:`lowrank_jax.optim.crispedit.crispedit_adam`); factors are
     re-estimated when a kernel moved more than ``refresh_threshold`` (relative Frobenius).
     Batches with loss below ``stop_loss`` are skipped; training stops once all are below it.
 

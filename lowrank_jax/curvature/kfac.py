@@ -55,7 +55,7 @@ KFACFactors = dict[str, KFACFactor]  # {module path "layers/3/mlp/down_proj": KF
 
 
 class KFACEigenbasis(NamedTuple):
-    """Eigen-decompositions ``A = U_A diag(lam_A) U_Aᵀ``, ``G = U_G diag(lam_G) U_Gᵀ`` (ascending)."""
+    """Eigen-decompositions ``A = U_A diag(lam_A) U_Aᵀ``, ``G = U_G diag(lam_G) U_Gᵀ``."""
 
     U_A: Float[Array, "d_in d_in"]
     lam_A: Float[Array, " d_in"]
@@ -111,7 +111,9 @@ def dense_layer_paths(model: nnx.Module) -> list[str]:
     return [module_path(p) for p, m in nnx.iter_modules(model) if type(m) is nnx.Linear]
 
 
-def select_layers(model: nnx.Module, targets: str | Callable[[str], bool] | Sequence[str]) -> list[str]:
+def select_layers(
+    model: nnx.Module, targets: str | Callable[[str], bool] | Sequence[str]
+) -> list[str]:
     """Resolve ``targets`` (regex searched in the path, a predicate, or explicit paths) to paths.
 
     Raises:

@@ -10,10 +10,22 @@ from lowrank_jax.nn.inject import (
     remove_lora,
     unmerge_lora,
 )
+from lowrank_jax.nn.init import gap_direction, init_lora, init_lora_model
+from lowrank_jax.nn.lokra import LoKRAPlusLinear, kruskal_penalty, lokra_regularizer
 from lowrank_jax.nn.lora import LoRALinear, lora_scaling
+from lowrank_jax.nn.rank_plan import allocate_ranks, plan_ranks, probe_importance
 
 __all__ = [
     "FactorizedLinear",
+    "LoKRAPlusLinear",
+    "allocate_ranks",
+    "gap_direction",
+    "init_lora",
+    "init_lora_model",
+    "kruskal_penalty",
+    "lokra_regularizer",
+    "plan_ranks",
+    "probe_importance",
     "LoRALinear",
     "LoRARule",
     "LowRankFactor",

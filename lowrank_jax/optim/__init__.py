@@ -1,10 +1,38 @@
 """Optimizers as optax GradientTransformations, and the linear algebra they share."""
 
+from lowrank_jax.optim.balora import (
+    BaLoRAState,
+    balance_lora_params,
+    balance_pair,
+    balancing_gap,
+    balora,
+    find_lora_pairs,
+    scale_by_balora,
+)
+from lowrank_jax.optim.crispedit import (
+    CrispEditState,
+    LayerProjector,
+    build_projector,
+    crispedit,
+    crispedit_adam,
+    crispedit_refresh,
+    kron_project,
+    needs_refresh,
+)
 from lowrank_jax.optim.factors import (
     default_pair_fn,
     factor_pairs,
     factor_roles,
     label_factors,
+)
+from lowrank_jax.optim.janus import (
+    SubspaceMemory,
+    decoupled_margin_loss,
+    janus_rectify,
+    oe_accumulate,
+    oe_finalize,
+    orthogonality_clamp,
+    reanchor,
 )
 from lowrank_jax.optim.linalg import (
     newton_schulz,
@@ -21,6 +49,28 @@ from lowrank_jax.optim.spectron import (
 )
 
 __all__ = [
+    "CrispEditState",
+    "LayerProjector",
+    "build_projector",
+    "crispedit",
+    "crispedit_adam",
+    "crispedit_refresh",
+    "kron_project",
+    "needs_refresh",
+    "BaLoRAState",
+    "SubspaceMemory",
+    "balance_lora_params",
+    "balance_pair",
+    "balancing_gap",
+    "balora",
+    "decoupled_margin_loss",
+    "find_lora_pairs",
+    "janus_rectify",
+    "oe_accumulate",
+    "oe_finalize",
+    "orthogonality_clamp",
+    "reanchor",
+    "scale_by_balora",
     "SpectronState",
     "default_pair_fn",
     "factor_pairs",

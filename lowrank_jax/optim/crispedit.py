@@ -200,7 +200,8 @@ def build_projector(
         3.0
 
     Args:
-        factors: ``{path: KFACFactor}`` from :func:`lowrank_jax.curvature.kfac.estimate_kfac_factors`.
+        factors: ``{path: KFACFactor}`` from
+            :func:`lowrank_jax.curvature.kfac.estimate_kfac_factors`.
         energy: γ, the fraction of curvature energy removed, in (0, 1] (default 0.9).
         eig_floor: eigenvalues are clamped at this value (0 removes negative round-off).
 

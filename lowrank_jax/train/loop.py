@@ -66,15 +66,19 @@ def init_state(cfg: RunConfig, mesh=None) -> tuple[TrainState, optax.GradientTra
     return TrainState(graphdef, params, opt_state, 0), tx
 
 
-def make_train_step(graphdef, tx) -> Callable:
-    """``step(params, opt_state, inputs, targets) -> (params, opt_state, metrics)``, jitted."""
+def make_train_step(graphdef, tx, *, params=None, opt_state=None, batch_sharding=None) -> Callable:
+    """``step(params, opt_state, inputs, targets) -> (params, opt_state, metrics)``, jitted.
+
+    On a mesh, pass the (sharded) ``params``/``opt_state`` and the ``batch_sharding``: the step
+    is then compiled with explicit in/out shardings equal to the current ones, so the state's
+    sharding never drifts from the rules between steps.
+    """
 
     def loss_fn(params, inputs, targets):
         model = nnx.merge(graphdef, params)
         logits, _ = model(inputs)
         return cross_entropy(logits, targets)
 
-    @jax.jit
     def step(params, opt_state, inputs, targets):
         loss, grads = jax.value_and_grad(loss_fn)(params, inputs, targets)
         updates, new_opt_state = tx.update(grads, opt_state, params)
@@ -88,7 +92,12 @@ def make_train_step(graphdef, tx) -> Callable:
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "finite": finite}
         return new_params, new_opt_state, metrics
 
-    return step
+    if params is None:
+        return jax.jit(step)
+    sharding_of = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
+    param_sh, opt_sh = sharding_of(params), sharding_of(opt_state)
+    return jax.jit(step, in_shardings=(param_sh, opt_sh, batch_sharding, batch_sharding),
+                   out_shardings=(param_sh, opt_sh, None))
 
 
 def make_eval_fn(graphdef) -> Callable:
@@ -207,9 +216,13 @@ def train(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None
         state = restore_checkpoint(manager, state)
         log(f"resumed from step {state.step}")
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    step_fn = make_train_step(state.graphdef, tx)
-    eval_fn = make_eval_fn(state.graphdef)
     batch_spec = shard_lib.batch_sharding(mesh) if mesh is not None else None
+    if mesh is None:
+        step_fn = make_train_step(state.graphdef, tx)
+    else:
+        step_fn = make_train_step(state.graphdef, tx, params=state.params,
+                                  opt_state=state.opt_state, batch_sharding=batch_spec)
+    eval_fn = make_eval_fn(state.graphdef)
     metrics_path = run_dir / "metrics.jsonl"
     if not resume and metrics_path.exists():
         metrics_path.unlink()

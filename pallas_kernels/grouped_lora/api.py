@@ -1,0 +1,217 @@
+"""Public grouped LoRA ops: ``lora_shrink`` / ``lora_expand`` by Pallas kernel or by XLA.
+
+.. math::
+    h_t = s_{k(t)}\\,(x_t A_{k(t)}) \\odot m_{k(t)},\\qquad
+    y_t = \\mathrm{acc}_t + (h_t \\odot m_{k(t)}) B_{k(t)}
+
+Rows are sorted by group (``group_sizes[k]`` consecutive rows for adapter ``k``); ``m_k`` masks
+the padded rank slots ``r_k ≤ j < R``. Both ops are differentiable: the forward pass uses the
+kernel, the backward pass is the VJP of the ``ragged_dot`` reference (a ``custom_vjp``; the
+backward kernels — two tgmm-type reductions and two transposed gmms — are not written yet).
+
+References:
+    Yan et al, `PLoRA: Efficient LoRA Hyperparameter Tuning for Large Models
+    <https://arxiv.org/abs/2508.02932>`_, 2025.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from pallas_kernels.grouped_lora import kernel as _kernel
+from pallas_kernels.grouped_lora import reference
+
+IMPLEMENTATIONS = ("auto", "pallas", "xla")
+
+
+def _resolve(implementation: str, interpret: bool) -> str:
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation={implementation!r} is unknown; use one of {IMPLEMENTATIONS}."
+        )
+    if implementation == "auto":
+        return "pallas" if (interpret or jax.default_backend() in ("gpu", "tpu")) else "xla"
+    return implementation
+
+
+def _next_pow2(value: int) -> int:
+    out = 1
+    while out < value:
+        out *= 2
+    return out
+
+
+def _meta(group_sizes, ranks, scale, k: int):
+    """Offsets / ranks / scales padded to a power-of-two length ``≥ K + 1`` (Triton-friendly)."""
+    size = _next_pow2(k + 1)
+    gs = jnp.asarray(group_sizes, jnp.int32)
+    offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(gs)])
+    offsets = jnp.pad(offsets, (0, size - k - 1), mode="edge")
+    ranks = jnp.pad(jnp.asarray(ranks, jnp.int32), (0, size - k))
+    scale = jnp.pad(jnp.asarray(scale, jnp.float32), (0, size - k))
+    return offsets, ranks, scale
+
+
+def _check(name: str, group_sizes, ranks, k: int, r_max: int, block_r: int) -> None:
+    if jnp.shape(group_sizes) != (k,) or jnp.shape(ranks) != (k,):
+        raise ValueError(
+            f"{name}: group_sizes {jnp.shape(group_sizes)} and ranks {jnp.shape(ranks)} must both "
+            f"have shape ({k},), one entry per adapter."
+        )
+    if r_max % block_r:
+        raise ValueError(f"{name}: block_r={block_r} must divide the padded rank R={r_max}.")
+
+
+def _pad_rows(x, block_m):
+    n = x.shape[0]
+    pad = -n % block_m
+    return (jnp.pad(x, ((0, pad), (0, 0))) if pad else x), n
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _shrink_pallas(x, a, group_sizes, scale, ranks, block_m, block_r, block_k, interpret):
+    offsets, rk, sc = _meta(group_sizes, ranks, scale, a.shape[0])
+    xp, n = _pad_rows(x, block_m)
+    out = _kernel.grouped_shrink(offsets, rk, sc, xp, a, block_m=block_m, block_r=block_r,
+                                 block_k=block_k, interpret=interpret)
+    return out[:n]
+
+
+def _shrink_fwd(x, a, group_sizes, scale, ranks, block_m, block_r, block_k, interpret):
+    out = _shrink_pallas(x, a, group_sizes, scale, ranks, block_m, block_r, block_k, interpret)
+    return out, (x, a, group_sizes, scale, ranks)
+
+
+def _shrink_bwd(block_m, block_r, block_k, interpret, res, g):
+    x, a, group_sizes, scale, ranks = res
+    _, vjp = jax.vjp(lambda x, a, s: reference.lora_shrink_reference(x, a, group_sizes, s, ranks),
+                     x, a, scale)
+    dx, da, ds = vjp(g)
+    return dx, da, None, ds, None
+
+
+_shrink_pallas.defvjp(_shrink_fwd, _shrink_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _expand_pallas(h, b, group_sizes, ranks, acc, block_m, block_n, block_r, interpret):
+    offsets, rk, _ = _meta(group_sizes, ranks, jnp.ones_like(ranks, jnp.float32), b.shape[0])
+    hp, n = _pad_rows(h, block_m)
+    accp = None if acc is None else _pad_rows(acc, block_m)[0]
+    out = _kernel.grouped_expand(offsets, rk, hp, b, accp, block_m=block_m, block_n=block_n,
+                                 block_r=block_r, interpret=interpret)
+    return out[:n]
+
+
+def _expand_fwd(h, b, group_sizes, ranks, acc, block_m, block_n, block_r, interpret):
+    out = _expand_pallas(h, b, group_sizes, ranks, acc, block_m, block_n, block_r, interpret)
+    return out, (h, b, group_sizes, ranks, acc)
+
+
+def _expand_bwd(block_m, block_n, block_r, interpret, res, g):
+    h, b, group_sizes, ranks, acc = res
+    _, vjp = jax.vjp(lambda h, b: reference.lora_expand_reference(h, b, group_sizes, ranks), h, b)
+    dh, db = vjp(g)
+    dacc = None if acc is None else g.astype(acc.dtype)
+    return dh, db, None, None, dacc
+
+
+_expand_pallas.defvjp(_expand_fwd, _expand_bwd)
+
+
+def lora_shrink(
+    x: Float[Array, "n d_in"],
+    a: Float[Array, "k d_in r"],
+    group_sizes: Int[Array, "k"],
+    scale: Float[Array, "k"],
+    ranks: Int[Array, "k"],
+    *,
+    implementation: Literal["auto", "pallas", "xla"] = "auto",
+    interpret: bool = False,
+    block_m: int = 64,
+    block_r: int | None = None,
+    block_k: int | None = None,
+) -> Float[Array, "n r"]:
+    """Grouped LoRA down-projection ``h = s_k (x A_k) ⊙ m_k`` for tokens sorted by adapter.
+
+    Args:
+        x: ``[N, d_in]`` rows sorted by group; a: ``[K, d_in, R]`` (R = padded rank).
+        group_sizes: int32 ``[K]`` rows per group, ``sum ≤ N`` (a 0 is an empty slot).
+        scale: ``[K]`` (``alpha_k / r_k``); ranks: int ``[K]`` true ranks, ``0 ≤ r_k ≤ R``.
+        implementation: ``"pallas"`` (kernel), ``"xla"`` (``ragged_dot``), ``"auto"`` (kernel on
+            GPU/TPU or when ``interpret``, XLA otherwise).
+        interpret: run the kernel in Pallas interpret mode (CPU tests).
+        block_m: token tile; block_r: rank chunk that is skipped when ``≥ r_k``
+            (default ``min(16, R)``; DERIVED: bf16 MMA granularity).
+        block_k: ``d_in`` chunk of the contraction (default 512, or ``d_in`` when it does not
+            divide ``d_in``).
+
+    Returns:
+        ``[N, R]`` fp32; padded columns are exactly 0.
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> h = lora_shrink(jnp.ones((5, 4)), jnp.ones((2, 4, 8)), jnp.array([2, 3]),
+        ...                 jnp.ones(2), jnp.array([1, 8]), implementation="xla")
+        >>> h.shape, float(h[0, 1])
+        ((5, 8), 0.0)
+    """
+    k, _, r_max = a.shape
+    block_r = min(16, r_max) if block_r is None else block_r
+    _check("lora_shrink", group_sizes, ranks, k, r_max, block_r)
+    if _resolve(implementation, interpret) == "xla":
+        return reference.lora_shrink_reference(x, a, group_sizes, scale, ranks)
+    d_in = x.shape[1]
+    block_k = block_k or min(512, d_in)
+    block_k = block_k if d_in % block_k == 0 else d_in
+    return _shrink_pallas(x, a, group_sizes, jnp.asarray(scale, jnp.float32), ranks, block_m,
+                          block_r, block_k, interpret)
+
+
+def lora_expand(
+    h: Float[Array, "n r"],
+    b: Float[Array, "k r d_out"],
+    group_sizes: Int[Array, "k"],
+    ranks: Int[Array, "k"],
+    acc: Float[Array, "n d_out"] | None = None,
+    *,
+    implementation: Literal["auto", "pallas", "xla"] = "auto",
+    interpret: bool = False,
+    block_m: int = 64,
+    block_n: int = 128,
+    block_r: int | None = None,
+) -> Float[Array, "n d_out"]:
+    """Grouped LoRA up-projection ``y = acc + (h ⊙ m_k) B_k`` for tokens sorted by adapter.
+
+    Args:
+        h: ``[N, R]``; b: ``[K, R, d_out]``; group_sizes, ranks: int ``[K]``.
+        acc: optional ``[N, d_out]`` added in the kernel (the base output; saves a pass).
+        implementation, interpret, block_m, block_r: as :func:`lora_shrink`.
+        block_n: output-column tile (uses ``d_out`` when it does not divide ``d_out``).
+
+    Returns:
+        ``[N, d_out]`` fp32.
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> y = lora_expand(jnp.ones((3, 2)), jnp.ones((2, 2, 4)), jnp.array([1, 2]),
+        ...                 jnp.array([1, 2]), implementation="xla")
+        >>> y[:, 0].tolist()
+        [1.0, 2.0, 2.0]
+    """
+    k, r_max, d_out = b.shape
+    block_r = min(16, r_max) if block_r is None else block_r
+    _check("lora_expand", group_sizes, ranks, k, r_max, block_r)
+    if acc is not None and acc.shape != (h.shape[0], d_out):
+        raise ValueError(f"lora_expand: acc shape {acc.shape} must be {(h.shape[0], d_out)}.")
+    if _resolve(implementation, interpret) == "xla":
+        return reference.lora_expand_reference(h, b, group_sizes, ranks, acc)
+    block_n = block_n if d_out % block_n == 0 else d_out
+    return _expand_pallas(h, b, group_sizes, ranks, acc, block_m, block_n, block_r, interpret)
