@@ -36,6 +36,7 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
+from lowrank_jax.train.continual import continual_metrics
 from lowrank_jax.optim.janus import (
     SubspaceMemory,
     decoupled_margin_loss,
@@ -218,10 +219,9 @@ def run_method(method: str, data, seed: int, steps: int, lr: float, batch: int):
         for j in range(last + 1):
             acc[last if method != "joint" else TASKS - 1, j] = float(
                 accuracy(params, data[j][1][0], data[j][1][1], seen))
-    final = acc[TASKS - 1]
-    avg_acc = float(final.mean())
-    bwt = float(np.mean([final[j] - acc[j, j] for j in range(TASKS - 1)])) \
-        if method != "joint" else float("nan")
+    metrics = continual_metrics(acc)
+    avg_acc = metrics.acc
+    bwt = metrics.bwt if method != "joint" else float("nan")
     return {"acc": avg_acc, "bwt": bwt, "matrix": acc.tolist(),
             "violation_l1": float(np.mean(violation)) if violation else float("nan")}
 

@@ -145,7 +145,7 @@ def main():
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=300, help="steps per task (all methods)")
     parser.add_argument("--lr", type=float, default=3e-3, help="Adam lr (baselines, LoDA head)")
-    parser.add_argument("--gao-lr", type=float, default=0.1, help="GAO (SGD momentum) lr for B")
+    parser.add_argument("--gao-lr", type=float, default=0.03, help="GAO (SGD momentum) lr for B")
     parser.add_argument("--gao-adam", action="store_true", help="ablation: Adam instead of GAO")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--k-g", type=int, default=base.RANK // 2)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any, Literal, Sequence
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
@@ -176,8 +175,9 @@ class MultiLoRALinear(nnx.Linear):
 
 
 def multi_lora_layers(model: nnx.Module) -> list[tuple[str, MultiLoRALinear]]:
-    """All ``MultiLoRALinear`` submodules as ``(dotted path, layer)``."""
-    return [(".".join(str(p) for p in path), m) for path, m in nnx.iter_graph(model)
+    """All ``MultiLoRALinear`` submodules as ``(path, layer)``, paths like ``layers/0/mlp/up_proj``
+    (the format of :func:`lowrank_jax.nn.lora_layers`)."""
+    return [("/".join(str(p) for p in path), m) for path, m in nnx.iter_modules(model)
             if isinstance(m, MultiLoRALinear)]
 
 
@@ -214,7 +214,7 @@ def apply_multi_lora(
         1
     """
     found = []
-    for path, module in nnx.iter_graph(model):
+    for path, module in nnx.iter_modules(model):
         if (isinstance(module, nnx.Linear) and not isinstance(module, MultiLoRALinear)
                 and path and str(path[-1]) in targets):
             found.append((path, module))

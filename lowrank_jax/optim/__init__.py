@@ -34,6 +34,14 @@ from lowrank_jax.optim.janus import (
     orthogonality_clamp,
     reanchor,
 )
+from lowrank_jax.optim import loda
+from lowrank_jax.optim.loda import CovStat as LoDACovStat
+from lowrank_jax.optim.loda import LoDASubspaces, gao
+from lowrank_jax.optim.loda import decompose as loda_decompose
+from lowrank_jax.optim.loda import feature_stats as loda_feature_stats
+from lowrank_jax.optim.loda import merge as loda_merge
+from lowrank_jax.optim.loda import recalibrate as loda_recalibrate
+from lowrank_jax.optim.loda import update_memory as loda_update_memory
 from lowrank_jax.optim.linalg import (
     newton_schulz,
     polar,
@@ -49,6 +57,15 @@ from lowrank_jax.optim.spectron import (
 )
 
 __all__ = [
+    "LoDACovStat",
+    "LoDASubspaces",
+    "gao",
+    "loda",
+    "loda_decompose",
+    "loda_feature_stats",
+    "loda_merge",
+    "loda_recalibrate",
+    "loda_update_memory",
     "CrispEditState",
     "LayerProjector",
     "build_projector",

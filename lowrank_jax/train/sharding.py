@@ -126,10 +126,11 @@ def check_divisible(path, shape, spec: P, mesh) -> None:
             continue
         names = axis if isinstance(axis, tuple) else (axis,)
         size = int(np.prod([mesh.shape[a] for a in names]))
-        axis = "x".join(names)
+        axis = "*".join(names)
         if dim % size:
             raise ValueError(
-                f"parameter {'/'.join(_path_names(path))} dimension {dim} is not divisible by "
+                f"parameter {'/'.join(n for n in _path_names(path) if n != 'value')} dimension "
+                f"{dim} is not divisible by "
                 f"mesh axis {axis}={size}; change the model size or the mesh."
             )
 

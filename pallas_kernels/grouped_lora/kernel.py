@@ -4,7 +4,8 @@ Portable subset only (``pallas_call`` grid, ``BlockSpec``, ``fori_loop``, ``pl.w
 so the body lowers with Triton on GPU and runs in interpret mode on CPU.
 
 * shrink: grid ``(N / block_m,)``; program ``i`` owns rows ``[i·bm, (i+1)·bm)`` and the whole
-  ``[bm, R]`` output; the ``d_in`` contraction runs in chunks of ``block_k``. It loops over the K groups; a group that does not overlap the row tile is
+  ``[bm, R]`` output; the ``d_in`` contraction runs in chunks of ``block_k``. It loops over
+  the K groups; a group that does not overlap the row tile is
   skipped (``pl.when``), and inside a group every rank chunk of ``block_r`` columns that starts at
   or beyond ``r_k`` is skipped, so padding ranks to ``R`` costs almost nothing.
 * expand: grid ``(N / block_m, d_out / block_n)``; the contraction over ``R`` runs in chunks of

@@ -97,7 +97,7 @@ def lora_expand_reference(
 
 
 def grouped_lora_loop_reference(x, a, b, group_sizes, scale, ranks):
-    """Slice-per-group oracle (Python loop, concrete ``group_sizes``): ``s_k x_k A_k[:, :r_k] B_k[:r_k]``."""
+    """Slice-per-group oracle (Python loop, concrete sizes): ``s_k x_k A_k[:, :r_k] B_k[:r_k]``."""
     out, start = [], 0
     for k, size in enumerate([int(g) for g in group_sizes]):
         rk = int(ranks[k])
