@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         model, tokenizer = load_model(
             args.model, dtype=args.dtype, projection=args.projection,
             rank_ratio=args.rank_ratio if args.projection == "factorized" else None,
-            attention=args.attention,
+            attention=getattr(args, "attention", "reference"),
         )
     if tokenizer is None:
         raise ValueError(f"--model {args.model}: the checkpoint has no tokenizer.json.")

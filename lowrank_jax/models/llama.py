@@ -8,7 +8,7 @@ checkpoints load by name and LoRA adapters export to PEFT with the names PEFT ex
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp

@@ -13,10 +13,22 @@ from lowrank_jax.nn.inject import (
 from lowrank_jax.nn.init import gap_direction, init_lora, init_lora_model
 from lowrank_jax.nn.lokra import LoKRAPlusLinear, kruskal_penalty, lokra_regularizer
 from lowrank_jax.nn.lora import LoRALinear, lora_scaling
+from lowrank_jax.nn.multi_lora import (
+    AdapterIds,
+    MultiLoRALinear,
+    apply_multi_lora,
+    multi_lora_layers,
+    set_adapter_ids,
+)
 from lowrank_jax.nn.rank_plan import allocate_ranks, plan_ranks, probe_importance
 
 __all__ = [
+    "AdapterIds",
     "FactorizedLinear",
+    "MultiLoRALinear",
+    "apply_multi_lora",
+    "multi_lora_layers",
+    "set_adapter_ids",
     "LoKRAPlusLinear",
     "allocate_ranks",
     "gap_direction",

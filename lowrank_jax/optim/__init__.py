@@ -13,7 +13,6 @@ from lowrank_jax.optim.crispedit import (
     CrispEditState,
     LayerProjector,
     build_projector,
-    crispedit,
     crispedit_adam,
     crispedit_refresh,
     kron_project,
@@ -34,7 +33,7 @@ from lowrank_jax.optim.janus import (
     orthogonality_clamp,
     reanchor,
 )
-from lowrank_jax.optim import loda
+from lowrank_jax.optim import crispedit, loda  # modules (their transforms share the name)
 from lowrank_jax.optim.loda import CovStat as LoDACovStat
 from lowrank_jax.optim.loda import LoDASubspaces, gao
 from lowrank_jax.optim.loda import decompose as loda_decompose

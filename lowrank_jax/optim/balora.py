@@ -179,8 +179,9 @@ def find_lora_pairs(tree: Any) -> list[tuple[int, int, str]]:
             have = next(iter(members))
             missing = RIGHT_NAME if have == LEFT_NAME else LEFT_NAME
             raise ValueError(
-                f"find_lora_pairs: {where}/{have} has no sibling {missing!r}; BaLoRA needs both "
-                "factors of each adapter in the tree (do not mask one of them out)."
+                f"find_lora_pairs: {where}/{have} has no sibling {missing!r}; LoRA transforms "
+                "(BaLoRA, Janus) need both factors of each adapter in the tree (do not mask one "
+                "of them out)."
             )
         pairs.append((members[LEFT_NAME], members[RIGHT_NAME], where))
     return pairs

@@ -41,49 +41,28 @@ References:
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Float
 
+from lowrank_jax.optim.balora import find_lora_pairs
+
 # ---------------------------------------------------------------------------------------------
 # Finding LoRA pairs in a parameter tree
 # ---------------------------------------------------------------------------------------------
 
 
-def _key_name(entry) -> str:
-    return str(getattr(entry, "key", getattr(entry, "name", getattr(entry, "idx", entry))))
-
-
 def lora_pair_paths(tree) -> dict[str, tuple[int, int]]:
-    """``{parent path: (index of lora_a, index of lora_b)}`` over the flattened leaves of ``tree``.
+    """``{parent path: (index of lora_a, index of lora_b)}`` in ``jax.tree.leaves`` order.
 
-    Leaves named ``lora_a`` / ``lora_b`` (an ``nnx.State``'s trailing ``value`` is ignored) under
-    the same parent form a pair; ``optax.MaskedNode`` leaves are skipped. A lone factor is an
-    error naming its path.
+    The pair finder is BaLoRA's :func:`lowrank_jax.optim.balora.find_lora_pairs` (leaves named
+    ``lora_a`` / ``lora_b`` under one parent; ``optax.MaskedNode`` has no leaves; a lone factor is
+    an error naming its path).
     """
-    leaves = jax.tree_util.tree_flatten_with_path(
-        tree, is_leaf=lambda x: isinstance(x, optax.MaskedNode))[0]
-    found: dict[str, dict[str, int]] = {}
-    for i, (path, leaf) in enumerate(leaves):
-        if isinstance(leaf, optax.MaskedNode):
-            continue
-        names = [_key_name(p) for p in path]
-        if names and names[-1] == "value":
-            names = names[:-1]
-        if names and names[-1] in ("lora_a", "lora_b"):
-            found.setdefault("/".join(names[:-1]), {})[names[-1]] = i
-    pairs = {}
-    for parent, roles in found.items():
-        if set(roles) != {"lora_a", "lora_b"}:
-            raise ValueError(
-                f"janus: LoRA factor pair at {parent!r} is incomplete (found {sorted(roles)}); "
-                "both lora_a and lora_b must be in the tree the transform sees."
-            )
-        pairs[parent] = (roles["lora_a"], roles["lora_b"])
-    return pairs
+    return {parent: (ia, ib) for ia, ib, parent in find_lora_pairs(tree)}
 
 
 def _check_basis(parent: str, basis, d_in: int):
@@ -147,10 +126,8 @@ class JanusState(NamedTuple):
 
 
 def _map_pairs(fn, updates, params, subspaces):
-    leaves, treedef = jax.tree_util.tree_flatten(
-        updates, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
-    param_leaves = jax.tree_util.tree_flatten(
-        params, is_leaf=lambda x: isinstance(x, optax.MaskedNode))[0]
+    leaves, treedef = jax.tree_util.tree_flatten(updates)
+    param_leaves = jax.tree_util.tree_leaves(params)
     pairs = lora_pair_paths(updates)
     subspaces = subspaces or {}
     unknown = sorted(set(subspaces) - set(pairs))

@@ -366,8 +366,8 @@ def plan_plora(jobs, models, cost: CostModel, devices: int, *, saturation: float
         >>> m = {"tiny": ModelSpec("tiny", params=1e8, layers=4, lora_dims=4096)}
         >>> jobs = [JobSpec(f"j{i}", "tiny", 8, 2, 128, 100) for i in range(4)]
         >>> p = plan_plora(jobs, m, CostModel(), devices=2)
-        >>> len(p.packs), p.makespan <= plan_one_per_device(jobs, m, CostModel(), 2).makespan
-        (1, True)
+        >>> p.packs, p.makespan < plan_one_per_device(jobs, m, CostModel(), 2).makespan
+        ([['j0', 'j2'], ['j1', 'j3']], True)
     """
     _check_jobs(jobs, models, cost)
     order = sorted(jobs, key=lambda j: (-j.steps * j.tokens, j.name))
