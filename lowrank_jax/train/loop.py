@@ -199,11 +199,16 @@ def train(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None
     from tqdm.auto import tqdm
 
     run_dir = pathlib.Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     if mesh is None and cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor > 1:
-        n = cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor
-        mesh = shard_lib.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor,
-                                   devices=jax.devices()[:n] if n <= len(jax.devices()) else None)
+        mesh = shard_lib.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    if mesh is not None:
+        split = mesh.shape["data"] * mesh.shape["fsdp"]
+        if cfg.train.batch_size % split:
+            raise ValueError(
+                f"train.batch_size={cfg.train.batch_size} is not divisible by data x fsdp = "
+                f"{split}; use a multiple of {split}."
+            )
+    run_dir.mkdir(parents=True, exist_ok=True)
     tokens = corpus_bytes()
     train_tokens, val_tokens = train_val_split(tokens, cfg.train.val_fraction)
     entropy = unigram_entropy_bits(train_tokens)
