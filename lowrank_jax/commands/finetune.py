@@ -48,6 +48,9 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/finetune", help="output folder (adapter + metrics)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.add_argument("--jobs", default=None, metavar="JOBS.yaml",
+                   help="train several LoRA jobs at once on one base (PLoRA packing); see "
+                        "lowrank_jax/commands/_jobs.py for the file format")
     p.set_defaults(func=run)
 
 
@@ -232,6 +235,10 @@ def _load(model_name: str, data: str | None):
 
 
 def run(args) -> int:
+    if getattr(args, "jobs", None):
+        from lowrank_jax.commands._jobs import run_jobs
+
+        return run_jobs(args)
     from lowrank_jax.io.peft import export_peft
     from lowrank_jax.nn.rank_plan import plan_ranks
 
