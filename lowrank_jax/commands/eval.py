@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from lowrank_jax.commands._common import add_model_arguments
+
 
 def register(subparsers) -> None:
     """Add the ``eval`` subcommand."""
@@ -22,16 +24,8 @@ def register(subparsers) -> None:
                         help="step between windows (default: --window, disjoint windows)")
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="evaluate only the first N tokens")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--projection", default="dense", choices=("dense", "factorized"))
-    parser.add_argument("--rank-ratio", type=float, default=None,
-                        help="rank ratio for --projection factorized (default 0.5)")
-    parser.add_argument("--attention", default="reference", choices=("reference", "flash", "sale"),
-                        help="attention implementation (Pallas kernels: flash, sale)")
-    parser.add_argument("--kv", default="none", choices=("none", "xkv"),
-                        help="score each window from an xKV-compressed cache of its context")
-    parser.add_argument("--kv-ratio", type=float, default=8.0, help="xKV compression ratio")
-    parser.add_argument("--kv-group", type=int, default=4, help="layers per xKV group")
+    add_model_arguments(
+        parser, kv_help='score each window from an xKV-compressed cache of its context')
     parser.add_argument("--kv-eval-tokens", type=int, default=128,
                         help="with --kv: tokens scored per window after the compressed context")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")

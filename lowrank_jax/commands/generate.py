@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+
+from lowrank_jax.commands._common import add_model_arguments
 import sys
 
 
@@ -22,16 +24,7 @@ def register(subparsers) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (with T > 0)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--projection", default="dense", choices=("dense", "factorized"))
-    parser.add_argument("--rank-ratio", type=float, default=None,
-                        help="rank ratio for --projection factorized (default 0.5)")
-    parser.add_argument("--attention", default="reference", choices=("reference", "flash", "sale"),
-                        help="attention implementation (Pallas kernels: flash, sale)")
-    parser.add_argument("--kv", default="none", choices=("none", "xkv"),
-                        help="compress the prompt's KV cache with xKV (cross-layer SVD)")
-    parser.add_argument("--kv-ratio", type=float, default=8.0, help="xKV compression ratio")
-    parser.add_argument("--kv-group", type=int, default=4, help="layers per xKV group")
+    add_model_arguments(parser, kv_help="compress the prompt's KV cache with xKV (cross-layer SVD)")
     parser.set_defaults(func=run)
 
 

@@ -1,0 +1,16 @@
+"""Arguments shared by the commands that load a real model (eval, generate)."""
+
+from __future__ import annotations
+
+
+def add_model_arguments(parser, *, kv_help: str) -> None:
+    """``--dtype --projection --rank-ratio --attention --kv --kv-ratio --kv-group``."""
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--projection", default="dense", choices=("dense", "factorized"))
+    parser.add_argument("--rank-ratio", type=float, default=None,
+                        help="rank ratio for --projection factorized (default 0.5)")
+    parser.add_argument("--attention", default="reference", choices=("reference", "flash", "sale"),
+                        help="attention implementation (Pallas kernels: flash, sale)")
+    parser.add_argument("--kv", default="none", choices=("none", "xkv"), help=kv_help)
+    parser.add_argument("--kv-ratio", type=float, default=8.0, help="xKV compression ratio")
+    parser.add_argument("--kv-group", type=int, default=4, help="layers per xKV group")
