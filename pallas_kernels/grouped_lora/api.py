@@ -25,25 +25,9 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels.grouped_lora import kernel as _kernel
 from pallas_kernels.grouped_lora import reference
-
-IMPLEMENTATIONS = ("auto", "pallas", "xla")
-
-
-def _resolve(implementation: str, interpret: bool) -> str:
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"implementation={implementation!r} is unknown; use one of {IMPLEMENTATIONS}."
-        )
-    if implementation == "auto":
-        return "pallas" if (interpret or jax.default_backend() in ("gpu", "tpu")) else "xla"
-    return implementation
-
-
-def _next_pow2(value: int) -> int:
-    out = 1
-    while out < value:
-        out *= 2
-    return out
+from pallas_kernels._dispatch import IMPLEMENTATIONS  # noqa: F401 (re-export)
+from pallas_kernels._dispatch import next_pow2 as _next_pow2
+from pallas_kernels._dispatch import resolve_implementation as _resolve
 
 
 def _meta(group_sizes, ranks, scale, k: int):

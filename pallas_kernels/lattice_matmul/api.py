@@ -22,30 +22,15 @@ from jaxtyping import Array, Float, UInt8
 
 from pallas_kernels.lattice_matmul import reference
 from pallas_kernels.lattice_matmul.kernel import lattice_planes_matmul
+from pallas_kernels._dispatch import IMPLEMENTATIONS  # noqa: F401 (re-export)
+from pallas_kernels._dispatch import next_pow2 as _next_pow2
+from pallas_kernels._dispatch import resolve_implementation as _resolve
 
-IMPLEMENTATIONS = ("auto", "pallas", "xla")
 MODES = ("fold", "dequant")
 
 
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
-
-
-def _next_pow2(value: int) -> int:
-    out = 1
-    while out < value:
-        out *= 2
-    return out
-
-
-def _resolve(implementation: str, interpret: bool) -> str:
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"implementation={implementation!r} is unknown; use one of {IMPLEMENTATIONS}."
-        )
-    if implementation == "auto":
-        return "pallas" if (interpret or jax.default_backend() in ("gpu", "tpu")) else "xla"
-    return implementation
 
 
 def code_matmul(
