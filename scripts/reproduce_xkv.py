@@ -74,6 +74,10 @@ def main(argv=None) -> int:
     parser.add_argument("--eval", type=int, default=256)
     parser.add_argument("--ratios", type=float, nargs="+", default=[2.0, 4.0, 8.0])
     parser.add_argument("--group-size", type=int, default=xkv.DEFAULT_GROUP_SIZE)
+    parser.add_argument("--sink-tokens", type=int, default=xkv.DEFAULT_SINK_TOKENS,
+                        help="exact leading tokens for the '+ sink' rows (0: paper rows only)")
+    parser.add_argument("--extra-groups", type=int, nargs="*", default=[8],
+                        help="extra xKV group sizes to report (with the sink setting)")
     parser.add_argument("--gen-tokens", type=int, default=32)
     parser.add_argument("--gen-ratio", type=float, default=8.0)
     parser.add_argument("--quick", action="store_true", help="2 windows of 256+64, ratios 2, 8")
@@ -88,7 +92,15 @@ def main(argv=None) -> int:
     model, encode, decode = _load(args.model)
     cfg = model.cfg
     windows = _windows(encode, args.windows, args.context + args.eval + 1)
-    settings = [("none", None)] + [(m, r) for r in args.ratios for m in ("xkv", "per_layer_svd")]
+    # (method, ratio, sink tokens, group size): the paper's xKV and its per-layer baseline
+    # (no sink), the same pair with the library's default exact sink token, and G = 8.
+    g, sink = args.group_size, args.sink_tokens
+    settings = [("none", None, 0, 1)]
+    for r in args.ratios:
+        settings += [("xkv", r, 0, g), ("per_layer_svd", r, 0, 1)]
+        if sink:
+            settings += [("xkv", r, sink, g), ("per_layer_svd", r, sink, 1)]
+        settings += [("xkv", r, sink, G) for G in args.extra_groups]
     records = []
     for w, ids in enumerate(tqdm(windows, desc="windows")):
         for rec in xkv.xkv_perplexity_sweep(model, ids, context_len=args.context,
@@ -99,34 +111,40 @@ def main(argv=None) -> int:
             json.dump(records, f, indent=1)
 
     rows = []
-    for method, ratio in settings:
-        sel = [r for r in records if r["method"] == method and r["target_ratio"] == ratio]
+    for method, ratio, sink_n, group in settings:
+        sel = [r for r in records if r["method"] == method and r["target_ratio"] == ratio
+               and r["sink_tokens"] in (sink_n, None) and r["group_size"] in (group, None)]
         nll = float(np.mean([r["nll"] for r in sel]))
         rows.append(dict(
-            method=method, target_ratio=ratio, compression_ratio=float(np.mean(
+            method=method, target_ratio=ratio, sink_tokens=sink_n, group_size=group,
+            compression_ratio=float(np.mean(
                 [r["compression_ratio"] for r in sel])),
             rank_k=sel[0]["rank_k"], rank_v=sel[0]["rank_v"], perplexity=math.exp(nll),
             window_perplexities=[r["perplexity"] for r in sel],
             key_error=float(np.mean([r["key_error"] for r in sel])),
             value_error=float(np.mean([r["value_error"] for r in sel])),
         ))
-    header = (f"{'method':<14} {'target':>6} {'actual':>7} {'r_k/r_v':>9} {'ppl':>8} "
-              f"{'K err':>6} {'V err':>6}  per-window ppl")
+    header = (f"{'method':<14} {'G':>2} {'sink':>4} {'target':>6} {'actual':>7} {'r_k/r_v':>9} "
+              f"{'ppl':>8} {'K err':>6} {'V err':>6}  per-window ppl")
     print(header)
     for r in rows:
         ranks = "-" if r["rank_k"] is None else f"{r['rank_k']}/{r['rank_v']}"
         target = "-" if r["target_ratio"] is None else f"{r['target_ratio']:.0f}x"
         wins = " ".join(f"{p:.2f}" for p in r["window_perplexities"])
-        print(f"{r['method']:<14} {target:>6} {r['compression_ratio']:>6.2f}x {ranks:>9} "
+        print(f"{r['method']:<14} {r['group_size']:>2} {r['sink_tokens']:>4} {target:>6} "
+              f"{r['compression_ratio']:>6.2f}x {ranks:>9} "
               f"{r['perplexity']:>8.3f} {r['key_error']:>6.3f} {r['value_error']:>6.3f}  {wins}")
 
     # greedy generation from a long prompt: exact (full-rank factors) vs 8x caches
     prompt = jnp.asarray(windows[0][None, : args.context])
     samples = {}
+    r8 = f"{args.gen_ratio:g}x"
     for label, kwargs in tqdm([
-        ("exact", dict(rank="full", group_size=args.group_size, ratio=None)),
-        (f"xkv_{args.gen_ratio:g}x", dict(ratio=args.gen_ratio, group_size=args.group_size)),
-        (f"per_layer_svd_{args.gen_ratio:g}x", dict(ratio=args.gen_ratio, group_size=1)),
+        ("exact", dict(rank="full", group_size=args.group_size, ratio=None, sink_tokens=0)),
+        (f"xkv_{r8}_sink{sink}", dict(ratio=args.gen_ratio, group_size=g, sink_tokens=sink)),
+        (f"xkv_{r8}_paper", dict(ratio=args.gen_ratio, group_size=g, sink_tokens=0)),
+        (f"per_layer_svd_{r8}_sink{sink}", dict(ratio=args.gen_ratio, group_size=1,
+                                                sink_tokens=sink)),
     ], desc="generation"):
         out = xkv.xkv_generate(model, prompt, max_new_tokens=args.gen_tokens, **kwargs)
         samples[label] = dict(ids=[int(i) for i in out[0]], text=decode(list(out[0])))
@@ -155,16 +173,21 @@ def _plot(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(5, 3.5))
+    fig, ax = plt.subplots(figsize=(6, 4))
     exact = [r["perplexity"] for r in rows if r["method"] == "none"][0]
     ax.axhline(exact, color="k", ls="--", label="exact cache")
-    for method, marker in (("xkv", "o"), ("per_layer_svd", "s")):
-        pts = [(r["compression_ratio"], r["perplexity"]) for r in rows if r["method"] == method]
-        ax.plot(*zip(*pts), marker=marker, label=method)
+    styles = {"xkv": "o", "per_layer_svd": "s"}
+    for key in sorted({(r["method"], r["group_size"], r["sink_tokens"]) for r in rows
+                       if r["method"] != "none"}):
+        method, group, sink = key
+        pts = [(r["compression_ratio"], r["perplexity"]) for r in rows
+               if (r["method"], r["group_size"], r["sink_tokens"]) == key]
+        label = f"{method} (G={group})" + (f" + {sink} sink" if sink else ", paper")
+        ax.plot(*zip(*pts), marker=styles[method], ls="-" if sink else "--", label=label)
     ax.set_xlabel("KV-cache compression ratio")
     ax.set_ylabel("perplexity")
     ax.set_xscale("log", base=2)
-    ax.legend()
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

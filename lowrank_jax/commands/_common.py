@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 def add_model_arguments(parser, *, kv_help: str) -> None:
-    """``--dtype --projection --rank-ratio --attention --kv --kv-ratio --kv-group``."""
+    """``--dtype --projection --rank-ratio --attention --kv --kv-ratio --kv-group --kv-sink``."""
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--projection", default="dense", choices=("dense", "factorized"))
     parser.add_argument("--rank-ratio", type=float, default=None,
@@ -14,3 +14,5 @@ def add_model_arguments(parser, *, kv_help: str) -> None:
     parser.add_argument("--kv", default="none", choices=("none", "xkv"), help=kv_help)
     parser.add_argument("--kv-ratio", type=float, default=8.0, help="xKV compression ratio")
     parser.add_argument("--kv-group", type=int, default=4, help="layers per xKV group")
+    parser.add_argument("--kv-sink", type=int, default=1,
+                        help="leading prompt tokens kept exact by xKV (0 = the paper's xKV)")

@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _eval_xkv(args, model, ids, window: int, source: str) -> int:
-    """Per window: prefill ``window - kv_eval_tokens`` tokens, compress, score the rest."""
+    """Per window: prefill ``window - kv_eval_tokens - 1`` tokens, compress, score the rest."""
     import math
 
     from tqdm.auto import tqdm
@@ -87,13 +87,15 @@ def _eval_xkv(args, model, ids, window: int, source: str) -> int:
     n_windows = len(ids) // window
     if n_windows == 0:
         raise ValueError(f"the text has {len(ids)} tokens, fewer than one window of {window}.")
-    factory = xkv_cache_factory(args.kv_ratio, args.kv_group)
+    factory = xkv_cache_factory(args.kv_ratio, args.kv_group, args.kv_sink)
     logs = []
     for w in tqdm(range(n_windows), desc="xkv eval", disable=args.no_progress):
         chunk = ids[w * window:(w + 1) * window]
-        ppl = factory.perplexity(model, chunk, context_len=window - eval_len, eval_len=eval_len)
+        ppl = factory.perplexity(model, chunk, context_len=window - eval_len - 1,
+                                 eval_len=eval_len)
         logs.append(math.log(ppl))
     print(f"perplexity {math.exp(sum(logs) / len(logs)):.3f} with an xKV cache (ratio "
-          f"{args.kv_ratio}, groups of {args.kv_group}): {n_windows} window(s) of {window}, "
-          f"last {eval_len} tokens of each scored, on {source}")
+          f"{args.kv_ratio}, groups of {args.kv_group}, {args.kv_sink} exact sink token(s)): "
+          f"{n_windows} window(s) of {window}, last {eval_len} tokens of each scored, "
+          f"on {source}")
     return 0

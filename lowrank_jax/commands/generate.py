@@ -57,14 +57,15 @@ def run(args: argparse.Namespace, *, cache_factory=None) -> int:
 
         if args.temperature > 0:
             raise ValueError("--kv xkv generates greedily; drop --temperature.")
-        factory = xkv_cache_factory(args.kv_ratio, args.kv_group)
+        factory = xkv_cache_factory(args.kv_ratio, args.kv_group, args.kv_sink)
         ids = tokenizer.encode(prompt)
         out = [int(t) for t in factory.generate(model, jnp.asarray([ids], jnp.int32),
                                                 max_new_tokens=args.max_new_tokens)[0]]
         if tokenizer.eos_id in out:
             out = out[: out.index(tokenizer.eos_id)]
         print(tokenizer.decode(out))
-        print(f"[xKV cache: ratio {args.kv_ratio}, groups of {args.kv_group} layers]",
+        print(f"[xKV cache: ratio {args.kv_ratio}, groups of {args.kv_group} layers, "
+              f"{args.kv_sink} exact sink token(s)]",
               file=sys.stderr)
         return 0
 

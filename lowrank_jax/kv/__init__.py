@@ -2,6 +2,7 @@
 
 from lowrank_jax.kv.xkv import (
     DEFAULT_GROUP_SIZE,
+    DEFAULT_SINK_TOKENS,
     METHODS,
     SelectiveConfig,
     SelectiveState,
@@ -25,7 +26,7 @@ from lowrank_jax.kv.xkv import (
 )
 
 __all__ = [
-    "DEFAULT_GROUP_SIZE", "METHODS", "SelectiveConfig", "SelectiveState", "XKVCache",
+    "DEFAULT_GROUP_SIZE", "DEFAULT_SINK_TOKENS", "METHODS", "SelectiveConfig", "SelectiveState", "XKVCache",
     "XKVCacheFactory", "choose_ranks", "compressed_bytes", "compression_ratio", "layer_groups",
     "predicted_compression_ratio", "selective_decode_attention", "uncompressed_bytes",
     "xkv_cache_factory", "xkv_compress", "xkv_decode_step", "xkv_generate", "xkv_perplexity",

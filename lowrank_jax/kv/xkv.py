@@ -46,6 +46,11 @@ from pallas_kernels.xkv_decode.reference import NEG_INF, reconstruct, rope
 
 DEFAULT_GROUP_SIZE = 4  # xKV-4, the paper's default
 DEFAULT_VALUE_RANK_SCALE = 1.5  # r_v / r_k = 576 / 384 in the paper's default setting
+# Exact "attention-sink" prompt tokens kept outside the SVD by the model-level entry points
+# (DERIVED, not in the paper: on SmolLM2 the first token's reconstruction error dominates the
+# perplexity loss; keeping it exact costs one token of cache and closes most of the gap; see
+# docs/results/xkv.md). ``xkv_compress`` itself defaults to the paper (0).
+DEFAULT_SINK_TOKENS = 1
 METHODS = ("xkv", "per_layer_svd", "none")
 
 
@@ -89,6 +94,15 @@ def _full_rank(tokens: int, group_layers: int, kv_heads: int, head_dim: int) -> 
     return min(tokens, group_layers * kv_heads * head_dim)
 
 
+def _check_sink(sink_tokens, tokens: int) -> None:
+    if (not isinstance(sink_tokens, (int, np.integer)) or isinstance(sink_tokens, bool)
+            or not 0 <= sink_tokens < tokens):
+        raise ValueError(
+            f"sink_tokens={sink_tokens!r} must be an int in [0, {tokens}) (prompt length "
+            f"{tokens}); it counts the leading prompt tokens kept exact, e.g. 1."
+        )
+
+
 def choose_ranks(
     ratio: float,
     *,
@@ -98,14 +112,17 @@ def choose_ranks(
     head_dim: int,
     value_rank_scale: float = DEFAULT_VALUE_RANK_SCALE,
     extra_numbers: int = 0,
+    sink_tokens: int = 0,
 ) -> tuple[int, int]:
     """Largest ``(rank_k, rank_v)`` with ``r_v ≈ s·r_k`` whose storage meets ``ratio``.
 
-    Per batch element, a group of ``g`` layers stores ``(L + g·H_kv·D)·(r_k + r_v)`` numbers
-    (token factors plus per-layer bases) instead of ``2·g·L·H_kv·D``. With a budget
-    ``2·g·L·H_kv·D / ratio − extra`` (``extra`` = exact numbers kept for selective
-    reconstruction), ``r_k + r_v = ⌊budget / (L + g·H_kv·D)⌋``, ``r_k = ⌊(r_k + r_v)/(1+s)⌋``.
-    The achieved ratio is therefore ≥ ``ratio`` (equal up to the floor).
+    Per batch element, a group of ``g`` layers stores ``(L' + g·H_kv·D)·(r_k + r_v)`` numbers
+    (token factors over the ``L' = L − S`` factorized tokens plus per-layer bases) and
+    ``2·S·g·H_kv·D`` exact numbers for ``S`` sink tokens, instead of ``2·g·L·H_kv·D``. With a
+    budget ``2·g·L·H_kv·D / ratio − extra − 2·S·g·H_kv·D`` (``extra`` = exact numbers kept for
+    selective reconstruction), ``r_k + r_v = ⌊budget / (L' + g·H_kv·D)⌋``,
+    ``r_k = ⌊(r_k + r_v)/(1+s)⌋``. The achieved ratio is therefore ≥ ``ratio`` (equal up to
+    the floor).
 
     Args:
         ratio: target compression ratio (uncompressed / stored bytes), > 0.
@@ -114,6 +131,7 @@ def choose_ranks(
         kv_heads, head_dim: ``H_kv`` and ``D``.
         value_rank_scale: ``s = r_v / r_k`` (DERIVED default 1.5 from the paper's 384/576).
         extra_numbers: numbers per batch element stored besides the factors.
+        sink_tokens: ``S`` leading prompt tokens kept exact (outside the SVD).
 
     Returns:
         ``(rank_k, rank_v)``.
@@ -127,12 +145,15 @@ def choose_ranks(
         raise ValueError(f"ratio={ratio!r} must be a finite number > 0 (e.g. 2, 4 or 8).")
     if not value_rank_scale > 0:
         raise ValueError(f"value_rank_scale={value_rank_scale!r} must be > 0.")
+    _check_sink(sink_tokens, tokens)
     features = group_layers * kv_heads * head_dim
-    budget = 2 * group_layers * tokens * kv_heads * head_dim / ratio - extra_numbers
-    total = int(math.floor(budget / (tokens + features) + 1e-9))
+    factored = tokens - sink_tokens
+    budget = (2 * group_layers * tokens * kv_heads * head_dim / ratio - extra_numbers
+              - 2 * sink_tokens * features)
+    total = int(math.floor(budget / (factored + features) + 1e-9))
     rank_k = int(math.floor(total / (1.0 + value_rank_scale)))
     rank_v = total - rank_k
-    full = _full_rank(tokens, group_layers, kv_heads, head_dim)
+    full = _full_rank(factored, group_layers, kv_heads, head_dim)
     if rank_k < 1 or rank_v < 1:
         raise ValueError(
             f"ratio={ratio} cannot be met for a group of {group_layers} layers at {tokens} "
@@ -241,8 +262,8 @@ class SelectiveState:
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["key_factors", "value_factors", "key_bases", "value_bases", "tail_keys",
-                 "tail_values", "tail_length", "selective"],
+    data_fields=["key_factors", "value_factors", "key_bases", "value_bases", "sink_keys",
+                 "sink_values", "tail_keys", "tail_values", "tail_length", "selective"],
     meta_fields=["groups", "prefill_length", "rope_theta"],
 )
 @dataclasses.dataclass(frozen=True)
@@ -250,10 +271,14 @@ class XKVCache:
     """A compressed prompt cache plus an exact decode tail (a pytree; jit-friendly).
 
     Attributes:
-        key_factors, value_factors: per group, the shared token factor ``[b, L, rank]``.
+        key_factors, value_factors: per group, the shared token factor ``[b, L − S, rank]``;
+            its row ``j`` is prompt token ``S + j``.
         key_bases, value_bases: per layer, ``[b, kv_heads, rank, head_dim]``.
+        sink_keys, sink_values: ``[layers, b, S, kv_heads, head_dim]``, the first ``S`` prompt
+            tokens kept exact (pre-RoPE keys); ``S = 0`` is the paper's xKV.
         tail_keys, tail_values: ``[layers, b, capacity, kv_heads, head_dim]`` exact post-RoPE
-            keys / values of tokens appended after the prompt.
+            keys / values of tokens appended after the prompt (keys rotated at their position
+            minus ``S``, the frame of the decode kernel; see :func:`xkv_decode_step`).
         tail_length: scalar int32, filled tail rows.
         selective: :class:`SelectiveState` or None.
         groups: the layer groups (static).
@@ -265,6 +290,8 @@ class XKVCache:
     value_factors: tuple
     key_bases: tuple
     value_bases: tuple
+    sink_keys: Array
+    sink_values: Array
     tail_keys: Array
     tail_values: Array
     tail_length: Array
@@ -276,6 +303,11 @@ class XKVCache:
     @property
     def n_layers(self) -> int:
         return len(self.key_bases)
+
+    @property
+    def sink_tokens(self) -> int:
+        """``S``, the leading prompt tokens stored exactly."""
+        return self.sink_keys.shape[2]
 
     def group_of(self, layer: int) -> int:
         for g, members in enumerate(self.groups):
@@ -337,6 +369,7 @@ def xkv_compress(
     selective: SelectiveConfig | None = None,
     tail_capacity: int = 0,
     dtype=None,
+    sink_tokens: int = 0,
 ) -> XKVCache:
     """Factorize a prefilled cache: one truncated SVD per layer group, keys and values apart.
 
@@ -360,6 +393,11 @@ def xkv_compress(
         selective: enable selective reconstruction with these settings.
         tail_capacity: preallocated exact rows for generated tokens.
         dtype: storage dtype of factors and tail (default: ``keys.dtype``).
+        sink_tokens: keep the first ``S`` prompt tokens exact and factorize only the rest
+            (DERIVED, not in the paper, which uses 0: the first token is an attention sink
+            whose error costs far more perplexity than its one token of storage; the byte
+            count and ``ratio`` include it). Not combinable with ``selective``, which keeps
+            its own exact outlier chunks.
 
     Returns:
         An :class:`XKVCache`.
@@ -383,36 +421,47 @@ def xkv_compress(
         )
     if rank is not None and not isinstance(rank, str) and not np.isscalar(rank):
         rank = tuple(int(r) for r in rank)
+    _check_sink(sink_tokens, keys.shape[2])
+    if sink_tokens and selective is not None:
+        raise ValueError(
+            "sink_tokens > 0 cannot be combined with selective reconstruction, which keeps its "
+            "own exact outlier chunks and local window; pass sink_tokens=0 with selective=."
+        )
     return _xkv_compress(
         jnp.asarray(keys), jnp.asarray(values), rope_theta=float(rope_theta),
         ratio=None if ratio is None else float(ratio), rank=rank, group_size=group_size,
         value_rank_scale=float(value_rank_scale), selective=selective,
         tail_capacity=int(tail_capacity), dtype=None if dtype is None else jnp.dtype(dtype).name,
+        sink_tokens=int(sink_tokens),
     )
 
 
 @functools.partial(jax.jit, static_argnames=(
     "rope_theta", "ratio", "rank", "group_size", "value_rank_scale", "selective",
-    "tail_capacity", "dtype"))
+    "tail_capacity", "dtype", "sink_tokens"))
 def _xkv_compress(keys, values, *, rope_theta, ratio, rank, group_size, value_rank_scale,
-                  selective, tail_capacity, dtype) -> XKVCache:
+                  selective, tail_capacity, dtype, sink_tokens) -> XKVCache:
     n_layers, b, length, hk, d = keys.shape
     dtype = jnp.dtype(dtype or keys.dtype)
     groups = layer_groups(n_layers, group_size)
     positions = jnp.arange(length)
+    sink_keys, sink_values = keys[:, :, :sink_tokens], values[:, :, :sink_tokens]
+    full_keys, full_values = keys, values
+    keys, values = keys[:, :, sink_tokens:], values[:, :, sink_tokens:]
+    factored = length - sink_tokens
     key_factors, value_factors = [], []
     key_bases, value_bases = [None] * n_layers, [None] * n_layers
     for members in groups:
         g = len(members)
         if rank == "full":
-            rank_k = rank_v = _full_rank(length, g, hk, d)
+            rank_k = rank_v = _full_rank(factored, g, hk, d)
         elif rank is not None:
             rank_k, rank_v = (rank, rank) if np.isscalar(rank) else tuple(rank)
-            full = _full_rank(length, g, hk, d)
+            full = _full_rank(factored, g, hk, d)
             for name, r in (("rank_k", rank_k), ("rank_v", rank_v)):
                 if not 1 <= int(r) <= full:
                     raise ValueError(
-                        f"{name}={r} must lie in [1, {full}] (full rank of a {length} x "
+                        f"{name}={r} must lie in [1, {full}] (full rank of a {factored} x "
                         f"{g * hk * d} group matrix)."
                     )
         else:
@@ -420,10 +469,10 @@ def _xkv_compress(keys, values, *, rope_theta, ratio, rank, group_size, value_ra
                                                                          selective)
             rank_k, rank_v = choose_ranks(ratio, tokens=length, group_layers=g, kv_heads=hk,
                                           head_dim=d, value_rank_scale=value_rank_scale,
-                                          extra_numbers=extra)
+                                          extra_numbers=extra, sink_tokens=sink_tokens)
         for src, r, factors, bases in ((keys, rank_k, key_factors, key_bases),
                                        (values, rank_v, value_factors, value_bases)):
-            x = jnp.concatenate([src[l].reshape(b, length, hk * d) for l in members], axis=-1)
+            x = jnp.concatenate([src[l].reshape(b, factored, hk * d) for l in members], axis=-1)
             u, s, vt = jnp.linalg.svd(x.astype(jnp.float32), full_matrices=False)
             factors.append(u[:, :, :r].astype(dtype))
             basis = (s[:, :r, None] * vt[:, :r, :]).reshape(b, r, g, hk, d)
@@ -431,8 +480,8 @@ def _xkv_compress(keys, values, *, rope_theta, ratio, rank, group_size, value_ra
                 bases[l] = jnp.transpose(basis[:, :, j], (0, 2, 1, 3)).astype(dtype)
     sel = None
     if selective is not None:
-        parts = [_layer_selective_state(rope(keys[l], positions, rope_theta).astype(dtype),
-                                        values[l].astype(dtype), selective)
+        parts = [_layer_selective_state(rope(full_keys[l], positions, rope_theta).astype(dtype),
+                                        full_values[l].astype(dtype), selective)
                  for l in range(n_layers)]
         sel = SelectiveState(*[tuple(p[i] for p in parts) for i in range(6)],
                              chunk_size=selective.chunk_size,
@@ -441,6 +490,7 @@ def _xkv_compress(keys, values, *, rope_theta, ratio, rank, group_size, value_ra
     return XKVCache(
         key_factors=tuple(key_factors), value_factors=tuple(value_factors),
         key_bases=tuple(key_bases), value_bases=tuple(value_bases),
+        sink_keys=sink_keys.astype(dtype), sink_values=sink_values.astype(dtype),
         tail_keys=jnp.zeros(tail_shape, dtype), tail_values=jnp.zeros(tail_shape, dtype),
         tail_length=jnp.zeros((), jnp.int32), selective=sel, groups=groups,
         prefill_length=length, rope_theta=float(rope_theta),
@@ -448,7 +498,8 @@ def _xkv_compress(keys, values, *, rope_theta, ratio, rank, group_size, value_ra
 
 
 def xkv_reconstruct(cache: XKVCache, layer: int, kind: str = "k") -> Float[Array, "b L hk d"]:
-    """Dense pre-RoPE keys (``kind="k"``) or values (``"v"``) of one layer's prompt.
+    """Dense pre-RoPE keys (``kind="k"``) or values (``"v"``) of one layer's prompt (exact
+    sink tokens first, then the rebuilt tokens), fp32.
 
     Example::
 
@@ -462,8 +513,13 @@ def xkv_reconstruct(cache: XKVCache, layer: int, kind: str = "k") -> Float[Array
         raise ValueError(f"kind={kind!r} must be 'k' or 'v'.")
     g = cache.group_of(layer)
     if kind == "k":
-        return reconstruct(cache.key_factors[g], cache.key_bases[layer])
-    return reconstruct(cache.value_factors[g], cache.value_bases[layer])
+        body, sink = reconstruct(cache.key_factors[g], cache.key_bases[layer]), cache.sink_keys
+    else:
+        body, sink = reconstruct(cache.value_factors[g], cache.value_bases[layer]), \
+            cache.sink_values
+    if cache.sink_tokens == 0:
+        return body
+    return jnp.concatenate([sink[layer].astype(jnp.float32), body], axis=1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -488,7 +544,7 @@ def compressed_bytes(cache: XKVCache) -> int:
         384
     """
     arrays = [cache.key_factors, cache.value_factors, cache.key_bases, cache.value_bases,
-              cache.selective]
+              cache.sink_keys, cache.sink_values, cache.selective]
     stored = sum(int(x.nbytes) for x in jax.tree.leaves(arrays))
     return stored + int(cache.tail_length) * _tail_token_bytes(cache)
 
@@ -589,6 +645,13 @@ def selective_decode_attention(
 # --------------------------------------------------------------------------------------------
 
 
+def _resolve_sink(sink_tokens: int | None, selective) -> int:
+    """``None`` means :data:`DEFAULT_SINK_TOKENS`, or 0 with selective reconstruction."""
+    if sink_tokens is None:
+        return 0 if selective is not None else DEFAULT_SINK_TOKENS
+    return sink_tokens
+
+
 def _mlp_residual(layer, x, attn):
     b, t = x.shape[:2]
     x = x + layer.self_attn.o_proj(attn.reshape(b, t, -1).astype(x.dtype))
@@ -646,6 +709,7 @@ def xkv_prefill(
     value_rank_scale: float = DEFAULT_VALUE_RANK_SCALE,
     selective: SelectiveConfig | None = None,
     max_new_tokens: int = 256,
+    sink_tokens: int | None = None,
 ) -> XKVCache:
     """Run the exact prefill of ``tokens`` through ``model`` and compress its KV cache.
 
@@ -658,6 +722,8 @@ def xkv_prefill(
         value_rank_scale: ``r_v / r_k`` for ratio-chosen ranks.
         selective: enable selective reconstruction at decode.
         max_new_tokens: exact tail capacity for :func:`xkv_decode_step`.
+        sink_tokens: leading prompt tokens kept exact (default :data:`DEFAULT_SINK_TOKENS`,
+            or 0 with ``selective``; 0 is the paper's xKV).
 
     Returns:
         An :class:`XKVCache` (the prompt's own logits are not returned: feed the last prompt
@@ -683,6 +749,7 @@ def xkv_prefill(
         keys, values, rope_theta=model.cfg.rope_theta, ratio=None if rank is not None else ratio,
         rank=rank, group_size=group_size, value_rank_scale=value_rank_scale,
         selective=selective, tail_capacity=max_new_tokens,
+        sink_tokens=_resolve_sink(sink_tokens, selective),
     )
 
 
@@ -691,9 +758,19 @@ def _decode_step(model, cache: XKVCache, token, implementation: str):
     cfg = model.cfg
     b = token.shape[0]
     step = cache.tail_length
-    positions = jnp.broadcast_to(cache.prefill_length + step, (b, 1))
+    # RoPE frame shifted by the S exact sink tokens: factor row j (prompt token S + j) sits at
+    # j, which is where the decode kernel rotates it; queries, the tail and the sinks are
+    # rotated at (true position - S). Scores only depend on position differences, so this is
+    # exact attention over [sinks | rebuilt prompt | tail].
+    shift = cache.sink_tokens
+    positions = jnp.broadcast_to(cache.prefill_length - shift + step, (b, 1))
     x = model.embed_tokens(token[:, None]).astype(jnp.dtype(cfg.dtype))
     tail_keys, tail_values = [], []
+    sink_k = sink_v = None
+    if shift:
+        sink_pos = jnp.arange(shift) - shift
+        sink_k = jax.vmap(lambda k: rope(k, sink_pos, cache.rope_theta))(cache.sink_keys)
+        sink_v = cache.sink_values.astype(jnp.float32)
     for i, layer in enumerate(model.layers):
         q, k, v = layer.self_attn.qkv(layer.input_layernorm(x))
         q = apply_rope(q, positions, cfg.rope_theta)
@@ -709,10 +786,15 @@ def _decode_step(model, cache: XKVCache, token, implementation: str):
                                               tail_length=step + 1)
         else:
             g = cache.group_of(i)
+            exact_k, exact_v, exact_n = tk, tv, step + 1
+            if shift:
+                exact_k = jnp.concatenate([sink_k[i].astype(tk.dtype), tk], axis=1)
+                exact_v = jnp.concatenate([sink_v[i].astype(tv.dtype), tv], axis=1)
+                exact_n = exact_n + shift
             attn = xkv_decode_attention(
                 q[:, 0], cache.key_factors[g], cache.key_bases[i], cache.value_factors[g],
-                cache.value_bases[i], rope_theta=cache.rope_theta, tail_keys=tk,
-                tail_values=tv, tail_length=step + 1, implementation=implementation,
+                cache.value_bases[i], rope_theta=cache.rope_theta, tail_keys=exact_k,
+                tail_values=exact_v, tail_length=exact_n, implementation=implementation,
             )
         x = _mlp_residual(layer, x, attn[:, None])
     logits = model.logits_from_hidden(model.norm(x))[:, 0]
@@ -759,6 +841,7 @@ def xkv_generate(
     group_size: int = DEFAULT_GROUP_SIZE, rank=None,
     value_rank_scale: float = DEFAULT_VALUE_RANK_SCALE,
     selective: SelectiveConfig | None = None, implementation: str = "auto",
+    sink_tokens: int | None = None,
 ) -> Int[Array, "b n"]:
     """Greedy generation with a compressed prompt cache.
 
@@ -782,7 +865,7 @@ def xkv_generate(
         raise ValueError(f"prompt has shape {prompt.shape}; expected [batch, length >= 2].")
     cache = xkv_prefill(model, prompt[:, :-1], ratio=ratio, group_size=group_size, rank=rank,
                         value_rank_scale=value_rank_scale, selective=selective,
-                        max_new_tokens=max_new_tokens)
+                        max_new_tokens=max_new_tokens, sink_tokens=sink_tokens)
     token, out = prompt[:, -1], []
     for _ in range(max_new_tokens):
         logits, cache = xkv_decode_step(model, cache, token, implementation=implementation)
@@ -798,8 +881,9 @@ def _method_group_size(method: str, group_size: int) -> int:
 
 
 def xkv_perplexity_sweep(
-    model, ids, *, context_len: int, eval_len: int, settings: Sequence[tuple[str, float]],
+    model, ids, *, context_len: int, eval_len: int, settings: Sequence[tuple],
     group_size: int = DEFAULT_GROUP_SIZE, value_rank_scale: float = DEFAULT_VALUE_RANK_SCALE,
+    sink_tokens: int = DEFAULT_SINK_TOKENS,
 ) -> list[dict]:
     """Perplexity of ``eval_len`` tokens after a compressed ``context_len`` context, per setting.
 
@@ -813,14 +897,17 @@ def xkv_perplexity_sweep(
         model: a Llama.
         ids: ``[T]`` or ``[b, T]`` token ids with ``T >= context_len + eval_len + 1``.
         context_len, eval_len: ``C`` and ``E``.
-        settings: ``(method, ratio)`` pairs, method in ``METHODS`` (``ratio`` ignored for
-            ``"none"``).
+        settings: ``(method, ratio[, sink_tokens[, group_size]])`` tuples, method in
+            ``METHODS`` (``ratio`` ignored for ``"none"``; omitted entries take the keyword
+            defaults below).
         group_size: ``G`` for ``"xkv"``.
         value_rank_scale: ``r_v / r_k``.
+        sink_tokens: exact leading tokens for settings that do not give their own.
 
     Returns:
-        One dict per setting: ``method, target_ratio, compression_ratio, rank_k, rank_v
-        (first group), key_error, value_error`` (relative Frobenius error of the pre-RoPE
+        One dict per setting: ``method, target_ratio, sink_tokens, group_size,
+        compression_ratio, rank_k,
+        rank_v (first group), key_error, value_error`` (relative Frobenius error of the pre-RoPE
         context K / V over all layers) ``, nll, perplexity, tokens``.
     """
     ids = jnp.asarray(ids)
@@ -838,15 +925,17 @@ def xkv_perplexity_sweep(
     targets = ids[:, context_len + 1: context_len + eval_len + 1]
     positions = jnp.arange(context_len)
     results = []
-    for method, ratio in settings:
-        gs = _method_group_size(method, group_size)
+    for setting in settings:
+        method, ratio = setting[:2]
+        sink = int(setting[2]) if len(setting) > 2 else sink_tokens
+        gs = _method_group_size(method, int(setting[3]) if len(setting) > 3 else group_size)
         if method == "none":
             ctx_k, ctx_v, info = keys, values, dict(compression_ratio=1.0, rank_k=None,
                                                     rank_v=None, key_error=0.0,
                                                     value_error=0.0)
         else:
             cache = xkv_compress(keys, values, rope_theta=theta, ratio=ratio, group_size=gs,
-                                 value_rank_scale=value_rank_scale)
+                                 value_rank_scale=value_rank_scale, sink_tokens=sink)
             n = cache.n_layers
             ctx_k = jnp.stack([xkv_reconstruct(cache, l, "k") for l in range(n)])
             ctx_v = jnp.stack([xkv_reconstruct(cache, l, "v") for l in range(n)])
@@ -859,13 +948,15 @@ def xkv_perplexity_sweep(
         logp = jax.nn.log_softmax(logits, axis=-1)
         nll = -float(jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1)))
         results.append(dict(method=method, target_ratio=None if method == "none" else ratio,
-                            nll=nll, perplexity=math.exp(nll), tokens=int(targets.size), **info))
+                            sink_tokens=None if method == "none" else sink,
+                            group_size=None if method == "none" else gs, nll=nll, perplexity=math.exp(nll), tokens=int(targets.size), **info))
     return results
 
 
 def xkv_perplexity(
     model, ids, *, context_len: int, eval_len: int, ratio: float = 8.0, method: str = "xkv",
     group_size: int = DEFAULT_GROUP_SIZE, value_rank_scale: float = DEFAULT_VALUE_RANK_SCALE,
+    sink_tokens: int = DEFAULT_SINK_TOKENS,
 ) -> float:
     """Perplexity of ``eval_len`` tokens after a compressed context (see
     :func:`xkv_perplexity_sweep` for the protocol, shared by ``"xkv"``, ``"per_layer_svd"``
@@ -886,7 +977,8 @@ def xkv_perplexity(
     """
     return xkv_perplexity_sweep(model, ids, context_len=context_len, eval_len=eval_len,
                                 settings=[(method, ratio)], group_size=group_size,
-                                value_rank_scale=value_rank_scale)[0]["perplexity"]
+                                value_rank_scale=value_rank_scale,
+                                sink_tokens=sink_tokens)[0]["perplexity"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -909,11 +1001,12 @@ class XKVCacheFactory:
     group_size: int = DEFAULT_GROUP_SIZE
     value_rank_scale: float = DEFAULT_VALUE_RANK_SCALE
     selective: SelectiveConfig | None = None
+    sink_tokens: int = DEFAULT_SINK_TOKENS
 
     def prefill(self, model, tokens, *, max_new_tokens: int = 256) -> XKVCache:
         return xkv_prefill(model, tokens, ratio=self.ratio, group_size=self.group_size,
                            value_rank_scale=self.value_rank_scale, selective=self.selective,
-                           max_new_tokens=max_new_tokens)
+                           max_new_tokens=max_new_tokens, sink_tokens=self.sink_tokens)
 
     def decode_step(self, model, cache: XKVCache, token):
         return xkv_decode_step(model, cache, token)
@@ -921,16 +1014,18 @@ class XKVCacheFactory:
     def generate(self, model, prompt, *, max_new_tokens: int):
         return xkv_generate(model, prompt, max_new_tokens=max_new_tokens, ratio=self.ratio,
                             group_size=self.group_size, value_rank_scale=self.value_rank_scale,
-                            selective=self.selective)
+                            selective=self.selective, sink_tokens=self.sink_tokens)
 
     def perplexity(self, model, ids, *, context_len: int, eval_len: int) -> float:
         return xkv_perplexity(model, ids, context_len=context_len, eval_len=eval_len,
                               ratio=self.ratio, group_size=self.group_size,
-                              value_rank_scale=self.value_rank_scale)
+                              value_rank_scale=self.value_rank_scale,
+                              sink_tokens=self.sink_tokens)
 
 
-def xkv_cache_factory(ratio: float, group_size: int = DEFAULT_GROUP_SIZE) -> XKVCacheFactory:
-    """The object a CLI ``--kv xkv --kv-ratio R`` flag maps to (validates its arguments).
+def xkv_cache_factory(ratio: float, group_size: int = DEFAULT_GROUP_SIZE,
+                      sink_tokens: int = DEFAULT_SINK_TOKENS) -> XKVCacheFactory:
+    """The object ``--kv xkv --kv-ratio R --kv-group G --kv-sink S`` maps to (validated).
 
     Example::
 
@@ -941,11 +1036,14 @@ def xkv_cache_factory(ratio: float, group_size: int = DEFAULT_GROUP_SIZE) -> XKV
         raise ValueError(f"--kv-ratio={ratio} must be > 0 (e.g. 8).")
     if not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"group_size={group_size!r} must be a positive int (default 4).")
-    return XKVCacheFactory(ratio=float(ratio), group_size=group_size)
+    if not isinstance(sink_tokens, int) or sink_tokens < 0:
+        raise ValueError(f"--kv-sink={sink_tokens!r} must be an int >= 0 (default "
+                         f"{DEFAULT_SINK_TOKENS}; 0 = the paper's xKV).")
+    return XKVCacheFactory(ratio=float(ratio), group_size=group_size, sink_tokens=sink_tokens)
 
 
 __all__ = [
-    "DEFAULT_GROUP_SIZE", "METHODS", "SelectiveConfig", "SelectiveState", "XKVCache",
+    "DEFAULT_GROUP_SIZE", "DEFAULT_SINK_TOKENS", "METHODS", "SelectiveConfig", "SelectiveState", "XKVCache",
     "XKVCacheFactory", "choose_ranks", "compressed_bytes", "compression_ratio", "layer_groups",
     "predicted_compression_ratio", "selective_decode_attention", "uncompressed_bytes",
     "xkv_cache_factory", "xkv_compress", "xkv_decode_step", "xkv_generate", "xkv_perplexity",

@@ -157,13 +157,15 @@ def _tiny_model_and_logits():
 def test_full_rank_decode_matches_uncompressed_model_and_block_protocol():
     model, tokens, full_logits = _tiny_model_and_logits()
     # prefill 8 tokens at full rank (min(8, G*hk*d)=8), decode tokens 8..11 one by one
-    cache = xkv.xkv_prefill(model, tokens[:, :8], rank=8, group_size=2, max_new_tokens=4)
+    cache = xkv.xkv_prefill(model, tokens[:, :8], rank=8, group_size=2, max_new_tokens=4,
+                            sink_tokens=0)
     assert cache.groups == ((0, 1), (2,))
     for step in range(4):
         logits, cache = xkv.xkv_decode_step(model, cache, tokens[:, 8 + step])
         np.testing.assert_allclose(logits, full_logits[:, 8 + step], rtol=1e-4, atol=1e-4)
     # low rank: the teacher-forced block used by xkv_perplexity equals token-by-token decode
-    cache = xkv.xkv_prefill(model, tokens[:, :8], rank=(2, 3), group_size=2, max_new_tokens=4)
+    cache = xkv.xkv_prefill(model, tokens[:, :8], rank=(2, 3), group_size=2, max_new_tokens=4,
+                            sink_tokens=0)
     ctx_k = jnp.stack([rope(xkv.xkv_reconstruct(cache, l, "k"), jnp.arange(8), 500.0)
                        for l in range(3)])
     ctx_v = jnp.stack([xkv.xkv_reconstruct(cache, l, "v") for l in range(3)])
@@ -196,3 +198,58 @@ def test_cache_factory_validates():
     assert (factory.ratio, factory.group_size) == (8.0, 4)
     with pytest.raises(ValueError, match="kv-ratio"):
         xkv.xkv_cache_factory(0.0, 4)
+
+
+def test_sink_tokens_are_exact_and_counted():
+    keys, values = _kv((4, 1, 40, 2, 8), seed=9)
+    cache = xkv.xkv_compress(keys, values, rope_theta=1e4, ratio=4.0, group_size=2,
+                             sink_tokens=3)
+    assert cache.sink_tokens == 3 and cache.key_factors[0].shape[1] == 37
+    for layer in range(4):  # the sink rows come back bit-exact at any rank
+        np.testing.assert_array_equal(xkv.xkv_reconstruct(cache, layer, "k")[:, :3],
+                                      keys[layer, :, :3])
+        np.testing.assert_array_equal(xkv.xkv_reconstruct(cache, layer, "v")[:, :3],
+                                      values[layer, :, :3])
+    stored = sum(int(a.nbytes) for a in cache.key_factors + cache.value_factors
+                 + cache.key_bases + cache.value_bases)
+    stored += 2 * 4 * 3 * 2 * 8 * 4  # K and V of 3 sink tokens, 4 layers, fp32
+    assert xkv.compressed_bytes(cache) == stored
+    assert xkv.compression_ratio(cache) >= 4.0  # the sink is paid from the same budget
+    rk, rv = cache.ranks[0]
+    budget = 2 * 2 * 40 * 2 * 8 / 4.0 - 2 * 3 * 2 * 2 * 8
+    assert rk + rv == int(budget // (37 + 2 * 2 * 8))
+    # the factorized part is the paper's SVD of the remaining tokens
+    rest = xkv.xkv_compress(keys[:, :, 3:], values[:, :, 3:], rope_theta=1e4,
+                            rank=cache.ranks[0], group_size=2)
+    np.testing.assert_allclose(xkv.xkv_reconstruct(cache, 1)[:, 3:],
+                               xkv.xkv_reconstruct(rest, 1), rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="sink_tokens"):
+        xkv.xkv_compress(keys, values, rope_theta=1e4, ratio=4.0, sink_tokens=40)
+    with pytest.raises(ValueError, match="selective"):
+        xkv.xkv_compress(keys, values, rope_theta=1e4, ratio=2.0, sink_tokens=1,
+                         selective=xkv.SelectiveConfig(budget=8, chunk_size=4, local_chunks=1,
+                                                       outlier_chunks=1))
+
+
+def test_decode_with_sink_tokens_matches_block_protocol_and_full_rank_model():
+    model, tokens, full_logits = _tiny_model_and_logits()
+    # full rank of the 6 factorized tokens plus 2 exact sinks: decoding equals the model
+    cache = xkv.xkv_prefill(model, tokens[:, :8], rank=6, group_size=2, max_new_tokens=4,
+                            sink_tokens=2)
+    for step in range(4):
+        logits, cache = xkv.xkv_decode_step(model, cache, tokens[:, 8 + step])
+        np.testing.assert_allclose(logits, full_logits[:, 8 + step], rtol=1e-4, atol=1e-4)
+    # low rank: the shifted-RoPE-frame decode equals attention over the dense rebuilt prompt
+    cache = xkv.xkv_prefill(model, tokens[:, :8], rank=(2, 2), group_size=2, max_new_tokens=4,
+                            sink_tokens=2)
+    ctx_k = jnp.stack([rope(xkv.xkv_reconstruct(cache, l, "k"), jnp.arange(8), 500.0)
+                       for l in range(3)])
+    ctx_v = jnp.stack([xkv.xkv_reconstruct(cache, l, "v") for l in range(3)])
+    block = xkv._block_forward(model, tokens[:, 8:12], ctx_k, ctx_v)
+    for step in range(4):
+        logits, cache = xkv.xkv_decode_step(model, cache, tokens[:, 8 + step])
+        np.testing.assert_allclose(logits, block[:, step], rtol=1e-4, atol=1e-4)
+    assert not np.allclose(block, full_logits[:, 8:12], atol=1e-3)
+    # the default (one sink token) is what the model-level helpers use
+    assert (xkv.xkv_prefill(model, tokens[:, :8], rank=2, group_size=3).sink_tokens
+            == xkv.DEFAULT_SINK_TOKENS)

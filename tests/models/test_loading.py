@@ -3,6 +3,7 @@
 import argparse
 import importlib.util
 import json
+import math
 import os
 
 import gguf
@@ -299,6 +300,24 @@ def test_cli_eval_and_generate_on_a_saved_checkpoint(smollm2, tmp_path, capsys):
         dtype="float32", projection="dense", rank_ratio=None, no_progress=True))
     out = capsys.readouterr().out
     assert code == 0 and "perplexity" in out and "59 tokens" in out
+    # --kv xkv --kv-sink reaches the library: the printed perplexity is the library's at sink 2
+    from lowrank_jax.kv import xkv
+
+    code = eval_command.run(argparse.Namespace(
+        model=str(tmp_path), text=str(text), window=32, stride=None, max_tokens=None,
+        dtype="float32", projection="dense", rank_ratio=None, no_progress=True, kv="xkv",
+        kv_ratio=2.0, kv_group=1, kv_sink=2, kv_eval_tokens=8))
+    out = capsys.readouterr().out
+    assert code == 0 and "2 exact sink token(s)" in out, out
+    model, _ = hub.load_model(str(tmp_path))
+    ids = tok.encode(text.read_text())
+    n = len(ids) // 32
+    ppl = lambda sink: math.exp(sum(math.log(xkv.xkv_perplexity(
+        model, ids[w * 32:(w + 1) * 32], context_len=23, eval_len=8, ratio=2.0, group_size=1,
+        sink_tokens=sink)) for w in range(n)) / n)
+    printed = float(out.split()[1])
+    assert printed == pytest.approx(ppl(2), abs=2e-3)
+    assert printed != pytest.approx(ppl(0), abs=2e-3)
     code = generate_command.run(argparse.Namespace(
         model=str(tmp_path), prompt="Hello", chat=True, max_new_tokens=3, temperature=0.0,
         top_p=1.0, seed=0, dtype="float32", projection="dense", rank_ratio=None))
