@@ -41,6 +41,11 @@ from lowrank_jax.analysis.linalg import (
     singular_values_gram,
     svd_exact,
 )
+from lowrank_jax.analysis.lockin_optax import (
+    LockinProbeState,
+    lockin_probe,
+    probe_metrics,
+)
 from lowrank_jax.analysis.probes import (
     LockinMonitor,
     capture_ratio,
@@ -80,15 +85,16 @@ from lowrank_jax.analysis.spectra import (
 )
 
 __all__ = [
-    "LockinMonitor", "alpha_req", "anisotropy", "capture_ratio", "check_same_architecture",
-    "checkpoint_shapes", "cka_matrix", "coherence", "compare_checkpoints", "compare_matrices",
-    "curvature_basis", "effective_rank", "effective_rank_of", "energy_rank", "energy_rank_of",
-    "esd", "harm_signal", "head_scores", "hsic_biased", "hsic_unbiased", "interpolate",
-    "isotropy_partition", "iter_checkpoint_matrices", "kernel_cka", "khatri_rao",
-    "kruskal_rank_bounds", "kruskal_rank_exact", "linear_cka", "local_kfac", "loss_barrier",
+    "LockinMonitor", "LockinProbeState", "alpha_req", "anisotropy", "capture_ratio",
+    "check_same_architecture", "checkpoint_shapes", "cka_matrix", "coherence",
+    "compare_checkpoints", "compare_matrices", "curvature_basis", "effective_rank",
+    "effective_rank_of", "energy_rank", "energy_rank_of", "esd", "harm_signal", "head_scores",
+    "hsic_biased", "hsic_unbiased", "interpolate", "isotropy_partition",
+    "iter_checkpoint_matrices", "kernel_cka", "khatri_rao", "kruskal_rank_bounds",
+    "kruskal_rank_exact", "linear_cka", "local_kfac", "lockin_probe", "loss_barrier",
     "matrix_summary", "merge_heads", "minibatch_cka", "mp_edge", "mp_spike_count",
-    "numerical_krank", "numerical_rank", "numerical_rank_of", "powerlaw_alpha",
-    "principal_angles", "project_sharp", "project_soft", "randomized_svd", "rankme",
+    "numerical_krank", "numerical_rank", "numerical_rank_of", "powerlaw_alpha", "principal_angles",
+    "probe_metrics", "project_sharp", "project_soft", "randomized_svd", "rankme",
     "rayleigh_quotient", "rbf_cka", "restore_leaf", "restore_params", "rewind_heads",
     "save_params", "select_heads", "sharp_fraction", "singular_overlap", "singular_values",
     "singular_values_gram", "spectral_share", "split_heads", "stable_rank", "stable_rank_of",
