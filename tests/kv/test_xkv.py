@@ -154,18 +154,20 @@ def _tiny_model_and_logits():
     return model, tokens, logits
 
 
-def test_full_rank_decode_matches_uncompressed_model_and_block_protocol():
+@pytest.mark.parametrize("sink", [0, 2])  # 0: the paper; 2: exact sinks, shifted RoPE frame
+def test_full_rank_decode_matches_uncompressed_model_and_block_protocol(sink):
     model, tokens, full_logits = _tiny_model_and_logits()
-    # prefill 8 tokens at full rank (min(8, G*hk*d)=8), decode tokens 8..11 one by one
-    cache = xkv.xkv_prefill(model, tokens[:, :8], rank=8, group_size=2, max_new_tokens=4,
-                            sink_tokens=0)
-    assert cache.groups == ((0, 1), (2,))
+    # prefill 8 tokens at full rank of the factorized part (min(8 - sink, G*hk*d)), then decode
+    # tokens 8..11 one by one: equals the uncompressed model
+    cache = xkv.xkv_prefill(model, tokens[:, :8], rank=8 - sink, group_size=2, max_new_tokens=4,
+                            sink_tokens=sink)
+    assert cache.groups == ((0, 1), (2,)) and cache.sink_tokens == sink
     for step in range(4):
         logits, cache = xkv.xkv_decode_step(model, cache, tokens[:, 8 + step])
         np.testing.assert_allclose(logits, full_logits[:, 8 + step], rtol=1e-4, atol=1e-4)
     # low rank: the teacher-forced block used by xkv_perplexity equals token-by-token decode
     cache = xkv.xkv_prefill(model, tokens[:, :8], rank=(2, 3), group_size=2, max_new_tokens=4,
-                            sink_tokens=0)
+                            sink_tokens=sink)
     ctx_k = jnp.stack([rope(xkv.xkv_reconstruct(cache, l, "k"), jnp.arange(8), 500.0)
                        for l in range(3)])
     ctx_v = jnp.stack([xkv.xkv_reconstruct(cache, l, "v") for l in range(3)])
@@ -231,25 +233,8 @@ def test_sink_tokens_are_exact_and_counted():
                                                        outlier_chunks=1))
 
 
-def test_decode_with_sink_tokens_matches_block_protocol_and_full_rank_model():
-    model, tokens, full_logits = _tiny_model_and_logits()
-    # full rank of the 6 factorized tokens plus 2 exact sinks: decoding equals the model
-    cache = xkv.xkv_prefill(model, tokens[:, :8], rank=6, group_size=2, max_new_tokens=4,
-                            sink_tokens=2)
-    for step in range(4):
-        logits, cache = xkv.xkv_decode_step(model, cache, tokens[:, 8 + step])
-        np.testing.assert_allclose(logits, full_logits[:, 8 + step], rtol=1e-4, atol=1e-4)
-    # low rank: the shifted-RoPE-frame decode equals attention over the dense rebuilt prompt
-    cache = xkv.xkv_prefill(model, tokens[:, :8], rank=(2, 2), group_size=2, max_new_tokens=4,
-                            sink_tokens=2)
-    ctx_k = jnp.stack([rope(xkv.xkv_reconstruct(cache, l, "k"), jnp.arange(8), 500.0)
-                       for l in range(3)])
-    ctx_v = jnp.stack([xkv.xkv_reconstruct(cache, l, "v") for l in range(3)])
-    block = xkv._block_forward(model, tokens[:, 8:12], ctx_k, ctx_v)
-    for step in range(4):
-        logits, cache = xkv.xkv_decode_step(model, cache, tokens[:, 8 + step])
-        np.testing.assert_allclose(logits, block[:, step], rtol=1e-4, atol=1e-4)
-    assert not np.allclose(block, full_logits[:, 8:12], atol=1e-3)
-    # the default (one sink token) is what the model-level helpers use
+def test_model_level_helpers_default_to_one_sink_token():
+    model, tokens, _ = _tiny_model_and_logits()
     assert (xkv.xkv_prefill(model, tokens[:, :8], rank=2, group_size=3).sink_tokens
-            == xkv.DEFAULT_SINK_TOKENS)
+            == xkv.DEFAULT_SINK_TOKENS == 1)
+    assert xkv.xkv_cache_factory(8.0).sink_tokens == 1
