@@ -1,29 +1,40 @@
-"""LoRA vs BaLoRA vs PiSSA on the same fine-tuning task: steps to a target loss, final loss.
+"""LoRA vs BaLoRA on a tiny fine-tuning task, over the paper's 2-D grid of learning rate × scale.
 
-Task (CPU-sized, measured in one run): a tiny byte-level Llama (d=64, 2 layers) is pretrained
-briefly on the first 70% of the embedded corpus, then LoRA adapters on the MLP projections
-(gate/up/down, as in the BaLoRA paper) are fine-tuned on a *shifted* slice (bytes 70–90%, other
-standard-library modules) and evaluated on the last 10%. SmolLM2-135M is too slow for several
-seeds × methods × learning rates on a shared 2-core CPU, so the tiny model is used.
+Task (CPU-sized): a tiny byte-level Llama (d=64, 2 layers) is pretrained briefly on the first 70%
+of the embedded corpus, then LoRA adapters on the MLP projections (gate/up/down, rank 8, as in the
+BaLoRA paper) are fine-tuned on a *shifted* slice (bytes 70–90%, other standard-library modules)
+and evaluated on the last 10%. SmolLM2-135M is far too slow for a 2-D sweep on a shared 2-core
+CPU, so the tiny model is used.
 
-Seeds change the adapter initialisation; every run sees the same batches (so the methods are
-compared on identical data). For every method the learning rate is picked from the same grid by mean final training loss,
-then we report, over seeds: steps until the smoothed training loss first reaches a target (the
-target is set from this run's own results: 80% of the way from the initial loss to the best
-final loss), the final smoothed training loss, and the validation loss.
+Protocol (the paper's, ``experiments/configs`` of github.com/vcastin/balora):
+- AdamW (β = 0.9, 0.999, eps 1e-8, weight decay 0.01), constant learning rate, no warm-up, the
+  same for every method; BaLoRA = :func:`lowrank_jax.optim.balora.balora` (the projection after
+  every step, mode ``"svd"`` as in the reference; ``balora-procrustes`` is the library default).
+- Adapter ``ΔW = s · A B`` with PEFT's default init (A kaiming-uniform ``U(±1/√in)``, B = 0) and
+  ``lora_alpha = rank · A_scaling²``, i.e. ``s = A_scaling²``.
+- Sweep: learning rate × A_scaling, one seed; then ``--seeds`` seeds at each method's best cell
+  (by final smoothed training loss).
+
+Seeds change the adapter initialisation; every run sees the same batches. Reported per method:
+best cell, steps until the smoothed (EMA 0.9) training loss first reaches a target (80% of the way
+from the initial loss to the best method's final loss, so set by this run itself), final loss,
+validation loss, and robustness: how many grid cells end within X% of the method's best final
+loss. Every run is one jitted ``lax.scan``; learning rate and scale are traced arguments, so each
+method compiles once for the whole grid.
 
 Usage::
 
-    python scripts/reproduce_balora.py --quick        # ~ minutes
-    python scripts/reproduce_balora.py                # 3 seeds x 2 learning rates
+    python scripts/reproduce_balora.py --quick        # tiny grid, ~1-2 minutes
+    python scripts/reproduce_balora.py                # 13 lrs × 9 scales × 3 methods, 3 seeds
 
-Claim checked (Castin et al, https://arxiv.org/abs/2605.31484): BaLoRA converges faster than
-LoRA.
+Claims checked (Castin et al, https://arxiv.org/abs/2605.31484): BaLoRA converges faster than
+LoRA and is more robust to the (learning rate, scale) choice.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -31,24 +42,47 @@ import time
 
 import numpy as np
 
+# method -> BaLoRA projection mode (None: plain AdamW on the factors). PiSSA has no free scale
+# (its factors are the kernel's top-r singular triplets at s = 1), so it sweeps the learning rate
+# only, at A_scaling = 1, and is left out of the (lr, scale) heatmap and robustness counts.
+METHODS = {"lora": None, "balora": "svd", "balora-procrustes": "procrustes", "pissa": None}
+FIXED_SCALE = {"pissa": 1.0}
+
+
+def parse_grid(text: str) -> list[float]:
+    """``"1e-3,1e-2"`` or ``"logspace:A:B:N"`` (N values from 10^A to 10^B)."""
+    if text.startswith("logspace:"):
+        try:
+            _, lo, hi, n = text.split(":")
+            return [float(v) for v in np.logspace(float(lo), float(hi), int(n))]
+        except ValueError as err:
+            raise ValueError(f"grid {text!r}: write logspace:LOW_EXP:HIGH_EXP:COUNT, e.g. "
+                             "logspace:-5:-2:10") from err
+    return [float(v) for v in text.split(",")]
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="runs/reproduce_balora")
-    p.add_argument("--quick", action="store_true", help="one learning rate, fewer steps")
-    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="3 lrs × 2 scales, 40 steps, 2 seeds")
+    p.add_argument("--seeds", type=int, default=3, help="seeds at each method's best cell")
     p.add_argument("--pretrain-steps", type=int, default=300)
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--lrs", default="2e-3,1e-2")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--lrs", default="logspace:-5:-1:13",
+                   help="learning rates (paper: logspace:-5:-2:10)")
+    p.add_argument("--a-scalings", default="logspace:-2:2:9",
+                   help="A_scaling values, s = A_scaling² (paper: logspace:-2:2:5)")
     p.add_argument("--rank", type=int, default=8)
-    p.add_argument("--alpha", type=float, default=16.0)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--methods", default="lora,balora,pissa")
+    p.add_argument("--methods", default="lora,balora,balora-procrustes,pissa",
+                   help=f"comma list of {', '.join(METHODS)}")
+    p.add_argument("--target-fraction", type=float, default=0.8)
     return p.parse_args(argv)
 
 
 def smooth(values, beta=0.9):
+    """EMA of a loss curve (NaN stays NaN)."""
     out, avg = [], None
     for v in values:
         avg = v if avg is None else beta * avg + (1 - beta) * v
@@ -63,6 +97,54 @@ def mean_std(xs):
     return float(np.mean(xs)), float(np.std(xs))
 
 
+def _leaf_name(path) -> str:
+    """Last meaningful key of a state path (``.../lora_a/value`` -> ``lora_a``)."""
+    names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+    while names and names[-1] in ("value", "raw_value"):
+        names.pop()
+    return names[-1] if names else ""
+
+
+def plot_heatmaps(grid: dict, lrs, a_scalings, initial: float, path: str) -> None:
+    """One panel per method: final loss over (lr, scale); ★ best cell, ○ cells within 1% of it.
+
+    ``grid[method]`` is ``[len(a_scalings), len(lrs)]``; diverged cells (inf/NaN) are gray.
+    Re-plot a finished run with ``plot_heatmaps(**from results.json)``.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    grid = {m: np.asarray(g, float) for m, g in grid.items()}
+    finite = np.concatenate([g[np.isfinite(g)] for g in grid.values()])
+    vmin, vmax = float(finite.min()), float(min(finite.max(), initial + 0.05))
+    cmap = plt.get_cmap("viridis").copy()
+    cmap.set_bad("lightgray")
+    fig, axes = plt.subplots(1, len(grid), figsize=(3.9 * len(grid) + 1.0, 4.0), squeeze=False,
+                             sharey=True, layout="constrained")
+    for k, (ax, (m, g)) in enumerate(zip(axes[0], grid.items())):
+        g = np.where(np.isfinite(g), g, np.nan)
+        im = ax.imshow(np.ma.masked_invalid(g), origin="lower", aspect="auto", cmap=cmap,
+                       vmin=vmin, vmax=vmax)
+        ax.set_xticks(range(len(lrs)), [f"{v:.0e}" for v in lrs], rotation=90, fontsize=7)
+        ax.set_yticks(range(len(a_scalings)), [f"{a * a:.0e}" for a in a_scalings], fontsize=7)
+        ax.set_xlabel("learning rate")
+        if k == 0:
+            ax.set_ylabel("scale s = alpha / rank = A_scaling²")
+        best = np.nanmin(g)
+        i, j = np.unravel_index(np.nanargmin(g), g.shape)
+        near = g <= best * 1.01
+        ii, jj = np.nonzero(near)
+        ax.plot(jj, ii, ls="", marker="o", mfc="none", mec="white", ms=7)
+        ax.plot(j, i, marker="*", color="red", ms=10)
+        ax.set_title(f"{m}: best {best:.3f}\n○ {int(near.sum())} cells within 1% of it",
+                     fontsize=9)
+    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.9, label="final smoothed train loss")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import jax
@@ -71,16 +153,21 @@ def main(argv=None) -> int:
     from flax import nnx
     from tqdm import tqdm
 
-    from lowrank_jax.commands.finetune import cross_entropy, finetune, tiny_model
+    from lowrank_jax.commands.finetune import cross_entropy, tiny_model
     from lowrank_jax.data import batch_at, corpus_bytes, eval_batches
-    from lowrank_jax.nn import lora_layers
-    from lowrank_jax.optim.balora import balancing_gap
+    from lowrank_jax.nn import LoRALinear, LoRARule, apply_lora
+    from lowrank_jax.optim.balora import balancing_gap, balora, find_lora_pairs
 
     if args.quick:
-        args.pretrain_steps, args.steps, args.lrs = 100, 40, "3e-3"
-    lrs = [float(x) for x in args.lrs.split(",")]
+        args.pretrain_steps, args.steps, args.seeds = 100, 40, 2
+        args.lrs, args.a_scalings = "1e-4,1e-3,1e-2", "1,10"
+    lrs, a_scalings = parse_grid(args.lrs), parse_grid(args.a_scalings)
     methods = args.methods.split(",")
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ValueError(f"--methods: {unknown} unknown; use {', '.join(METHODS)}.")
     os.makedirs(args.out, exist_ok=True)
+    wall_start = time.perf_counter()
 
     tokens = corpus_bytes().astype(np.int32)
     n = len(tokens)
@@ -102,124 +189,237 @@ def main(argv=None) -> int:
         x, y = batch_at(pre, step, args.batch_size, args.seq_len, seed=1)
         pre_loss = float(pre_step(model, opt, jnp.asarray(x), jnp.asarray(y)))
     pretrain_seconds = time.perf_counter() - start
-    pretrained = nnx.state(model, nnx.Param)
 
-    @nnx.jit
-    def eval_loss(model, x, y):
-        return cross_entropy(model(x)[0], y)
+    # --- adapters: scale 1 inside the module, s applied to lora_a in the loss (traced) --------
+    apply_lora(model, LoRARule("mlp/(gate|up|down)_proj", rank=args.rank, alpha=float(args.rank)),
+               rngs=nnx.Rngs(0))
+    graphdef, lora_template, rest = nnx.split(model, nnx.LoRAParam, ...)
+    # PiSSA: factors = top-r singular triplets of each kernel (s = 1), kernel keeps the residual
+    pissa_model = nnx.merge(graphdef, lora_template, rest, copy=True)  # `rest` stays intact
+    for _, module in nnx.iter_modules(pissa_model):
+        if isinstance(module, LoRALinear):
+            module.init_pissa()
+    _, pissa_lora, pissa_rest = nnx.split(pissa_model, nnx.LoRAParam, ...)
 
-    def validation(model):
-        losses = [float(eval_loss(model, jnp.asarray(x), jnp.asarray(y)))
-                  for x, y in eval_batches(val, 16, args.seq_len, max_batches=8)]
-        return float(np.mean(losses))
+    def peft_init(seed: int):
+        """PEFT's default: A ~ kaiming_uniform(a=√5) = U(±1/√in), B = 0."""
+        keys = iter(jax.random.split(jax.random.key(seed), 64))
 
-    base_val = validation(model)
+        def init(path, v):
+            if _leaf_name(path) == "lora_a":
+                bound = 1.0 / math.sqrt(v.shape[0])
+                return jax.random.uniform(next(keys), v.shape, v.dtype, -bound, bound)
+            return jnp.zeros_like(v)
+
+        return jax.tree_util.tree_map_with_path(init, lora_template)
+
+    def scaled(lora, scale):
+        return jax.tree_util.tree_map_with_path(
+            lambda p, v: v * scale if _leaf_name(p) == "lora_a" else v, lora)
+
+    def loss_fn(lora, scale, x, y, base):
+        logits, _ = nnx.merge(graphdef, scaled(lora, scale), base)(x)
+        return cross_entropy(logits, y)
+
+    def train(lora0, lr, scale, xs, ys, base, *, mode):
+        tx = optax.adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01)
+        if mode is not None:
+            tx = balora(tx, mode=mode)
+        state0 = tx.init(lora0)
+
+        def step(carry, batch):
+            lora, state = carry
+            loss, grads = jax.value_and_grad(loss_fn)(lora, scale, *batch, base)
+            updates, state = tx.update(grads, state, lora)
+            return (optax.apply_updates(lora, updates), state), loss
+
+        (lora, _), losses = jax.lax.scan(step, (lora0, state0), (xs, ys))
+        return lora, losses
+
+    train_fns = {m: jax.jit(functools.partial(train, mode=METHODS[m])) for m in methods}
+    xs, ys = map(np.stack, zip(*[batch_at(shift, s, args.batch_size, args.seq_len, seed=100)
+                                 for s in range(args.steps)]))
+    xs, ys = jnp.asarray(xs), jnp.asarray(ys)
+    val_x, val_y = map(np.stack, zip(*eval_batches(val, 16, args.seq_len, max_batches=8)))
+    val_x, val_y = jnp.asarray(val_x), jnp.asarray(val_y)
+
+    @jax.jit
+    def validation(lora, scale, base):
+        return jnp.mean(jax.vmap(lambda x, y: loss_fn(lora, scale, x, y, base))(val_x, val_y))
+
+    def relative_gap(lora):
+        leaves = jax.tree.leaves(lora)
+        gaps = [float(balancing_gap(leaves[ia], leaves[ib])
+                      / (jnp.linalg.norm(leaves[ia] @ leaves[ib]) + 1e-30))
+                for ia, ib, _ in find_lora_pairs(lora)]
+        return float(np.mean(gaps))
+
+    def run(method, seed, lr, a_scaling):
+        scale = jnp.float32(a_scaling**2)
+        lora0, base = (pissa_lora, pissa_rest) if method == "pissa" else (peft_init(seed), rest)
+        t = time.perf_counter()
+        lora, losses = jax.block_until_ready(
+            train_fns[method](lora0, jnp.float32(lr), scale, xs, ys, base))
+        seconds = time.perf_counter() - t
+        losses = [float(v) for v in np.asarray(losses)]
+        finite = all(math.isfinite(v) for v in losses)
+        return {"method": method, "seed": seed, "lr": lr, "a_scaling": a_scaling,
+                "s": a_scaling**2, "losses": losses, "final": smooth(losses)[-1],
+                "val_loss": float(validation(lora, scale, base)) if finite else float("nan"),
+                "relative_balancing_gap": relative_gap(lora) if finite else float("nan"),
+                "seconds": seconds}
+
+    base_val = float(validation(peft_init(0), jnp.float32(1.0), rest))  # B = 0: base model
     print(f"pretrained {args.pretrain_steps} steps in {pretrain_seconds:.0f} s: "
           f"train loss {pre_loss:.3f}, shifted-slice val loss {base_val:.3f} nats/byte")
 
-    # --- fine-tuning runs ---------------------------------------------------------------------
-    runs = []
-    total = len(methods) * len(lrs) * args.seeds
-    with tqdm(total=total, desc="fine-tune runs") as bar:
+    # --- 2-D sweep, seed 0 --------------------------------------------------------------------
+    sweep = []
+    cells = {m: [(lr, a) for a in ([FIXED_SCALE[m]] if m in FIXED_SCALE else a_scalings)
+                 for lr in lrs] for m in methods}
+    with tqdm(total=sum(map(len, cells.values())), desc="sweep (lr × scale)") as bar:
         for method in methods:
-            for lr in lrs:
-                for seed in range(args.seeds):
-                    m = tiny_model(0)
-                    nnx.update(m, pretrained)
-                    batch_fn = lambda step: batch_at(shift, step, args.batch_size,
-                                                     args.seq_len, seed=100)
-                    res = finetune(m, batch_fn, method=method, targets="mlp/(gate|up|down)_proj",
-                                   rank=args.rank, alpha=args.alpha, steps=args.steps, lr=lr,
-                                   seed=seed, progress=False)
-                    gaps = [float(balancing_gap(l.lora_a[...], l.lora_b[...])
-                                  / jnp.linalg.norm(l.lora_a[...] @ l.lora_b[...]))
-                            for _, l in lora_layers(m)]
-                    runs.append({"method": method, "lr": lr, "seed": seed, "losses": res.losses,
-                                 "val_loss": validation(m), "seconds": res.seconds,
-                                 "relative_balancing_gap": float(np.mean(gaps))})
-                    bar.update(1)
+            for lr, a in cells[method]:
+                sweep.append(run(method, 0, lr, a))
+                bar.update(1)
 
-    # --- best lr per method, target, table -----------------------------------------------------
-    def final(run):
-        return smooth(run["losses"])[-1]
+    def score(r):
+        return r["final"] if math.isfinite(r["final"]) else math.inf
 
-    best_lr = {}
-    for method in methods:
-        scores = {lr: np.mean([final(r) for r in runs if r["method"] == method and r["lr"] == lr])
-                  for lr in lrs}
-        best_lr[method] = min(scores, key=scores.get)
-    chosen = [r for r in runs if r["lr"] == best_lr[r["method"]]]
+    scales_of = {m: [FIXED_SCALE[m]] if m in FIXED_SCALE else a_scalings for m in methods}
+    all_grids = {m: np.array([[score(r) for r in sweep if r["method"] == m and r["a_scaling"] == a]
+                              for a in scales_of[m]]) for m in methods}  # [scales, lrs]
+    best_cell = {}
+    for m in methods:
+        i, j = np.unravel_index(np.argmin(all_grids[m]), all_grids[m].shape)
+        best_cell[m] = (lrs[j], scales_of[m][i])
+    grid = {m: g for m, g in all_grids.items() if m not in FIXED_SCALE}  # the 2-D sweeps
+
+    # --- seeds at each method's best cell -----------------------------------------------------
+    chosen = []
+    with tqdm(total=len(methods) * args.seeds, desc="seeds at best cells") as bar:
+        for m in methods:
+            for seed in range(args.seeds):
+                chosen.append(run(m, seed, *best_cell[m]))
+                bar.update(1)
     initial = float(np.mean([r["losses"][0] for r in chosen]))
-    best_final = min(np.mean([final(r) for r in chosen if r["method"] == m]) for m in methods)
-    target = initial - 0.8 * (initial - best_final)
+    best_final = min(np.mean([r["final"] for r in chosen if r["method"] == m]) for m in methods)
+    target = initial - args.target_fraction * (initial - best_final)
 
-    def steps_to_target(run):
-        for i, v in enumerate(smooth(run["losses"])):
+    def steps_to_target(r):
+        for i, v in enumerate(smooth(r["losses"])):
             if v <= target:
                 return i + 1
         return None
 
+    overall_best = min(float(np.min(g)) for g in all_grids.values())
+    tolerances = (0.005, 0.01, 0.02)
     rows = []
-    for method in methods:
-        rs = [r for r in chosen if r["method"] == method]
+    for m in methods:
+        rs = [r for r in chosen if r["method"] == m]
         reached = [steps_to_target(r) for r in rs]
-        st_mean, st_std = mean_std(reached)
-        fl_mean, fl_std = mean_std([final(r) for r in rs])
-        vl_mean, vl_std = mean_std([r["val_loss"] for r in rs])
+        g = all_grids[m]
         rows.append({
-            "method": method, "lr": best_lr[method], "seeds": len(rs),
+            "method": m, "lr": best_cell[m][0], "a_scaling": best_cell[m][1],
+            "s": best_cell[m][1] ** 2, "seeds": len(rs),
             "reached": sum(x is not None for x in reached),
-            "steps_to_target_mean": st_mean, "steps_to_target_std": st_std,
-            "final_train_loss_mean": fl_mean, "final_train_loss_std": fl_std,
-            "val_loss_mean": vl_mean, "val_loss_std": vl_std,
+            "steps_to_target": reached,
+            "steps_to_target_mean": mean_std(reached)[0],
+            "steps_to_target_std": mean_std(reached)[1],
+            "final_train_loss_mean": mean_std([r["final"] for r in rs])[0],
+            "final_train_loss_std": mean_std([r["final"] for r in rs])[1],
+            "val_loss_mean": mean_std([r["val_loss"] for r in rs])[0],
+            "val_loss_std": mean_std([r["val_loss"] for r in rs])[1],
             "relative_balancing_gap": float(np.mean([r["relative_balancing_gap"] for r in rs])),
             "seconds_per_run": float(np.mean([r["seconds"] for r in rs])),
+            "cells": int(g.size), "diverged_cells": int(np.sum(~np.isfinite(g))),
+            "within_own_best": {f"{t:g}": int(np.sum(g <= np.min(g) * (1 + t)))
+                                for t in tolerances},
+            "within_overall_best": {f"{t:g}": int(np.sum(g <= overall_best * (1 + t)))
+                                    for t in tolerances},
         })
-    header = (f"| method | best lr | steps to loss {target:.3f} (reached) | final train loss | "
-              "val loss | ‖AᵀA−BBᵀ‖/‖AB‖ | s/run |")
+
+    def pct(t):
+        return f"{100 * t:g}%"
+
+    header = (f"| method | best cell: lr, A_scaling (s) | steps to loss {target:.3f} (reached) | "
+              "final train loss | val loss | ‖AᵀA−BBᵀ‖/‖AB‖ | s/run |")
     lines = [header, "|---|---|---|---|---|---|---|"]
     for row in rows:
         lines.append(
-            f"| {row['method']} | {row['lr']:g} | {row['steps_to_target_mean']:.1f} ± "
-            f"{row['steps_to_target_std']:.1f} ({row['reached']}/{row['seeds']}) | "
+            f"| {row['method']} | {row['lr']:.3g}, {row['a_scaling']:.3g} ({row['s']:.3g}) | "
+            f"{row['steps_to_target_mean']:.1f} ± {row['steps_to_target_std']:.1f} "
+            f"({row['reached']}/{row['seeds']}) | "
             f"{row['final_train_loss_mean']:.4f} ± {row['final_train_loss_std']:.4f} | "
             f"{row['val_loss_mean']:.4f} ± {row['val_loss_std']:.4f} | "
-            f"{row['relative_balancing_gap']:.2e} | {row['seconds_per_run']:.1f} |"
-        )
+            f"{row['relative_balancing_gap']:.2e} | {row['seconds_per_run']:.1f} |")
     table = "\n".join(lines)
-    print(f"\ninitial fine-tune loss {initial:.4f}, target {target:.4f} (80% of the way to the "
-          f"best final loss {best_final:.4f}); pre-fine-tune val loss {base_val:.4f}")
+    robust_lines = [
+        "| method | cells | diverged (NaN) | "
+        + " | ".join(f"within {pct(t)} of own best" for t in tolerances) + " | "
+        + " | ".join(f"within {pct(t)} of overall best" for t in tolerances) + " |",
+        "|---|---|---|" + "---|" * (2 * len(tolerances)),
+    ]
+    for row in rows:
+        if row["method"] in FIXED_SCALE:  # no scale axis: not comparable cell counts
+            continue
+        robust_lines.append(
+            f"| {row['method']} | {row['cells']} | {row['diverged_cells']} | "
+            + " | ".join(str(row["within_own_best"][f"{t:g}"]) for t in tolerances) + " | "
+            + " | ".join(str(row["within_overall_best"][f"{t:g}"]) for t in tolerances) + " |")
+    robust = "\n".join(robust_lines)
+    grid_lines = []
+    for m in methods:
+        grid_lines.append(f"{m}: final smoothed train loss, rows A_scaling (s), columns lr")
+        grid_lines.append("| A_scaling (s) | " + " | ".join(f"{lr:.2g}" for lr in lrs) + " |")
+        grid_lines.append("|---|" + "---|" * len(lrs))
+        for a, vals in zip(scales_of[m], all_grids[m]):
+            grid_lines.append(f"| {a:.3g} ({a * a:.3g}) | "
+                              + " | ".join("nan" if not np.isfinite(v) else f"{v:.3f}"
+                                           for v in vals) + " |")
+        grid_lines.append("")
+    grids = "\n".join(grid_lines)
+    wall = time.perf_counter() - wall_start
+    print(f"\ninitial fine-tune loss {initial:.4f}, target {target:.4f} "
+          f"({100 * args.target_fraction:g}% of the way to the best final loss {best_final:.4f}); "
+          f"pre-fine-tune val loss {base_val:.4f}; overall best sweep cell {overall_best:.4f}")
     print(table)
-    lr_table = {m: {f"{lr:g}": float(np.mean([final(r) for r in runs
-                                               if r["method"] == m and r["lr"] == lr]))
-                    for lr in lrs} for m in methods}
-    print("final train loss per lr:", json.dumps(lr_table))
-    result = {"args": vars(args), "target": target, "initial": initial,
-              "pretrain_val_loss": base_val, "rows": rows, "final_loss_per_lr": lr_table,
-              "runs": runs, "table": table}
+    print()
+    print(robust)
+    print()
+    print(grids)
+    print(f"wall time {wall:.0f} s (pretraining {pretrain_seconds:.0f} s)")
+    result = {"args": vars(args), "lrs": lrs, "a_scalings": a_scalings, "target": target,
+              "initial": initial, "pretrain_val_loss": base_val, "overall_best": overall_best,
+              "rows": rows, "grid_final_loss": {m: g.tolist() for m, g in all_grids.items()},
+              "sweep": sweep, "chosen": chosen, "table": table, "robustness": robust,
+              "grids": grids, "wall_seconds": wall}
     with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(result, f, indent=2)
+        json.dump(result, f, indent=2, default=lambda x: None if x != x else x)
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for method, color in zip(methods, ("C0", "C1", "C2", "C3")):
-            curves = np.array([smooth(r["losses"]) for r in chosen if r["method"] == method])
-            ax.plot(curves.mean(0), color=color, label=f"{method} (lr {best_lr[method]:g})")
-            ax.fill_between(range(curves.shape[1]), curves.min(0), curves.max(0), color=color,
-                            alpha=0.2)
-        ax.axhline(target, color="k", ls="--", lw=0.8, label="target")
-        ax.set_xlabel("fine-tuning step")
-        ax.set_ylabel("smoothed train loss (nats/byte)")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(os.path.join(args.out, "loss.png"), dpi=120)
     except ImportError:
         print("matplotlib is missing (pip install matplotlib): no plot written")
-    print(f"wrote {args.out}/results.json and loss.png")
+        return 0
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m, color in zip(methods, ("C1", "C0", "C2", "C3")):
+        curves = np.array([smooth(r["losses"]) for r in chosen if r["method"] == m])
+        lr, a = best_cell[m]
+        ax.plot(curves.mean(0), color=color, label=f"{m} (lr {lr:.2g}, s {a * a:.3g})")
+        ax.fill_between(range(curves.shape[1]), curves.min(0), curves.max(0), color=color,
+                        alpha=0.2)
+    ax.axhline(target, color="k", ls="--", lw=0.8, label="target")
+    ax.set_xlabel("fine-tuning step")
+    ax.set_ylabel("smoothed train loss (nats/byte)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out, "loss.png"), dpi=120)
+
+    plot_heatmaps(grid, lrs, a_scalings, initial, os.path.join(args.out, "heatmap.png"))
+    print(f"wrote {args.out}/results.json, loss.png and heatmap.png")
     return 0
 
 
