@@ -14,6 +14,7 @@ References:
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Literal
 
 import jax
@@ -24,8 +25,8 @@ from jaxtyping import Array, Float
 from lowrank_jax.nn.inject import lora_layers
 from lowrank_jax.nn.lora import LoRALinear, default_a_initializer
 
-InitMethod = Literal["standard", "gaussian", "pissa", "olora", "gap"]
-INIT_METHODS = ("standard", "gaussian", "pissa", "olora", "gap")
+InitMethod = Literal["standard", "peft", "gaussian", "pissa", "olora", "gap"]
+INIT_METHODS = ("standard", "peft", "gaussian", "pissa", "olora", "gap")
 
 
 def _flat_rows(x, in_features: int, name: str):
@@ -109,7 +110,11 @@ def init_lora(
 
     Methods (``K`` = kernel ``[in, out]``, ``s`` = scaling, ``A`` = lora_a, ``B`` = lora_b):
 
-    - ``"standard"``: ``A ~ he_uniform``, ``B = 0`` (PEFT's default).
+    - ``"standard"``: ``A ~ he_uniform = U(±√(6/in))``, ``B = 0`` (Flax ``nnx.LoRA``'s
+      default and :class:`LoRALinear`'s).
+    - ``"peft"``: ``A ~ U(±1/√in)``, ``B = 0``: PEFT's default, torch's
+      ``kaiming_uniform_(a=√5)``, √6 smaller than ``"standard"`` (use it to match a PEFT run's
+      effective learning rate of ``B``).
     - ``"gaussian"``: ``A ~ N(0, 1/r²)``, ``B = 0``.
     - ``"pissa"``: ``K = U S Vᵀ``; ``A = U_r √(S_r/s)``, ``B = √(S_r/s) V_rᵀ``,
       ``K ← K − s A B`` (principal singular directions train, the residual is frozen).
@@ -124,7 +129,8 @@ def init_lora(
 
     Args:
         layer: the :class:`LoRALinear` to rewrite (not merged).
-        method: one of ``"standard"``, ``"gaussian"``, ``"pissa"``, ``"olora"``, ``"gap"``.
+        method: one of ``"standard"``, ``"peft"``, ``"gaussian"``, ``"pissa"``, ``"olora"``,
+            ``"gap"``.
         key: PRNG key for the random parts (standard, gaussian, gap's extra rows and noise).
         calibration_inputs: ``[..., in]`` inputs of this layer on the fine-tuning data (gap).
         reference_inputs: optional ``[..., in]`` inputs on reference data (gap).
@@ -154,9 +160,12 @@ def init_lora(
     key = jax.random.key(0) if key is None else key
     in_f, out_f, rank, pdt = layer.in_features, layer.out_features, layer.rank, layer.param_dtype
     s = layer.scaling
-    if method in ("standard", "gaussian"):
+    if method in ("standard", "peft", "gaussian"):
         if method == "standard":
             a = default_a_initializer(key, (in_f, rank), pdt)
+        elif method == "peft":
+            bound = 1.0 / math.sqrt(in_f)
+            a = jax.random.uniform(key, (in_f, rank), pdt, -bound, bound)
         else:
             a = jax.random.normal(key, (in_f, rank), pdt) / rank
         layer.lora_a[...] = a

@@ -16,12 +16,25 @@ def _layer(rank=3, alpha=6.0):
     return LoRALinear(12, 10, rank=rank, alpha=alpha, rngs=nnx.Rngs(0))
 
 
-@pytest.mark.parametrize("method", ["standard", "gaussian", "pissa", "olora", "gap"])
+@pytest.mark.parametrize("method", ["standard", "peft", "gaussian", "pissa", "olora", "gap"])
 def test_initial_output_unchanged(method):
     layer = _layer()
     before = layer(X)
     init_lora(layer, method, key=jax.random.key(1), calibration_inputs=X)
     np.testing.assert_allclose(layer(X), before, atol=2e-5, rtol=1e-5)
+
+
+def test_peft_init_is_torch_kaiming_uniform_a_sqrt5():
+    """PEFT's A init: kaiming_uniform_(a=√5) on [r, in] = U(±1/√in); B = 0."""
+    layer = LoRALinear(300, 64, rank=64, rngs=nnx.Rngs(0))
+    init_lora(layer, "peft", key=jax.random.key(2))
+    a = np.asarray(layer.lora_a[...])
+    bound = 1 / np.sqrt(300)
+    assert np.abs(a).max() <= bound and np.abs(a).max() > 0.99 * bound
+    np.testing.assert_allclose(a.var(), bound**2 / 3, rtol=0.05)  # variance of U(±b)
+    np.testing.assert_array_equal(layer.lora_b[...], 0.0)
+    init_lora(layer, "standard", key=jax.random.key(2))  # he_uniform: √6 wider
+    assert np.abs(layer.lora_a[...]).max() > 2.0 * bound
 
 
 def test_pissa_adapter_holds_top_singular_directions():
