@@ -41,6 +41,7 @@ from jaxtyping import Array, Float, Int
 
 from lowrank_jax.attention import reference_attention
 from lowrank_jax.models.llama import apply_rope
+from lowrank_jax.optim.linalg import randomized_svd
 from pallas_kernels.xkv_decode.api import xkv_decode_attention
 from pallas_kernels.xkv_decode.reference import NEG_INF, reconstruct, rope
 
@@ -370,6 +371,8 @@ def xkv_compress(
     tail_capacity: int = 0,
     dtype=None,
     sink_tokens: int = 0,
+    svd_method: str = "full",
+    oversample: int = 16,
 ) -> XKVCache:
     """Factorize a prefilled cache: one truncated SVD per layer group, keys and values apart.
 
@@ -378,8 +381,12 @@ def xkv_compress(
         [K^{(l_1)}|\\dots|K^{(l_G)}] = U \\Sigma V^\\top,\\quad A = U_{:, :r},\\quad
         B^{(l)}_h = (\\Sigma_r V_r^\\top)[:, \\text{cols}(l, h)]
 
-    The SVD is exact (``jnp.linalg.svd`` in fp32; DERIVED: at these sizes the randomized range
-    finder of the reference code buys nothing). Each sequence of the batch gets its own SVD.
+    The SVD runs in fp32, per sequence of the batch: exact (``svd_method="full"``, the
+    default, so results are deterministic and match the test oracle) or a randomized range
+    finder with 2 power iterations (``"randomized"``, the reference code's choice,
+    ``O(L·F·(r + oversample))`` instead of ``O(L·F·min(L, F))``). On SmolLM2 at 8× the
+    randomized one compresses ~3× faster on CPU, with relative K/V errors within 1 % of exact
+    (docs/results/xkv.md).
 
     Args:
         keys: pre-RoPE keys of every layer, ``[layers, b, L, kv_heads, head_dim]``.
@@ -398,6 +405,9 @@ def xkv_compress(
             whose error costs far more perplexity than its one token of storage; the byte
             count and ``ratio`` include it). Not combinable with ``selective``, which keeps
             its own exact outlier chunks.
+        svd_method: ``"full"`` (exact) or ``"randomized"``.
+        oversample: extra sketch columns of the randomized range finder (the reference code
+            uses none; 16 costs little and makes the top singular vectors accurate).
 
     Returns:
         An :class:`XKVCache`.
@@ -422,6 +432,10 @@ def xkv_compress(
     if rank is not None and not isinstance(rank, str) and not np.isscalar(rank):
         rank = tuple(int(r) for r in rank)
     _check_sink(sink_tokens, keys.shape[2])
+    if svd_method not in ("full", "randomized"):
+        raise ValueError(f"svd_method={svd_method!r} must be 'full' (exact) or 'randomized'.")
+    if not isinstance(oversample, (int, np.integer)) or oversample < 0:
+        raise ValueError(f"oversample={oversample!r} must be an int >= 0 (default 16).")
     if sink_tokens and selective is not None:
         raise ValueError(
             "sink_tokens > 0 cannot be combined with selective reconstruction, which keeps its "
@@ -432,15 +446,16 @@ def xkv_compress(
         ratio=None if ratio is None else float(ratio), rank=rank, group_size=group_size,
         value_rank_scale=float(value_rank_scale), selective=selective,
         tail_capacity=int(tail_capacity), dtype=None if dtype is None else jnp.dtype(dtype).name,
-        sink_tokens=int(sink_tokens),
+        sink_tokens=int(sink_tokens), svd_method=svd_method, oversample=int(oversample),
     )
 
 
 @functools.partial(jax.jit, static_argnames=(
     "rope_theta", "ratio", "rank", "group_size", "value_rank_scale", "selective",
-    "tail_capacity", "dtype", "sink_tokens"))
+    "tail_capacity", "dtype", "sink_tokens", "svd_method", "oversample"))
 def _xkv_compress(keys, values, *, rope_theta, ratio, rank, group_size, value_rank_scale,
-                  selective, tail_capacity, dtype, sink_tokens) -> XKVCache:
+                  selective, tail_capacity, dtype, sink_tokens, svd_method,
+                  oversample) -> XKVCache:
     n_layers, b, length, hk, d = keys.shape
     dtype = jnp.dtype(dtype or keys.dtype)
     groups = layer_groups(n_layers, group_size)
@@ -473,7 +488,7 @@ def _xkv_compress(keys, values, *, rope_theta, ratio, rank, group_size, value_ra
         for src, r, factors, bases in ((keys, rank_k, key_factors, key_bases),
                                        (values, rank_v, value_factors, value_bases)):
             x = jnp.concatenate([src[l].reshape(b, factored, hk * d) for l in members], axis=-1)
-            u, s, vt = jnp.linalg.svd(x.astype(jnp.float32), full_matrices=False)
+            u, s, vt = _truncated_svd(x.astype(jnp.float32), r, svd_method, oversample)
             factors.append(u[:, :, :r].astype(dtype))
             basis = (s[:, :r, None] * vt[:, :r, :]).reshape(b, r, g, hk, d)
             for j, l in enumerate(members):
@@ -495,6 +510,15 @@ def _xkv_compress(keys, values, *, rope_theta, ratio, rank, group_size, value_ra
         tail_length=jnp.zeros((), jnp.int32), selective=sel, groups=groups,
         prefill_length=length, rope_theta=float(rope_theta),
     )
+
+
+def _truncated_svd(x: Float[Array, "b L F"], rank: int, method: str, oversample: int):
+    """Top-``rank`` (at least) singular triplets of each ``x[i]``: exact or randomized."""
+    if method == "full" or rank + oversample >= min(x.shape[1:]):
+        return jnp.linalg.svd(x, full_matrices=False)
+    keys = jax.random.split(jax.random.key(0), x.shape[0])
+    return jax.vmap(lambda m, k: randomized_svd(m, rank, oversample=oversample, power_iters=2,
+                                                key=k))(x, keys)
 
 
 def xkv_reconstruct(cache: XKVCache, layer: int, kind: str = "k") -> Float[Array, "b L hk d"]:

@@ -238,3 +238,21 @@ def test_model_level_helpers_default_to_one_sink_token():
     assert (xkv.xkv_prefill(model, tokens[:, :8], rank=2, group_size=3).sink_tokens
             == xkv.DEFAULT_SINK_TOKENS == 1)
     assert xkv.xkv_cache_factory(8.0).sink_tokens == 1
+
+
+def test_randomized_svd_matches_exact_on_a_decaying_spectrum():
+    rng = np.random.default_rng(11)
+    # 4 layers of keys with a decaying spectrum (as real caches have): rank 6 plus small noise
+    signal = rng.standard_normal((4, 1, 80, 6)) @ rng.standard_normal((4, 1, 6, 2 * 8))
+    keys = jnp.asarray((signal + 0.01 * rng.standard_normal(signal.shape))
+                       .reshape(4, 1, 80, 2, 8).astype(np.float32))
+    kw = dict(rope_theta=1e4, rank=(6, 6), group_size=2, sink_tokens=1)
+    exact = xkv.xkv_compress(keys, keys, **kw)
+    fast = xkv.xkv_compress(keys, keys, svd_method="randomized", oversample=4, **kw)
+    assert fast.key_factors[0].shape == exact.key_factors[0].shape == (1, 79, 6)
+    for layer in range(4):
+        e_exact = float(jnp.linalg.norm(xkv.xkv_reconstruct(exact, layer) - keys[layer]))
+        e_fast = float(jnp.linalg.norm(xkv.xkv_reconstruct(fast, layer) - keys[layer]))
+        assert e_fast <= 1.01 * e_exact + 1e-6, (layer, e_fast, e_exact)
+    with pytest.raises(ValueError, match="svd_method"):
+        xkv.xkv_compress(keys, keys, svd_method="lanczos", **kw)
