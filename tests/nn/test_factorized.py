@@ -32,7 +32,7 @@ def test_init_is_balanced_and_typed(init):
     assert a.shape == (32, 8) and b.shape == (8, 24)
     np.testing.assert_allclose(np.linalg.norm(a, 2), np.linalg.norm(b, 2), rtol=1e-4)
     factors = nnx.state(layer, LowRankFactor)
-    assert {k for k, _ in factors.flat_state()} == {("a",), ("b",)}
+    assert {k for k, _ in nnx.to_flat_state(factors)} == {("a",), ("b",)}
     assert layer.a.role == "a" and layer.b.role == "b"
 
 

@@ -5,6 +5,7 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from lowrank_jax.train import load_config, train
 from lowrank_jax.train import sharding
@@ -36,7 +37,7 @@ def test_sharded_losses_match_single_device(tmp_path, single_device_losses, mesh
     np.testing.assert_allclose(result.losses, single_device_losses, rtol=1e-5)
     # parameters really are distributed as the rules say
     leaf = result.state.params["layers"][0]["mlp"]["up_proj"]["a"]
-    value = getattr(leaf, "value", leaf)
+    value = leaf[...] if isinstance(leaf, nnx.Variable) else leaf
     assert value.sharding.spec == jax.sharding.PartitionSpec("fsdp", None)
 
 
