@@ -94,7 +94,8 @@ def prepare(model: Llama, *, scan_layers: bool = True):
         A hashable ``static`` (pass as the static argument) and a ``state`` pytree.
     """
     layers = list(model.layers)
-    if scan_layers and layers:
+    # per-layer attention implementations (a tuple in cfg.attention) cannot share one scan body
+    if scan_layers and layers and isinstance(model.cfg.attention, str):
         splits = [nnx.split(layer) for layer in layers]
         graph0 = splits[0][0]
         if all(g == graph0 for g, _ in splits[1:]):

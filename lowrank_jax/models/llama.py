@@ -27,7 +27,10 @@ class LlamaConfig:
 
     ``projection`` is ``"dense"`` or ``"factorized"``; factorized layers get rank
     ``round(rank_ratio · min(in, out))`` (at least 1). LoRA is added afterwards with
-    :func:`lowrank_jax.nn.apply_lora`.
+    :func:`lowrank_jax.nn.apply_lora`. ``attention`` names an implementation registered in
+    :mod:`lowrank_jax.attention`, or gives one name per layer (a tuple of ``n_layers`` names,
+    e.g. from :func:`pallas_kernels.sparse_attention.api.register_sale_per_layer` for
+    per-layer SALE thresholds; the layers are then unrolled instead of scanned).
     """
 
     vocab_size: int = 256
@@ -43,7 +46,7 @@ class LlamaConfig:
     tie_embeddings: bool = True
     projection: str = "dense"
     rank_ratio: float = 0.25
-    attention: str = "reference"
+    attention: str | tuple[str, ...] = "reference"
     dtype: str = "float32"
     param_dtype: str = "float32"
 
@@ -61,6 +64,17 @@ class LlamaConfig:
             )
         if not 0.0 < self.rank_ratio <= 1.0:
             raise ValueError(f"rank_ratio={self.rank_ratio} must lie in (0, 1].")
+        if isinstance(self.attention, list):  # e.g. read back from JSON / YAML
+            self.attention = tuple(self.attention)
+        if isinstance(self.attention, tuple) and len(self.attention) != self.n_layers:
+            raise ValueError(
+                f"attention has {len(self.attention)} per-layer names but n_layers="
+                f"{self.n_layers}; give one name per layer or a single name for all."
+            )
+
+    def attention_for(self, layer: int) -> str:
+        """The attention implementation name of decoder layer ``layer``."""
+        return self.attention if isinstance(self.attention, str) else self.attention[layer]
 
     def rank_for(self, in_features: int, out_features: int) -> int:
         return max(1, int(round(self.rank_ratio * min(in_features, out_features))))
@@ -135,13 +149,13 @@ class Attention(nnx.Module):
         v = self.v_proj(x).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
         return q, k, v
 
-    def __call__(self, x, positions, *, layer_cache=None, cache_length=None):
+    def __call__(self, x, positions, *, layer_cache=None, cache_length=None, layer_idx=0):
         cfg = self.cfg
         b, t, _ = x.shape
         q, k, v = self.qkv(x)
         q = apply_rope(q, positions, cfg.rope_theta)
         k = apply_rope(k, positions, cfg.rope_theta)
-        attend = get_attention(cfg.attention)
+        attend = get_attention(cfg.attention_for(layer_idx))
         if layer_cache is None:
             out = attend(q, k, v, causal=True)
             new_cache = None
@@ -174,9 +188,10 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt)
         self.mlp = MLP(cfg, rngs=rngs)
 
-    def __call__(self, x, positions, *, layer_cache=None, cache_length=None):
+    def __call__(self, x, positions, *, layer_cache=None, cache_length=None, layer_idx=0):
         h, new_cache = self.self_attn(
-            self.input_layernorm(x), positions, layer_cache=layer_cache, cache_length=cache_length
+            self.input_layernorm(x), positions, layer_cache=layer_cache,
+            cache_length=cache_length, layer_idx=layer_idx,
         )
         x = x + h
         x = x + self.mlp(self.post_attention_layernorm(x))
@@ -223,7 +238,8 @@ class Llama(nnx.Module):
         new_keys, new_values = [], []
         for i, layer in enumerate(self.layers):
             layer_cache = None if cache is None else (cache.keys[i], cache.values[i])
-            x, lc = layer(x, positions, layer_cache=layer_cache, cache_length=start)
+            x, lc = layer(x, positions, layer_cache=layer_cache, cache_length=start,
+                          layer_idx=i)
             if lc is not None:
                 new_keys.append(lc[0])
                 new_values.append(lc[1])

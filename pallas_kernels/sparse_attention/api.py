@@ -213,6 +213,49 @@ def make_sale_attention(
     return sale_attention
 
 
+def register_sale_per_layer(
+    taus: Any, cfg: SaleConfig | None = None, *, implementation: str = "auto"
+) -> tuple[str, ...]:
+    """Register one SALE attention per layer; returns the names for ``LlamaConfig.attention``.
+
+    Args:
+        taus: ``[n_layers]`` or ``[n_layers, heads]`` thresholds, e.g. from
+            :func:`pallas_kernels.sparse_attention.reference.calibrate_thresholds` per layer.
+        cfg: the :class:`SaleConfig` (default ``SaleConfig()``).
+        implementation: ``"auto"``, ``"pallas"`` or ``"xla"`` (as :func:`sale_prefill_attention`).
+
+    Returns:
+        One registered name per layer. Names are derived from the thresholds, the config and
+        the implementation, so registering the same settings twice gives the same names and
+        different settings never overwrite each other.
+
+    Example::
+
+        >>> from lowrank_jax.models import LlamaConfig
+        >>> names = register_sale_per_layer([0.004, 0.016])
+        >>> cfg = LlamaConfig(n_layers=2, attention=names)
+        >>> cfg.attention_for(1) == names[1] != names[0]
+        True
+    """
+    import hashlib
+
+    from lowrank_jax.attention import register_attention
+
+    taus = np.asarray(taus, np.float32)
+    if taus.ndim not in (1, 2) or taus.shape[0] == 0:
+        raise ValueError(f"taus has shape {taus.shape}; pass [n_layers] or [n_layers, heads].")
+    if not np.all(np.isfinite(taus)) or np.any(taus < 0):
+        raise ValueError("taus must be finite and >= 0 (0 = a dense head).")
+    names = []
+    for row in taus:
+        digest = hashlib.sha1(row.tobytes() + repr((cfg, implementation)).encode()).hexdigest()
+        name = f"sale/{digest[:12]}"
+        tau = float(row) if row.ndim == 0 else row
+        register_attention(name, make_sale_attention(tau, cfg, implementation=implementation))
+        names.append(name)
+    return tuple(names)
+
+
 def _register() -> None:
     from lowrank_jax.attention import register_attention
 
@@ -221,4 +264,5 @@ def _register() -> None:
 
 _register()
 
-__all__ = ["DEFAULT_TAU", "lookup_table", "make_sale_attention", "sale_prefill_attention"]
+__all__ = ["DEFAULT_TAU", "lookup_table", "make_sale_attention", "register_sale_per_layer",
+           "sale_prefill_attention"]

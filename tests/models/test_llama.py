@@ -131,3 +131,25 @@ def test_lora_models_run_through_the_scanned_and_full_paths():
     apply_lora(model, LoRARule("layers/0/mlp/up_proj", rank=2), rngs=nnx.Rngs(2))
     assert prepare(model)[0].mode == "full"  # layers differ: the model's own loop
     np.testing.assert_allclose(logits_full(model, tokens), reference, atol=1e-5)
+
+
+def test_per_layer_attention_names_are_used_per_layer():
+    from lowrank_jax.attention import register_attention
+
+    register_attention("zero_for_test", lambda q, k, v, **_: jnp.zeros_like(q))
+    cfg = LlamaConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=32,
+                      attention=["reference", "zero_for_test"])  # a list is accepted (YAML)
+    assert cfg.attention == ("reference", "zero_for_test")
+    model = Llama(cfg, rngs=nnx.Rngs(0))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 32, (2, 7)), jnp.int32)
+    logits, _ = model(tokens)
+    # by hand: layer 0 exact, layer 1's attention adds o_proj(0) = 0, then its MLP
+    positions = jnp.broadcast_to(jnp.arange(7)[None], (2, 7))
+    x, _ = model.layers[0](model.embed_tokens(tokens), positions)
+    layer = model.layers[1]
+    x = x + layer.mlp(layer.post_attention_layernorm(x))
+    np.testing.assert_allclose(logits, model.logits_from_hidden(model.norm(x)), atol=1e-5)
+    # the jitted runners fall back from the layer scan and agree with the model call
+    np.testing.assert_allclose(logits_full(model, tokens), logits, atol=1e-5)
+    with pytest.raises(ValueError, match="per-layer names"):
+        LlamaConfig(n_layers=3, attention=("reference", "reference"))

@@ -224,3 +224,19 @@ def test_sale_kernels_lower_for_accelerators(platform):
         q, kv, kv, s((1, 4, 8, 8), i32), s((1, 4, 8), i32), platform=platform)
     assert select.platforms == sparse.platforms == (platform,)
     assert sparse.out_avals[0].shape == (1, 4, 1024, 128)
+
+
+def test_register_sale_per_layer_uses_each_layers_thresholds():
+    taus = np.array([[0.0, 0.0], [0.5, 0.5]], np.float32)  # layer 0 dense, layer 1 very sparse
+    names = api.register_sale_per_layer(taus, CFG, implementation="xla")
+    assert len(set(names)) == 2
+    assert api.register_sale_per_layer(taus, CFG, implementation="xla") == names
+    q, k, v = _qkv(96, 2, 1, 16, seed=3)
+    for name, tau in zip(names, taus):
+        want = api.sale_prefill_attention(q, k, v, tau, CFG, implementation="xla")
+        np.testing.assert_allclose(get_attention(name)(q, k, v, causal=True), want, atol=1e-6)
+    dense = get_attention(names[0])(q, k, v, causal=True)
+    np.testing.assert_allclose(dense, reference_attention(q, k, v, causal=True), atol=1e-5)
+    assert not np.allclose(get_attention(names[1])(q, k, v, causal=True), dense, atol=1e-3)
+    with pytest.raises(ValueError, match="taus"):
+        api.register_sale_per_layer(np.array([[-1.0]]))
