@@ -20,4 +20,5 @@ from pallas_kernels.sparse_attention.reference import (
 
 __all__ = ["DEFAULT_TAU", "QK4", "SaleConfig", "anchor_stats", "block_sparse_attention_reference",
            "calibrate_thresholds", "lookup_table", "make_sale_attention", "quantize_qk_int4",
-           "register_sale_per_layer", "sale_prefill_attention", "sale_prefill_reference", "sale_select_reference"]
+           "register_sale_per_layer", "sale_prefill_attention", "sale_prefill_reference",
+           "sale_select_reference"]
