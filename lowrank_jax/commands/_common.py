@@ -4,7 +4,10 @@ from __future__ import annotations
 
 
 def add_model_arguments(parser, *, kv_help: str) -> None:
-    """``--dtype --projection --rank-ratio --attention --kv --kv-ratio --kv-group --kv-sink``."""
+    """``--model --dtype --projection --rank-ratio --attention --kv --kv-ratio --kv-group
+    --kv-sink``."""
+    parser.add_argument("--model", default="smollm2",
+                        help="'smollm2', a .gguf file, or a folder with config.json")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--projection", default="dense", choices=("dense", "factorized"))
     parser.add_argument("--rank-ratio", type=float, default=None,

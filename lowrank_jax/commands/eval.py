@@ -15,8 +15,6 @@ def register(subparsers) -> None:
         help="perplexity of a model (smollm2, a .gguf file or a HF folder) on a text file",
         description="Sliding-window perplexity of a real checkpoint on English text.",
     )
-    parser.add_argument("--model", default="smollm2",
-                        help="'smollm2', a .gguf file, or a folder with config.json")
     parser.add_argument("--text", default=None,
                         help="UTF-8 text file (default: the bundled English license texts)")
     parser.add_argument("--window", type=int, default=1024, help="tokens per forward pass")

@@ -15,8 +15,6 @@ def register(subparsers) -> None:
         help="generate text from a model (greedy or top-p sampling, KV cache, streaming)",
         description="Continue a prompt (or answer it as a chat with --chat).",
     )
-    parser.add_argument("--model", default="smollm2",
-                        help="'smollm2', a .gguf file, or a folder with config.json")
     parser.add_argument("--prompt", required=True, help="the prompt text")
     parser.add_argument("--chat", action="store_true",
                         help="wrap the prompt as a user message in the chat template")
