@@ -11,9 +11,9 @@ block in C-order ``vec(K)`` by ``A ⊗ G`` with
 over the ``N`` valid tokens, where ``g_t`` is the gradient of the **summed** token cross-entropy
 (so each ``g_t`` is a per-token gradient, free of any ``1/N``).
 
-How the statistics are captured (DERIVED, no kfac-jax): for the duration of the estimate, every
-targeted ``nnx.Linear`` has its class swapped to :class:`_TappedLinear`, a subclass whose
-``__call__`` records its input ``a`` and adds a zero *probe* tensor to its output. Parameter
+How the statistics are captured (DERIVED, no kfac-jax): through the package's one capture
+mechanism, :mod:`lowrank_jax.nn.capture`: for the duration of the estimate every targeted
+``nnx.Linear`` records its input ``a`` and adds a zero *probe* tensor to its output. Parameter
 paths and values are untouched. The loss is differentiated with ``jax.grad`` w.r.t. the probes,
 which gives exactly ``g = ∂ℓ/∂y`` for every targeted layer in one backward pass. The per-batch
 statistic is a pure function, jit-compiled once; batches are streamed from Python so only the
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import contextvars
 import re
 from typing import Any, Callable, Iterable, Literal, Mapping, NamedTuple, Sequence
 
@@ -39,6 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
+
+from lowrank_jax.nn.capture import Recorder, module_path, named_modules, recording, tapped
 
 Batch = Mapping[str, Any]  # {"inputs": ..., "labels": int [...], "mask": optional [...]}
 
@@ -64,46 +65,6 @@ class KFACEigenbasis(NamedTuple):
 
 
 # ----------------------------------------------------------------------------------- layer taps
-
-
-class _Recorder:
-    def __init__(self, probes: Mapping[str, Array] | None, shapes_only: bool = False):
-        self.probes = dict(probes or {})
-        self.shapes_only = shapes_only
-        self.inputs: dict[str, Array] = {}
-        self.outputs: dict[str, Any] = {}
-
-
-_RECORDER: contextvars.ContextVar[_Recorder | None] = contextvars.ContextVar(
-    "lowrank_jax_kfac_recorder", default=None
-)
-
-
-class _TappedLinear(nnx.Linear):
-    """``nnx.Linear`` that records its input and adds a zero probe to its output when recording.
-
-    Only ever installed temporarily (by :func:`tapped_layers`) by swapping ``__class__``; the
-    variables and their paths are those of the original layer.
-    """
-
-    def __call__(self, inputs, *args, **kwargs):
-        y = super().__call__(inputs, *args, **kwargs)
-        rec = _RECORDER.get()
-        name = getattr(self, "kfac_tap_name", None)
-        if rec is None or name is None:
-            return y
-        if rec.shapes_only:
-            rec.outputs[name] = jax.ShapeDtypeStruct(y.shape, jnp.float32)
-            return y
-        if name in rec.probes:
-            rec.inputs[name] = inputs
-            y = y + rec.probes[name].astype(y.dtype)
-        return y
-
-
-def module_path(path: Sequence[Any]) -> str:
-    """``('layers', 3, 'mlp', 'up_proj')`` → ``'layers/3/mlp/up_proj'``."""
-    return "/".join(str(p) for p in path)
 
 
 def dense_layer_paths(model: nnx.Module) -> list[str]:
@@ -141,29 +102,21 @@ def select_layers(
 
 @contextlib.contextmanager
 def tapped_layers(model: nnx.Module, paths: Sequence[str]):
-    """Temporarily turn the ``nnx.Linear`` layers at ``paths`` into recording layers (in place).
+    """Temporarily make the ``nnx.Linear`` layers at ``paths`` report to a capture recorder.
 
     Inside the context, ``nnx.split(model)`` yields a graphdef whose targeted layers record
-    inputs and accept output probes (see :func:`layer_statistics`). Restored on exit.
+    inputs and accept output probes (see :func:`layer_statistics`); this is
+    :func:`lowrank_jax.nn.capture.tapped` restricted to plain dense layers. Restored on exit.
     """
-    modules = {module_path(p): m for p, m in nnx.iter_modules(model)}
-    swapped = []
-    try:
-        for name in paths:
-            m = modules.get(name)
-            if type(m) is not nnx.Linear:
-                raise ValueError(
-                    f"paths entry {name!r} is not a plain nnx.Linear; available: "
-                    f"{dense_layer_paths(model)[:16]}"
-                )
-            m.__class__ = _TappedLinear
-            m.kfac_tap_name = name
-            swapped.append(m)
+    modules = named_modules(model)
+    for name in paths:
+        if type(modules.get(name)) is not nnx.Linear:
+            raise ValueError(
+                f"paths entry {name!r} is not a plain nnx.Linear; available: "
+                f"{dense_layer_paths(model)[:16]}"
+            )
+    with tapped(model, paths):
         yield model
-    finally:
-        for m in swapped:
-            del m.kfac_tap_name
-            m.__class__ = nnx.Linear
 
 
 # ------------------------------------------------------------------------------ the statistics
@@ -217,23 +170,15 @@ def layer_statistics(
 
     def run(probes):
         model = nnx.merge(graphdef, state)
-        rec = _Recorder(probes)
-        token = _RECORDER.set(rec)
-        try:
+        with recording(Recorder(probes=probes)) as rec:
             logits = logits_fn(model, batch["inputs"]).astype(jnp.float32)
-        finally:
-            _RECORDER.reset(token)
-        return logits, rec.inputs
+        return logits, {p: rec.inputs[p][0] for p in probes}
 
     def shapes():
         model = nnx.merge(graphdef, state)
-        rec = _Recorder(None, shapes_only=True)
-        token = _RECORDER.set(rec)
-        try:
+        with recording(Recorder(keep_inputs=False, keep_outputs=True)) as rec:
             logits_fn(model, batch["inputs"])
-        finally:
-            _RECORDER.reset(token)
-        return rec.outputs
+        return {p: rec.outputs[p][0] for p in paths}
 
     out_shapes = jax.eval_shape(shapes)
     probes = {p: jnp.zeros(out_shapes[p].shape, jnp.float32) for p in paths}

@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from lowrank_jax.models.llama import KVCache, Llama
+from lowrank_jax.models.llama import KVCache, Llama, ScannedLayers, decoder_forward, lm_logits
 
 CacheFactory = Callable[..., Any]  # (cfg, batch, max_len) -> a cache the model accepts
 
@@ -115,42 +115,27 @@ def prepare(model: Llama, *, scan_layers: bool = True):
 
 
 def forward(static: _Static, state, tokens, cache=None):
-    """Logits ``[b, t, vocab]`` (fp32) and the advanced cache; traceable (call inside jit)."""
-    if static.mode == "full" or not (cache is None or isinstance(cache, KVCache)):
-        if static.mode != "full":
-            raise ValueError("a custom cache needs prepare(model, scan_layers=False).")
+    """Logits ``[b, t, vocab]`` (fp32) and the advanced cache; traceable (call inside jit).
+
+    ``cache`` is ``None``, a :class:`KVCache` or any :class:`~lowrank_jax.models.llama.KVProvider`
+    (a provider that is not ``scannable`` needs ``prepare(model, scan_layers=False)``).
+    """
+    if static.mode == "full":
         model = nnx.merge(static.graphs[0], state)
         return model(tokens, cache=cache)
     embed_graph, layer_graph, norm_graph, head_graph = static.graphs
-    b, t = tokens.shape
-    start = 0 if cache is None else cache.length
-    positions = jnp.broadcast_to(start + jnp.arange(t)[None, :], (b, t))
     embed = nnx.merge(embed_graph, state["embed"])
-    x = embed(tokens).astype(jnp.dtype(static.dtype))
-
-    def body(x, xs):
-        layer_state, keys, values = xs
-        layer = nnx.merge(layer_graph, layer_state)
-        layer_cache = None if keys is None else (keys, values)
-        x, new_cache = layer(x, positions, layer_cache=layer_cache, cache_length=start)
-        return x, new_cache
-
-    if cache is None:
-        x, _ = jax.lax.scan(body, x, (state["layers"], None, None))
-    else:
-        x, (keys, values) = jax.lax.scan(body, x, (state["layers"], cache.keys, cache.values))
-        cache = KVCache(keys, values, cache.length + t)
-    x = nnx.merge(norm_graph, state["norm"])(x)
-    if head_graph is None:
-        table = embed.embedding[...].astype(jnp.float32)
-        logits = x.astype(jnp.float32) @ table.T
-    else:
-        logits = nnx.merge(head_graph, state["head"])(x).astype(jnp.float32)
-    return logits, cache
+    x, cache = decoder_forward(
+        embed, ScannedLayers(layer_graph, state["layers"]), nnx.merge(norm_graph, state["norm"]),
+        tokens, cache=cache, dtype=static.dtype,
+    )
+    head = None if head_graph is None else nnx.merge(head_graph, state["head"])
+    return lm_logits(x, embed, head), cache
 
 
 def _default_cache(cfg, batch: int, max_len: int) -> KVCache:
     return KVCache.empty(cfg, batch, max_len)
+
 
 
 @functools.partial(jax.jit, static_argnums=0)

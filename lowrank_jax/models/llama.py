@@ -8,7 +8,7 @@ checkpoints load by name and LoRA adapters export to PEFT with the names PEFT ex
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +19,7 @@ from lowrank_jax.attention import get_attention
 from lowrank_jax.nn.factorized import FactorizedLinear, check_rank
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 @dataclasses.dataclass
@@ -116,12 +117,78 @@ def apply_rope(x: Float[Array, "b t h d"], positions: Int[Array, "b t"], theta: 
     return out.astype(x.dtype)
 
 
+class KVProvider:
+    """Extension point (a): what keys/values each decoder layer attends to.
+
+    Pass a provider as ``cache=`` to :class:`Llama` (or to :func:`lowrank_jax.models.forward`);
+    the one decoder loop (:func:`run_layers`) asks it, for every layer, to attend with the
+    layer's queries, and returns ``provider.advance(updates, t)`` as the new cache. Built in:
+    no cache (:class:`CausalKV`, plain causal attention), the exact :class:`KVCache`;
+    :mod:`lowrank_jax.kv` adds the xKV-compressed ones, and sparse patterns such as SALE come in
+    through the ``attention`` function the provider is handed (``LlamaConfig.attention``).
+
+    A provider is a pytree (it crosses ``jax.jit``) with:
+
+    - ``scannable``: ``True`` if :meth:`attend` does not depend on the (Python) layer index, so
+      the layers may run under ``jax.lax.scan``; its :meth:`per_layer` data is then sliced
+      along a leading layer axis and its updates are stacked along it.
+    - :meth:`positions` ``(batch, length)``: the RoPE positions of the new tokens.
+    - :meth:`per_layer`: a pytree with a leading ``n_layers`` axis (or ``None``); layer ``i``
+      receives its slice as ``layer_data``.
+    - :meth:`attend` ``(layer, layer_data, q, k, v, keys_pre_rope, attention)`` with ``q``, ``k``
+      post-RoPE ``[b, t, heads, d]``: returns the attention output ``[b, t, heads, d]`` and the
+      layer's update.
+    - :meth:`advance` ``(updates, length)``: what the forward returns as the new cache
+      (``updates`` stacked per layer when ``scannable``, else a list).
+    """
+
+    scannable = True
+
+    def start(self):
+        return 0
+
+    def positions(self, batch: int, length: int):
+        return jnp.broadcast_to(self.start() + jnp.arange(length)[None, :], (batch, length))
+
+    def per_layer(self):
+        return None
+
+    def attend(self, layer, layer_data, q, k, v, keys_pre_rope, attention):
+        raise NotImplementedError
+
+    def advance(self, updates, length):
+        return self
+
+
+@jax.tree_util.register_static
+class CausalKV(KVProvider):
+    """No cache: plain causal self-attention over the given tokens (returns ``None`` as cache)."""
+
+    def __eq__(self, other):
+        return type(other) is type(self)
+
+    def __hash__(self):
+        return hash(type(self).__name__)
+
+    def attend(self, layer, layer_data, q, k, v, keys_pre_rope, attention):
+        return attention(q, k, v, causal=True), None
+
+    def advance(self, updates, length):
+        return None
+
+
 class KVCache(NamedTuple):
-    """Preallocated keys/values ``[layers, batch, max_len, kv_heads, head_dim]`` (post-RoPE)."""
+    """Preallocated keys/values ``[layers, batch, max_len, kv_heads, head_dim]`` (post-RoPE).
+
+    The exact :class:`KVProvider`: new keys/values are written at ``length`` and the queries
+    attend to the filled prefix.
+    """
 
     keys: Array
     values: Array
     length: Array  # shape=(), int32: how many positions are filled
+
+    scannable = True
 
     @classmethod
     def empty(cls, cfg: LlamaConfig, batch: int, max_len: int | None = None, dtype=None):
@@ -129,6 +196,38 @@ class KVCache(NamedTuple):
         shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim)
         dtype = dtype or jnp.dtype(cfg.dtype)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((), jnp.int32))
+
+    def start(self):
+        return self.length
+
+    positions = KVProvider.positions
+
+    def per_layer(self):
+        return (self.keys, self.values)
+
+    def attend(self, layer, layer_data, q, k, v, keys_pre_rope, attention):
+        ck, cv = layer_data
+        ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, self.length, 0, 0))
+        cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, self.length, 0, 0))
+        out = attention(q, ck, cv, causal=True, q_offset=self.length,
+                        kv_length=self.length + q.shape[1])
+        return out, (ck, cv)
+
+    def advance(self, updates, length):
+        return KVCache(updates[0], updates[1], self.length + length)
+
+
+def as_provider(cache) -> KVProvider:
+    """``None`` → :class:`CausalKV`; anything else must follow the :class:`KVProvider` protocol."""
+    if cache is None:
+        return CausalKV()
+    for name in ("positions", "per_layer", "attend", "advance"):
+        if not callable(getattr(cache, name, None)):
+            raise ValueError(
+                f"cache={type(cache).__name__} has no {name}(); pass None, a KVCache or an "
+                "object following lowrank_jax.models.llama.KVProvider."
+            )
+    return cache
 
 
 class Attention(nnx.Module):
@@ -149,25 +248,19 @@ class Attention(nnx.Module):
         v = self.v_proj(x).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
         return q, k, v
 
-    def __call__(self, x, positions, *, layer_cache=None, cache_length=None, layer_idx=0):
+    def __call__(self, x, positions, *, kv: KVProvider | None = None, layer_data=None,
+                 layer_idx=0):
+        """Attention output ``[b, t, d]`` and the K/V provider's update for this layer."""
         cfg = self.cfg
         b, t, _ = x.shape
+        kv = CausalKV() if kv is None else kv
         q, k, v = self.qkv(x)
-        q = apply_rope(q, positions, cfg.rope_theta)
-        k = apply_rope(k, positions, cfg.rope_theta)
+        q_rot = apply_rope(q, positions, cfg.rope_theta)
+        k_rot = apply_rope(k, positions, cfg.rope_theta)
         attend = get_attention(cfg.attention_for(layer_idx))
-        if layer_cache is None:
-            out = attend(q, k, v, causal=True)
-            new_cache = None
-        else:
-            ck, cv = layer_cache
-            ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, cache_length, 0, 0))
-            cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, cache_length, 0, 0))
-            out = attend(
-                q, ck, cv, causal=True, q_offset=cache_length, kv_length=cache_length + t
-            )
-            new_cache = (ck, cv)
-        return self.o_proj(out.reshape(b, t, cfg.n_heads * cfg.head_dim)), new_cache
+        out, update = kv.attend(layer_idx, layer_data, q_rot, k_rot, v, k, attend)
+        out = out.reshape(b, t, cfg.n_heads * cfg.head_dim).astype(x.dtype)
+        return self.o_proj(out), update
 
 
 class MLP(nnx.Module):
@@ -188,18 +281,88 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt)
         self.mlp = MLP(cfg, rngs=rngs)
 
-    def __call__(self, x, positions, *, layer_cache=None, cache_length=None, layer_idx=0):
-        h, new_cache = self.self_attn(
-            self.input_layernorm(x), positions, layer_cache=layer_cache,
-            cache_length=cache_length, layer_idx=layer_idx,
-        )
+    def __call__(self, x, positions=None, *, kv: KVProvider | None = None, layer_data=None,
+                 layer_idx=0):
+        """``x + attn``, then ``+ mlp``; returns ``(x, kv update)``. ``positions`` default
+        ``0..t-1`` (a block on its own, as the layer-by-layer quantization pipeline runs it)."""
+        if positions is None:
+            b, t = x.shape[:2]
+            positions = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
+        h, update = self.self_attn(self.input_layernorm(x), positions, kv=kv,
+                                   layer_data=layer_data, layer_idx=layer_idx)
         x = x + h
         x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, new_cache
+        return x, update
+
+
+class ScannedLayers(NamedTuple):
+    """Decoder layers of one shared structure, their states stacked on a leading axis."""
+
+    graph: Any  # nnx.GraphDef of one DecoderLayer
+    state: Any  # its state, every leaf with a leading n_layers axis
+
+
+def run_layers(layers, x, positions, kv: KVProvider):
+    """THE decoder-layer loop: every forward of the package runs its layers here.
+
+    ``layers`` is a sequence of :class:`DecoderLayer` (unrolled Python loop) or
+    :class:`ScannedLayers` (``jax.lax.scan``: XLA compiles one layer, not ``n_layers``; needs a
+    ``kv.scannable`` provider). Returns the hidden states and ``kv.advance(...)``.
+    """
+    data = kv.per_layer()
+    t = x.shape[1]
+    if isinstance(layers, ScannedLayers):
+        if not kv.scannable:
+            raise ValueError(
+                f"cache={type(kv).__name__} is not scannable (its attention depends on the "
+                "layer index); run the layers unrolled (prepare(model, scan_layers=False))."
+            )
+
+        def body(x, xs):
+            layer_state, layer_data = xs
+            layer = nnx.merge(layers.graph, layer_state)
+            return layer(x, positions, kv=kv, layer_data=layer_data, layer_idx=0)
+
+        x, updates = jax.lax.scan(body, x, (layers.state, data))
+        return x, kv.advance(updates, t)
+    updates = []
+    for i, layer in enumerate(layers):
+        layer_data = None if data is None else jax.tree.map(lambda a: a[i], data)
+        x, update = layer(x, positions, kv=kv, layer_data=layer_data, layer_idx=i)
+        updates.append(update)
+    if kv.scannable:
+        updates = jax.tree.map(lambda *u: jnp.stack(u), *updates)
+    return x, kv.advance(updates, t)
+
+
+def decoder_forward(embed, layers, norm, tokens, positions=None, *, cache=None, dtype="float32"):
+    """Embed → :func:`run_layers` → final norm: hidden states ``[b, t, d]`` and the new cache."""
+    kv = as_provider(cache)
+    b, t = tokens.shape
+    if positions is None:
+        positions = kv.positions(b, t)
+    x = embed(tokens).astype(jnp.dtype(dtype))
+    x, new_cache = run_layers(layers, x, positions, kv)
+    return norm(x), new_cache
+
+
+def lm_logits(x, embed, lm_head=None):
+    """fp32 logits from final hidden states (tied embeddings when ``lm_head`` is ``None``)."""
+    if lm_head is None:
+        return x.astype(jnp.float32) @ embed.embedding[...].astype(jnp.float32).T
+    return lm_head(x).astype(jnp.float32)
 
 
 class Llama(nnx.Module):
     """Decoder-only transformer: embed → N × (attn + SwiGLU MLP) → RMSNorm → LM head.
+
+    Extension points (instead of copies of the layer loop):
+
+    (a) K/V: ``model(tokens, cache=provider)`` with any :class:`KVProvider`;
+    (b) linear layers: :func:`replace_projections` swaps the module behind a projection (LoRA,
+        multi-LoRA, quantized, or your own ``y = f(x)`` module);
+    (c) capture: :func:`lowrank_jax.nn.capture.capture` records the inputs/outputs of any
+        submodule during a normal forward.
 
     Example::
 
@@ -228,46 +391,74 @@ class Llama(nnx.Module):
             self.lm_head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False,
                                       param_dtype=pdt, rngs=rngs)
 
-    def hidden_states(self, tokens, positions=None, *, cache: KVCache | None = None):
+    def hidden_states(self, tokens, positions=None, *, cache=None):
         """Final-norm hidden states ``[b, t, d]`` and the updated cache."""
-        b, t = tokens.shape
-        start = 0 if cache is None else cache.length
-        if positions is None:
-            positions = jnp.broadcast_to(start + jnp.arange(t)[None, :], (b, t))
-        x = self.embed_tokens(tokens).astype(jnp.dtype(self.cfg.dtype))
-        new_keys, new_values = [], []
-        for i, layer in enumerate(self.layers):
-            layer_cache = None if cache is None else (cache.keys[i], cache.values[i])
-            x, lc = layer(x, positions, layer_cache=layer_cache, cache_length=start,
-                          layer_idx=i)
-            if lc is not None:
-                new_keys.append(lc[0])
-                new_values.append(lc[1])
-        x = self.norm(x)
-        if cache is not None:
-            cache = KVCache(jnp.stack(new_keys), jnp.stack(new_values), cache.length + t)
-        return x, cache
+        return decoder_forward(self.embed_tokens, list(self.layers), self.norm, tokens,
+                               positions, cache=cache, dtype=self.cfg.dtype)
 
     def logits_from_hidden(self, x):
-        if self.lm_head is None:
-            return x.astype(jnp.float32) @ self.embed_tokens.embedding[...].astype(jnp.float32).T
-        return self.lm_head(x).astype(jnp.float32)
+        return lm_logits(x, self.embed_tokens, self.lm_head)
 
     def __call__(
         self,
         tokens: Int[Array, "b t"],
         positions: Int[Array, "b t"] | None = None,
         *,
-        cache: KVCache | None = None,
-    ) -> tuple[Float[Array, "b t vocab"], KVCache | None]:
+        cache: KVProvider | None = None,
+    ) -> tuple[Float[Array, "b t vocab"], Any]:
         """Logits (fp32) for every position, and the cache advanced by ``t`` when one is given."""
         x, cache = self.hidden_states(tokens, positions, cache=cache)
         return self.logits_from_hidden(x), cache
+
+
+def projections(model: Llama) -> list[tuple[int, str, nnx.Module, nnx.Module]]:
+    """``(layer, name, parent, module)`` for the 7 projections of every decoder layer."""
+    out = []
+    for i, layer in enumerate(model.layers):
+        for name in PROJECTIONS:
+            parent = layer.self_attn if name in ATTENTION_PROJECTIONS else layer.mlp
+            out.append((i, name, parent, getattr(parent, name)))
+    return out
+
+
+def replace_projections(
+    model: Llama, make: Callable[[int, str, nnx.Module], nnx.Module | None], *,
+    layers: Sequence[int] | None = None,
+) -> list[str]:
+    """Extension point (b): choose the linear implementation behind each projection.
+
+    ``make(layer, name, current)`` returns the new module (anything mapping ``[..., in]`` to
+    ``[..., out]``: LoRA, quantized, your own) or ``None`` to keep the current one. The module
+    paths stay ``layers/i/self_attn/q_proj`` etc., so checkpoints and adapters keep their names.
+
+    Returns:
+        The paths that were replaced.
+
+    Example::
+
+        >>> from flax import nnx
+        >>> m = Llama(LlamaConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2,
+        ...                       n_kv_heads=2, d_ff=16), rngs=nnx.Rngs(0))
+        >>> replace_projections(m, lambda i, name, lin: lin if name == "q_proj" else None)
+        ['layers/0/self_attn/q_proj']
+    """
+    chosen = None if layers is None else set(layers)
+    replaced = []
+    for i, name, parent, module in projections(model):
+        if chosen is not None and i not in chosen:
+            continue
+        new = make(i, name, module)
+        if new is not None:
+            setattr(parent, name, new)
+            block = "self_attn" if name in ATTENTION_PROJECTIONS else "mlp"
+            replaced.append(f"layers/{i}/{block}/{name}")
+    return replaced
 
 
 def count_params(model: nnx.Module) -> int:
     return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
-__all__ = ["Llama", "LlamaConfig", "KVCache", "RMSNorm", "apply_rope", "count_params",
-           "PROJECTIONS"]
+__all__ = ["ATTENTION_PROJECTIONS", "CausalKV", "KVCache", "KVProvider", "Llama", "LlamaConfig",
+           "PROJECTIONS", "RMSNorm", "ScannedLayers", "apply_rope", "as_provider", "count_params",
+           "decoder_forward", "lm_logits", "projections", "replace_projections", "run_layers"]
