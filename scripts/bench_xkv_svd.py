@@ -44,7 +44,7 @@ def main(argv=None) -> int:
           "rel. V err exact / randomized |\n|---|---|---|---|---|---|")
     for length in args.lengths:
         ids = _windows(encode, 1, length)[0]
-        _, keys, values = xkv._prefill_forward(model, jnp.asarray(ids[None]))
+        keys, values = xkv.prefill_kv(model, jnp.asarray(ids[None]))
         rows = {}
         for method in ("full", "randomized"):
             def compress():

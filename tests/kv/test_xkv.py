@@ -171,7 +171,7 @@ def test_full_rank_decode_matches_uncompressed_model_and_block_protocol(sink):
     ctx_k = jnp.stack([rope(xkv.xkv_reconstruct(cache, l, "k"), jnp.arange(8), 500.0)
                        for l in range(3)])
     ctx_v = jnp.stack([xkv.xkv_reconstruct(cache, l, "v") for l in range(3)])
-    block = xkv._block_forward(model, tokens[:, 8:12], ctx_k, ctx_v)
+    block, _ = model(tokens[:, 8:12], cache=xkv.ContextKV(ctx_k, ctx_v))  # the shared forward
     for step in range(4):
         logits, cache = xkv.xkv_decode_step(model, cache, tokens[:, 8 + step])
         np.testing.assert_allclose(logits, block[:, step], rtol=1e-4, atol=1e-4)
@@ -233,11 +233,23 @@ def test_sink_tokens_are_exact_and_counted():
                                                        outlier_chunks=1))
 
 
-def test_model_level_helpers_default_to_one_sink_token():
+def test_model_level_helpers_keep_the_first_token_exact_by_default():
     model, tokens, _ = _tiny_model_and_logits()
-    assert (xkv.xkv_prefill(model, tokens[:, :8], rank=2, group_size=3).sink_tokens
-            == xkv.DEFAULT_SINK_TOKENS == 1)
-    assert xkv.xkv_cache_factory(8.0).sink_tokens == 1
+    keys, values = xkv.prefill_kv(model, tokens[:, :8])
+    cache = xkv.xkv_prefill(model, tokens[:, :8], rank=1, group_size=3)
+    factory_cache = xkv.XKVCacheFactory(ratio=2.0, group_size=3).prefill(model, tokens[:, :8])
+    assert cache.sink_tokens == factory_cache.sink_tokens == xkv.DEFAULT_SINK_TOKENS
+    for layer in range(3):  # the default sink row is bit-exact; rank 1 loses the rest
+        rebuilt = xkv.xkv_reconstruct(cache, layer, "k")
+        np.testing.assert_array_equal(rebuilt[:, :cache.sink_tokens],
+                                      keys[layer, :, :cache.sink_tokens])
+        assert not np.allclose(rebuilt[:, cache.sink_tokens:],
+                               keys[layer, :, cache.sink_tokens:], atol=1e-3)
+    # the paper's setting (sink 0) rebuilds the first token with the same loss as the rest
+    paper = xkv.xkv_prefill(model, tokens[:, :8], rank=1, group_size=3, sink_tokens=0)
+    assert paper.sink_tokens == 0
+    assert not np.allclose(xkv.xkv_reconstruct(paper, 0, "k")[:, :1], keys[0, :, :1],
+                           atol=1e-3)
 
 
 def test_randomized_svd_matches_exact_on_a_decaying_spectrum():
