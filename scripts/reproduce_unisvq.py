@@ -54,7 +54,8 @@ def main(argv=None) -> int:
 
     from lowrank_jax.data import corpus_text
     from lowrank_jax.models.hub import load_model
-    from lowrank_jax.quant.model import model_bits_per_weight, perplexity, quantize_model
+    from lowrank_jax.models import perplexity
+    from lowrank_jax.quant.model import model_bits_per_weight, quantize_model
     from lowrank_jax.quant.unisvq import UniSVQConfig
 
     if args.quick:
@@ -92,8 +93,11 @@ def main(argv=None) -> int:
     def fresh():
         return nnx.merge(graph, jax.tree.map(lambda a: a, fp_state))
 
+    windows = (len(eval_ids) - 1) // eval_seq  # disjoint windows, each scores eval_seq tokens
+
     def ppl(m):
-        return perplexity(m, eval_ids, seq_len=eval_seq, batch_size=4)
+        return perplexity(m, eval_ids[: windows * eval_seq + 1], window=eval_seq + 1,
+                          stride=eval_seq, progress=False).perplexity
 
     rows = []
     t = time.perf_counter()

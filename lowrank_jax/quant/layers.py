@@ -1,0 +1,125 @@
+"""Quantized linear layers: :class:`QuantizedLinear` (UniSVQ lattice codes through the
+``lattice_matmul`` kernel) and :class:`RTNLinear` (round-to-nearest baseline). They plug into a
+Llama through :func:`lowrank_jax.models.llama.replace_projections` (extension point (b))."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float
+
+from lowrank_jax.quant.packing import rtn_bits_per_weight, unisvq_bits_per_weight
+from lowrank_jax.quant.rtn import RTNWeight, rtn_dequantize
+from lowrank_jax.quant.unisvq import UniSVQWeight
+from pallas_kernels.lattice_matmul.api import lattice_matmul
+
+class QuantCodes(nnx.Variable):
+    """Frozen integer codes of a quantized layer (never trained)."""
+
+
+class QuantScale(nnx.Param):
+    """Per-channel float scales ``s_in`` / ``s_out`` (fine-tuned, lr ``lr_scale``)."""
+
+
+class LatticeParam(nnx.Param):
+    """The lattice transform ``A [4,4]`` and ``b [4]`` (fine-tuned, lr ``lr_affine``)."""
+
+
+class QuantizedLinear(nnx.Module):
+    """A bias-free linear layer whose weight is UniSVQ-quantized; ``y = x Wᵀ`` via the kernel API.
+
+    .. math::
+        W = \\mathrm{diag}(s_{out}) H_m^\\top C H_n \\mathrm{diag}(s_{in}),\\quad
+        C_{i,4g:4g+4} = A z_{i,g} + b
+
+    Example::
+
+        >>> import jax, jax.numpy as jnp
+        >>> from lowrank_jax.quant.unisvq import quantize_linear, UniSVQConfig
+        >>> w = quantize_linear(jax.random.normal(jax.random.PRNGKey(0), (8, 16)), None,
+        ...                     UniSVQConfig(hadamard_block=8))
+        >>> QuantizedLinear.from_weight(w)(jnp.ones((2, 16))).shape
+        (2, 8)
+
+    Args:
+        weight: a :class:`UniSVQWeight` (``[out, in]``).
+        mode: ``"fold"`` or ``"dequant"`` (see ``pallas_kernels.lattice_matmul``).
+        implementation: ``"auto"`` | ``"pallas"`` | ``"xla"``.
+    """
+
+    def __init__(self, weight: UniSVQWeight, *, mode: str = "fold",
+                 implementation: str = "auto"):
+        self.in_features = int(weight.shape[1])
+        self.out_features = int(weight.shape[0])
+        self.block_in, self.block_out = int(weight.block_in), int(weight.block_out)
+        self.mode, self.implementation = mode, implementation
+        self.codes = QuantCodes(jnp.asarray(weight.codes, jnp.uint8))
+        self.scale_in = QuantScale(jnp.asarray(weight.scale_in, jnp.float32))
+        self.scale_out = QuantScale(jnp.asarray(weight.scale_out, jnp.float32))
+        self.affine = LatticeParam(jnp.asarray(weight.affine, jnp.float32))
+        self.offset = LatticeParam(jnp.asarray(weight.offset, jnp.float32))
+
+    @classmethod
+    def from_weight(cls, weight: UniSVQWeight, **kwargs) -> "QuantizedLinear":
+        return cls(weight, **kwargs)
+
+    def weight(self) -> UniSVQWeight:
+        return UniSVQWeight(self.codes[...], self.scale_in[...], self.scale_out[...],
+                            self.affine[...], self.offset[...], self.block_in, self.block_out)
+
+    def bits_per_weight(self) -> float:
+        return unisvq_bits_per_weight(self.out_features, self.in_features)
+
+    def __call__(self, x: Float[Array, "... n"]) -> Float[Array, "... m"]:
+        return lattice_matmul(
+            x, self.codes[...], self.scale_in[...], self.scale_out[...], self.affine[...],
+            self.offset[...], block_in=self.block_in, block_out=self.block_out, mode=self.mode,
+            implementation=self.implementation,
+        )
+
+
+class RTNLinear(nnx.Module):
+    """A bias-free linear layer holding group-wise RTN codes; dequantizes on the fly (baseline)."""
+
+    def __init__(self, weight: RTNWeight):
+        self.out_features, self.in_features = (int(s) for s in weight.codes.shape)
+        self.bits, self.group_size = int(weight.bits), int(weight.group_size)
+        self.codes = QuantCodes(jnp.asarray(weight.codes, jnp.uint8))
+        self.scale = QuantScale(jnp.asarray(weight.scale, jnp.float32))
+        self.zero = QuantScale(jnp.asarray(weight.zero, jnp.float32))
+
+    def weight(self) -> RTNWeight:
+        return RTNWeight(self.codes[...], self.scale[...], self.zero[...], self.bits,
+                         self.group_size)
+
+    def bits_per_weight(self) -> float:
+        return rtn_bits_per_weight(self.out_features, self.in_features, self.bits,
+                                   self.group_size)
+
+    def __call__(self, x: Float[Array, "... n"]) -> Float[Array, "... m"]:
+        w = rtn_dequantize(self.weight())
+        return jnp.einsum("...n,mn->...m", x.astype(jnp.float32), w).astype(x.dtype)
+
+
+def _fp16(x):
+    return jnp.asarray(x, jnp.float32).astype(jnp.float16).astype(jnp.float32)
+
+
+def round_floats_to_storage(layer: QuantizedLinear) -> None:
+    """Round the float parameters to fp16, so memory holds exactly what the folder stores."""
+    for name in ("scale_in", "scale_out", "affine", "offset"):
+        getattr(layer, name).set_value(_fp16(getattr(layer, name)[...]))
+
+
+def dense_weight(linear) -> Array:
+    """``[out, in]`` fp32 weight of a dense projection (clear error for any other layer)."""
+    if not isinstance(linear, nnx.Linear):
+        raise ValueError(
+            f"quantize_model: found a {type(linear).__name__} projection; only dense nnx.Linear "
+            "projections can be quantized (merge LoRA / load the dense model first)."
+        )
+    return linear.kernel[...].astype(jnp.float32).T  # [out, in]
+
+
+__all__ = ["LatticeParam", "QuantCodes", "QuantScale", "QuantizedLinear", "RTNLinear",
+           "dense_weight", "round_floats_to_storage"]
