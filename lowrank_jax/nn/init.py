@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
+from lowrank_jax.nn.capture import capture
 from lowrank_jax.nn.inject import lora_layers
 from lowrank_jax.nn.lora import LoRALinear, default_a_initializer
 
@@ -210,32 +211,11 @@ def init_lora(
     return layer
 
 
-class _Recorder(nnx.Module):
-    """Wraps a layer and stores its inputs (eager use only)."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.seen = nnx.data([])
-
-    def __call__(self, x, *args, **kwargs):
-        self.seen.append(jnp.asarray(x))
-        return self.inner(x, *args, **kwargs)
-
-
-def _set_child(model, path: tuple, new) -> None:
-    parent = model
-    for p in path[:-1]:
-        parent = parent[p] if isinstance(p, int) else getattr(parent, p)
-    if isinstance(path[-1], int):
-        parent[path[-1]] = new
-    else:
-        setattr(parent, path[-1], new)
-
-
 def capture_layer_inputs(
     model: nnx.Module, forward: Callable[[nnx.Module], Any], paths: list[str] | None = None
 ) -> dict[str, jax.Array]:
-    """Run ``forward(model)`` eagerly and return each LoRA layer's inputs ``{path: [..., in]}``.
+    """Run ``forward(model)`` eagerly and return each LoRA layer's inputs ``{path: [..., in]}``
+    (through the package's one capture mechanism, :func:`lowrank_jax.nn.capture.capture`).
 
     Example::
 
@@ -254,19 +234,10 @@ def capture_layer_inputs(
     if unknown:
         raise ValueError(f"capture_layer_inputs: unknown LoRA paths {unknown[:5]}; "
                          f"available: {list(found)[:12]}")
-    tuple_paths = {"/".join(str(x) for x in p): p for p, m in nnx.iter_modules(model)
-                   if isinstance(m, LoRALinear)}
-    recorders = {}
-    for name in targets:
-        recorders[name] = _Recorder(found[name])
-        _set_child(model, tuple_paths[name], recorders[name])
-    try:
+    with capture(model, targets) as recorder:
         forward(model)
-    finally:
-        for name in targets:
-            _set_child(model, tuple_paths[name], found[name])
-    return {name: jnp.concatenate([x.reshape(-1, x.shape[-1]) for x in rec.seen])
-            for name, rec in recorders.items() if rec.seen}
+    return {name: jnp.concatenate([jnp.asarray(x).reshape(-1, x.shape[-1]) for x in seen])
+            for name, seen in recorder.inputs.items() if seen}
 
 
 def init_lora_model(

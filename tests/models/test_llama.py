@@ -120,17 +120,29 @@ def test_prompt_longer_than_context_is_a_clear_error(model):
 
 def test_lora_models_run_through_the_scanned_and_full_paths():
     from lowrank_jax.models.generate import prepare
-    from lowrank_jax.nn import LoRARule, apply_lora
+    from lowrank_jax.nn import LoRARule, apply_lora, lora_layers
 
     model = Llama(tiny_config(), rngs=nnx.Rngs(5))
     tokens = jnp.asarray([PROMPT])
-    reference = call(model, tokens)
+    base = call(model, tokens)
+
+    def nonzero_b(seed):  # B = 0 would make an ignored adapter pass; give every B values
+        for i, (_, layer) in enumerate(lora_layers(model)):
+            shape = layer.lora_b[...].shape
+            layer.lora_b[...] = 0.3 * jax.random.normal(jax.random.key(seed + i), shape)
+
     apply_lora(model, LoRARule("q_proj|v_proj", rank=2), rngs=nnx.Rngs(1))
+    nonzero_b(10)
+    with_adapters = call(model, tokens)
+    assert float(jnp.max(jnp.abs(with_adapters - base))) > 1e-3  # the adapters matter
     assert prepare(model)[0].mode == "scan"  # every layer has the same adapters
-    np.testing.assert_allclose(logits_full(model, tokens), reference, atol=1e-5)  # B = 0
+    np.testing.assert_allclose(logits_full(model, tokens), with_adapters, atol=1e-5)
     apply_lora(model, LoRARule("layers/0/mlp/up_proj", rank=2), rngs=nnx.Rngs(2))
+    nonzero_b(20)
+    with_more = call(model, tokens)
+    assert float(jnp.max(jnp.abs(with_more - with_adapters))) > 1e-3
     assert prepare(model)[0].mode == "full"  # layers differ: the model's own loop
-    np.testing.assert_allclose(logits_full(model, tokens), reference, atol=1e-5)
+    np.testing.assert_allclose(logits_full(model, tokens), with_more, atol=1e-5)
 
 
 def test_per_layer_attention_names_are_used_per_layer():
