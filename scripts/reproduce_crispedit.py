@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 from tqdm import tqdm
 
-from lowrank_jax.curvature import editing as ed
+from lowrank_jax import editing as ed
 from lowrank_jax.curvature import kfac
 from lowrank_jax.optim import crispedit as ce
 

@@ -31,7 +31,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from lowrank_jax.curvature import editing as ed
+    from lowrank_jax import editing as ed
     from lowrank_jax.models.hub import load_model
 
     if not 0.0 < args.gamma <= 1.0:

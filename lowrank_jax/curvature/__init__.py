@@ -1,4 +1,5 @@
-"""Curvature estimates of dense layers: K-FAC factors ``E[a aᵀ]``, ``E[g gᵀ]`` and eigenbases."""
+"""Curvature estimates of dense layers: K-FAC factors ``E[a aᵀ]``, ``E[g gᵀ]`` and eigenbases
+(the editing application that uses them lives in :mod:`lowrank_jax.editing`)."""
 
 from lowrank_jax.curvature.kfac import (
     KFACEigenbasis,
