@@ -153,7 +153,8 @@ def main(argv=None) -> int:
     from flax import nnx
     from tqdm import tqdm
 
-    from lowrank_jax.commands.finetune import cross_entropy, tiny_model
+    from lowrank_jax.models.presets import preset_model
+    from lowrank_jax.train.losses import cross_entropy
     from lowrank_jax.data import batch_at, corpus_bytes, eval_batches
     from lowrank_jax.nn import LoRALinear, LoRARule, apply_lora
     from lowrank_jax.optim.balora import balancing_gap, balora, find_lora_pairs
@@ -175,7 +176,7 @@ def main(argv=None) -> int:
     pre, shift, val = tokens[:cut1], tokens[cut1:cut2], tokens[cut2:]
 
     # --- pretraining (all parameters) -------------------------------------------------------
-    model = tiny_model(0)
+    model = preset_model("tiny", seed=0)
     opt = nnx.Optimizer(model, optax.adamw(3e-3, weight_decay=0.01), wrt=nnx.Param)
 
     @nnx.jit

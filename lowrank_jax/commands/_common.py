@@ -1,4 +1,5 @@
-"""Arguments shared by the commands that load a real model (eval, generate)."""
+"""Arguments shared by the commands that load a real model (eval, generate), and the one way
+they turn them into a model."""
 
 from __future__ import annotations
 
@@ -19,3 +20,20 @@ def add_model_arguments(parser, *, kv_help: str) -> None:
     parser.add_argument("--kv-group", type=int, default=4, help="layers per xKV group")
     parser.add_argument("--kv-sink", type=int, default=1,
                         help="leading prompt tokens kept exact by xKV (0 = the paper's xKV)")
+
+
+def load_model_from_args(args):
+    """``(model, tokenizer)`` from ``--model --dtype --projection --rank-ratio --attention``
+    through :func:`lowrank_jax.models.hub.load_model` (GGUF, HF folder, quantized folder, PEFT
+    adapter, preset); a clear error when there is no tokenizer."""
+    from lowrank_jax.models.hub import load_model
+
+    projection = getattr(args, "projection", "dense")
+    model, tokenizer = load_model(
+        args.model, dtype=getattr(args, "dtype", "float32"), projection=projection,
+        rank_ratio=getattr(args, "rank_ratio", None) if projection == "factorized" else None,
+        attention=getattr(args, "attention", "reference"),
+    )
+    if tokenizer is None:
+        raise ValueError(f"--model {args.model}: the checkpoint has no tokenizer.json.")
+    return model, tokenizer

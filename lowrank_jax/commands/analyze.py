@@ -34,14 +34,6 @@ def register(subparsers) -> None:
 
 
 def _load(name: str):
-    from flax import nnx
-
-    from lowrank_jax.models.llama import Llama, LlamaConfig
-
-    if name == "tiny":
-        cfg = LlamaConfig(vocab_size=256, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2,
-                          d_ff=128, max_seq_len=256)
-        return Llama(cfg, rngs=nnx.Rngs(0)), None
     from lowrank_jax.models.hub import load_model
 
     return load_model(name)

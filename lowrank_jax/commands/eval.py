@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from lowrank_jax.commands._common import add_model_arguments
+from lowrank_jax.commands._common import add_model_arguments, load_model_from_args
 
 
 def register(subparsers) -> None:
@@ -33,7 +33,6 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     """Load, tokenize, evaluate, print one result line; returns the exit code."""
     from lowrank_jax.models.generate import english_eval_text, perplexity
-    from lowrank_jax.models.hub import load_model
 
     if args.text is None:
         text, source = english_eval_text(), "bundled English license texts"
@@ -42,18 +41,7 @@ def run(args: argparse.Namespace) -> int:
             raise FileNotFoundError(f"--text {args.text}: no such file.")
         with open(args.text, encoding="utf-8") as f:
             text, source = f.read(), args.text
-    from lowrank_jax.quant.model import is_quantized_folder, load_quantized
-
-    if is_quantized_folder(args.model):  # a folder written by `lowrank-jax quantize`
-        model, tokenizer = load_quantized(args.model)
-    else:
-        model, tokenizer = load_model(
-            args.model, dtype=args.dtype, projection=args.projection,
-            rank_ratio=args.rank_ratio if args.projection == "factorized" else None,
-            attention=getattr(args, "attention", "reference"),
-        )
-    if tokenizer is None:
-        raise ValueError(f"--model {args.model}: the checkpoint has no tokenizer.json.")
+    model, tokenizer = load_model_from_args(args)
     ids = tokenizer.encode(text)
     if args.max_tokens is not None:
         if args.max_tokens < 2:
@@ -73,27 +61,14 @@ def run(args: argparse.Namespace) -> int:
 
 def _eval_xkv(args, model, ids, window: int, source: str) -> int:
     """Per window: prefill ``window - kv_eval_tokens - 1`` tokens, compress, score the rest."""
-    import math
+    from lowrank_jax.kv import xkv_cache_factory, xkv_windowed_perplexity
 
-    from tqdm.auto import tqdm
-
-    from lowrank_jax.kv import xkv_cache_factory
-
-    eval_len = args.kv_eval_tokens
-    if not 0 < eval_len < window - 1:
-        raise ValueError(f"--kv-eval-tokens {eval_len} must lie in [1, window-2={window - 2}].")
-    n_windows = len(ids) // window
-    if n_windows == 0:
-        raise ValueError(f"the text has {len(ids)} tokens, fewer than one window of {window}.")
     factory = xkv_cache_factory(args.kv_ratio, args.kv_group, args.kv_sink)
-    logs = []
-    for w in tqdm(range(n_windows), desc="xkv eval", disable=args.no_progress):
-        chunk = ids[w * window:(w + 1) * window]
-        ppl = factory.perplexity(model, chunk, context_len=window - eval_len - 1,
-                                 eval_len=eval_len)
-        logs.append(math.log(ppl))
-    print(f"perplexity {math.exp(sum(logs) / len(logs)):.3f} with an xKV cache (ratio "
+    ppl, n_windows = xkv_windowed_perplexity(model, ids, factory, window=window,
+                                             eval_len=args.kv_eval_tokens,
+                                             progress=not args.no_progress)
+    print(f"perplexity {ppl:.3f} with an xKV cache (ratio "
           f"{args.kv_ratio}, groups of {args.kv_group}, {args.kv_sink} exact sink token(s)): "
-          f"{n_windows} window(s) of {window}, last {eval_len} tokens of each scored, "
+          f"{n_windows} window(s) of {window}, last {args.kv_eval_tokens} tokens of each scored, "
           f"on {source}")
     return 0

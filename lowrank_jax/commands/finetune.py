@@ -1,22 +1,18 @@
 """``lowrank-jax finetune``: LoRA fine-tuning (LoRA, BaLoRA, PiSSA, OLoRA, Gap-Init, LoKRA) on CPU.
 
-Only ``nnx.LoRAParam`` leaves train (``nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)``); the
-adapter is saved in HuggingFace PEFT format (``adapter_config.json`` +
-``adapter_model.safetensors``), loadable with ``peft.PeftModel.from_pretrained``.
+Parses arguments and calls :func:`lowrank_jax.train.finetune.finetune` (or
+:func:`lowrank_jax.train.jobs.run_jobs` with ``--jobs``); the adapter is saved in HuggingFace
+PEFT format (``adapter_config.json`` + ``adapter_model.safetensors``), loadable with ``peft.PeftModel.from_pretrained``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-import time
-from typing import Any, Callable
 
 import numpy as np
 
-METHODS = ("lora", "balora", "pissa", "olora", "gap", "lokra")
-SMOLLM2_HF_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+from lowrank_jax.train.finetune import METHODS
 
 
 def register(subparsers) -> None:
@@ -50,203 +46,26 @@ def register(subparsers) -> None:
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.add_argument("--jobs", default=None, metavar="JOBS.yaml",
                    help="train several LoRA jobs at once on one base (PLoRA packing); see "
-                        "lowrank_jax/commands/_jobs.py for the file format")
+                        "lowrank_jax/train/jobs.py for the file format")
     p.set_defaults(func=run)
-
-
-@dataclasses.dataclass
-class FinetuneResult:
-    """What :func:`finetune` returns: per-step training losses and the adapted paths."""
-
-    losses: list[float]
-    adapted: list[str]
-    ranks: dict[str, int]
-    initial_adapters: dict[str, tuple[Any, Any]]
-    seconds: float
-
-
-def token_batches(tokens: np.ndarray, batch_size: int, seq_len: int, seed: int):
-    """``step -> (inputs, targets)`` windows drawn reproducibly from ``tokens``."""
-    from lowrank_jax.data import batch_at
-
-    return lambda step: batch_at(tokens, step, batch_size, seq_len, seed=seed)
-
-
-def cross_entropy(logits, targets):
-    """Mean next-token cross-entropy in nats."""
-    import jax
-    import jax.numpy as jnp
-
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
-
-
-def finetune(
-    model,
-    batch_fn: Callable[[int], tuple[np.ndarray, np.ndarray]],
-    *,
-    method: str = "lora",
-    targets: str = r"(q|v)_proj",
-    rank: int = 8,
-    alpha: float = 16.0,
-    steps: int = 100,
-    lr: float = 1e-3,
-    weight_decay: float = 0.0,
-    seed: int = 0,
-    ranks: dict[str, int] | None = None,
-    lokra_lambda: float = 1e-3,
-    progress: bool = True,
-    description: str = "finetune",
-) -> FinetuneResult:
-    """Add adapters to ``model`` (in place), initialise them by ``method``, train them.
-
-    Args:
-        model: an NNX model returning ``(logits, cache)`` (``lowrank_jax.models.Llama``).
-        batch_fn: ``step -> (inputs [b, t], targets [b, t])``.
-        method: ``lora`` (standard init), ``balora`` (standard init + BaLoRA projection after
-            AdamW), ``pissa``, ``olora``, ``gap`` (Gap-Init from the first batches), ``lokra``
-            (standard init + Kruskal-rank penalty).
-        targets: regex of module paths to adapt.
-        rank, alpha: LoRA rank and alpha (scale ``alpha / rank``).
-        steps, lr, weight_decay: AdamW settings (the same base optimizer for every method).
-        seed: adapter init seed.
-        ranks: optional per-path ranks (CSPLoRA plan).
-        lokra_lambda: penalty weight for ``lokra``.
-        progress: show a tqdm bar.
-
-    Returns:
-        A :class:`FinetuneResult`.
-    """
-    import jax
-    import jax.numpy as jnp
-    import optax
-    from flax import nnx
-    from tqdm import tqdm
-
-    from lowrank_jax.nn import LoRARule, apply_lora, lora_layers
-    from lowrank_jax.nn.init import init_lora_model
-    from lowrank_jax.optim.balora import balora
-
-    if method not in METHODS:
-        raise ValueError(f"method={method!r} is unknown; use one of {', '.join(METHODS)}.")
-    if steps < 1:
-        raise ValueError(f"steps={steps} must be >= 1.")
-    adapted = apply_lora(model, LoRARule(targets, rank=rank, alpha=alpha), ranks=ranks,
-                         rngs=nnx.Rngs(seed))
-    init_key = jax.random.key(seed)
-    if method in ("pissa", "olora"):
-        init_lora_model(model, method, key=init_key)
-    elif method == "gap":
-        calib = [batch_fn(20_000_000 + i)[0] for i in range(4)]
-        init_lora_model(model, "gap", key=init_key,
-                        calibration_forward=lambda m: [m(jnp.asarray(x)) for x in calib])
-    initial = {}
-    if method in ("pissa", "olora"):
-        initial = {p: (np.asarray(m.lora_a[...]), np.asarray(m.lora_b[...]))
-                   for p, m in lora_layers(model)}
-    base = optax.adamw(lr, weight_decay=weight_decay)
-    tx = balora(base) if method == "balora" else base
-    optimizer = nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)
-    penalty = lokra_lambda if method == "lokra" else 0.0
-
-    step_fn = _train_step(penalty)
-
-    losses = []
-    start = time.perf_counter()
-    bar = tqdm(range(steps), desc=description, disable=not progress, leave=False)
-    for step in bar:
-        inputs, labels = batch_fn(step)
-        loss = float(step_fn(model, optimizer, jnp.asarray(inputs), jnp.asarray(labels)))
-        if not np.isfinite(loss):
-            raise FloatingPointError(f"{method}: loss became {loss} at step {step}; lower --lr.")
-        losses.append(loss)
-        bar.set_postfix(loss=f"{loss:.4f}")
-    seconds = time.perf_counter() - start
-    layer_ranks = {p: m.rank for p, m in lora_layers(model)}
-    return FinetuneResult(losses, adapted, layer_ranks, initial, seconds)
-
-
-_STEP_CACHE: dict[float, Callable] = {}
-
-
-def _train_step(penalty: float):
-    """One jitted AdamW step on the LoRA params (cached so repeated runs do not recompile)."""
-    if penalty in _STEP_CACHE:
-        return _STEP_CACHE[penalty]
-    from flax import nnx
-
-    from lowrank_jax.nn.lokra import lokra_regularizer
-
-    def loss_fn(model, inputs, labels):
-        logits, _ = model(inputs)
-        loss = cross_entropy(logits, labels)
-        if penalty:
-            loss = loss + penalty * lokra_regularizer(model)
-        return loss
-
-    @nnx.jit
-    def step_fn(model, optimizer, inputs, labels):
-        loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, nnx.LoRAParam))(
-            model, inputs, labels)
-        optimizer.update(model, grads)
-        return loss
-
-    _STEP_CACHE[penalty] = step_fn
-    return step_fn
-
-
-def tiny_model(seed: int = 0, vocab_size: int = 256):
-    """The small byte-level Llama used by ``--model tiny`` and the reproduction script."""
-    from flax import nnx
-
-    from lowrank_jax.models import Llama, LlamaConfig
-
-    cfg = LlamaConfig(vocab_size=vocab_size, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                      d_ff=128, max_seq_len=256)
-    return Llama(cfg, rngs=nnx.Rngs(seed))
-
-
-def _load(model_name: str, data: str | None):
-    """``(model, tokens, base_model_name_or_path)``."""
-    from lowrank_jax.data import corpus_bytes
-
-    text = None
-    if data is not None:
-        if not os.path.isfile(data):
-            raise FileNotFoundError(f"--data {data}: file not found; pass a UTF-8 text file.")
-        with open(data, encoding="utf-8") as f:
-            text = f.read()
-    if model_name == "tiny":
-        tokens = (np.frombuffer(text.encode("utf-8"), np.uint8) if text is not None
-                  else corpus_bytes())
-        return tiny_model(), tokens.astype(np.int32), None
-    from lowrank_jax.models.hub import load_model
-
-    model, tokenizer = load_model(model_name)
-    if tokenizer is None:
-        raise ValueError(f"--model {model_name}: no tokenizer found next to the checkpoint.")
-    if text is None:
-        from lowrank_jax.data import corpus_text
-
-        text = corpus_text()[:200_000]
-    tokens = np.asarray(tokenizer.encode(text), np.int32)
-    name = SMOLLM2_HF_NAME if model_name == "smollm2" else str(model_name)
-    return model, tokens, name
 
 
 def run(args) -> int:
     if getattr(args, "jobs", None):
-        from lowrank_jax.commands._jobs import run_jobs
+        from lowrank_jax.train.jobs import load_jobs, run_jobs
 
-        return run_jobs(args)
+        run_jobs(load_jobs(args.jobs), model=args.model, out=args.out,
+                 progress=not args.no_progress, log=print)
+        return 0
     from lowrank_jax.io.peft import export_peft
     from lowrank_jax.nn.rank_plan import plan_ranks
+    from lowrank_jax.train.finetune import finetune, load_model_and_tokens, token_batches
 
     for name in ("rank", "steps", "batch_size", "seq_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1.")
     lr = args.lr if args.lr is not None else (1e-4 if args.method == "balora" else 1e-3)
-    model, tokens, base_name = _load(args.model, args.data)
+    model, tokens, base_name = load_model_and_tokens(args.model, args.data)
     if len(tokens) < args.seq_len + 2:
         raise ValueError(f"--data has {len(tokens)} tokens, fewer than --seq-len + 2 = "
                          f"{args.seq_len + 2}; pass more text or a smaller --seq-len.")

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-
-from lowrank_jax.commands._common import add_model_arguments
 import sys
+
+from lowrank_jax.commands._common import add_model_arguments, load_model_from_args
 
 
 def register(subparsers) -> None:
@@ -35,15 +35,8 @@ def run(args: argparse.Namespace, *, cache_factory=None) -> int:
     import jax
 
     from lowrank_jax.models.generate import generate
-    from lowrank_jax.models.hub import load_model
 
-    model, tokenizer = load_model(
-        args.model, dtype=args.dtype, projection=args.projection,
-        rank_ratio=args.rank_ratio if args.projection == "factorized" else None,
-        attention=getattr(args, "attention", "reference"),
-    )
-    if tokenizer is None:
-        raise ValueError(f"--model {args.model}: the checkpoint has no tokenizer.json.")
+    model, tokenizer = load_model_from_args(args)
     prompt = args.prompt
     if args.chat:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])

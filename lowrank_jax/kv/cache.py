@@ -10,7 +10,6 @@ import jax
 from jaxtyping import Array
 
 
-
 @dataclasses.dataclass(frozen=True)
 class SelectiveConfig:
     """Selective reconstruction (xKV-SR, after ShadowKV) settings.

@@ -22,6 +22,7 @@ from lowrank_jax.kv.ranks import (
 from lowrank_jax.optim.linalg import randomized_svd
 from pallas_kernels.xkv_decode.reference import reconstruct, rope
 
+
 def _layer_selective_state(keys_rot, values, cfg: SelectiveConfig):
     """Landmarks, outliers and local window of one layer (post-RoPE keys ``[b, L, hk, d]``)."""
     b, length, hk, d = keys_rot.shape

@@ -408,6 +408,27 @@ def xkv_perplexity(
                                 sink_tokens=sink_tokens)[0]["perplexity"]
 
 
+def xkv_windowed_perplexity(model, ids, factory, *, window: int, eval_len: int,
+                            progress: bool = True) -> tuple[float, int]:
+    """Perplexity over disjoint windows of ``window`` tokens of ``ids``: in each, prefill and
+    compress the first ``window - eval_len - 1`` tokens with ``factory``'s settings and score the
+    last ``eval_len`` (geometric mean over windows). Returns ``(perplexity, windows)``."""
+    from tqdm.auto import tqdm
+
+    if not 0 < eval_len < window - 1:
+        raise ValueError(f"--kv-eval-tokens {eval_len} must lie in [1, window-2={window - 2}].")
+    n_windows = len(ids) // window
+    if n_windows == 0:
+        raise ValueError(f"the text has {len(ids)} tokens, fewer than one window of {window}.")
+    logs = []
+    for w in tqdm(range(n_windows), desc="xkv eval", disable=not progress):
+        chunk = ids[w * window:(w + 1) * window]
+        ppl = factory.perplexity(model, chunk, context_len=window - eval_len - 1,
+                                 eval_len=eval_len)
+        logs.append(math.log(ppl))
+    return math.exp(sum(logs) / len(logs)), n_windows
+
+
 # --------------------------------------------------------------------------------------------
 # CLI hook
 # --------------------------------------------------------------------------------------------
@@ -472,4 +493,5 @@ def xkv_cache_factory(ratio: float, group_size: int = DEFAULT_GROUP_SIZE,
 __all__ = [
     "ContextKV", "PrefillKV", "XKVCacheFactory", "XKVDecodeKV", "prefill_kv", "xkv_cache_factory",
     "xkv_decode_step", "xkv_generate", "xkv_perplexity", "xkv_perplexity_sweep", "xkv_prefill",
+    "xkv_windowed_perplexity",
 ]

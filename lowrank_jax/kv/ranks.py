@@ -6,7 +6,6 @@ import math
 
 import numpy as np
 
-
 DEFAULT_GROUP_SIZE = 4  # xKV-4, the paper's default
 DEFAULT_VALUE_RANK_SCALE = 1.5  # r_v / r_k = 576 / 384 in the paper's default setting
 # Exact "attention-sink" prompt tokens kept outside the SVD by the model-level entry points

@@ -12,6 +12,7 @@ from jaxtyping import Array, Float
 from lowrank_jax.kv.cache import XKVCache
 from pallas_kernels.xkv_decode.reference import NEG_INF
 
+
 @functools.partial(jax.jit, static_argnums=(2,))
 def selective_decode_attention(
     q: Float[Array, "b hq d"], cache: XKVCache, layer: int, *, tail_keys=None, tail_values=None,

@@ -48,6 +48,7 @@ from lowrank_jax.kv.model import (
     xkv_perplexity,
     xkv_perplexity_sweep,
     xkv_prefill,
+    xkv_windowed_perplexity,
 )
 from lowrank_jax.kv.ranks import (
     DEFAULT_GROUP_SIZE,
@@ -65,5 +66,5 @@ __all__ = [
     "PrefillKV", "SelectiveConfig", "SelectiveState", "XKVCache", "XKVCacheFactory", "XKVDecodeKV", "choose_ranks", "compressed_bytes", "compression_ratio", "layer_groups",
     "predicted_compression_ratio", "prefill_kv", "selective_decode_attention", "uncompressed_bytes",
     "xkv_cache_factory", "xkv_compress", "xkv_decode_step", "xkv_generate", "xkv_perplexity",
-    "xkv_perplexity_sweep", "xkv_prefill", "xkv_reconstruct",
+    "xkv_perplexity_sweep", "xkv_prefill", "xkv_reconstruct", "xkv_windowed_perplexity",
 ]

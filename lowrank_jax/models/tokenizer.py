@@ -101,8 +101,7 @@ class BPETokenizer:
     @classmethod
     def from_gguf_metadata(cls, meta: Mapping[str, Any]) -> "BPETokenizer":
         """Build from GGUF metadata (``tokenizer.ggml.model == "gpt2"``)."""
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-        from tokenizers import AddedToken
+        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
         kind = meta.get("tokenizer.ggml.model")
         if kind != "gpt2":

@@ -11,7 +11,7 @@ from lowrank_jax.quant.packing import (
     vq_bits_per_weight,
     words_to_codes,
 )
-from lowrank_jax.quant.rtn import RTNWeight, SUPPORTED_BITS, rtn_dequantize, rtn_quantize
+from lowrank_jax.quant.rtn import SUPPORTED_BITS, RTNWeight, rtn_dequantize, rtn_quantize
 from lowrank_jax.quant.unisvq import (
     UniSVQConfig,
     UniSVQWeight,
@@ -19,13 +19,13 @@ from lowrank_jax.quant.unisvq import (
     finetune_block,
     hessian,
     initial_lattice,
+    inverse_rht,
     ldlq_quantize,
     make_grid,
     nearest_codeword,
     proxy_loss,
     quantize_linear,
     rht,
-    inverse_rht,
 )
 
 __all__ = [

@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from pallas_kernels.lattice_matmul.reference import hadamard_block_size
 from lowrank_jax.quant.packing import vq_bits_per_weight
 from lowrank_jax.quant.unisvq import (
     UniSVQConfig,
@@ -31,6 +30,7 @@ from lowrank_jax.quant.unisvq import (
     random_signs,
     rht,
 )
+from pallas_kernels.lattice_matmul.reference import hadamard_block_size
 
 
 @functools.partial(jax.jit, static_argnames=("centroids", "iters"))

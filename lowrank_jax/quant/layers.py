@@ -13,6 +13,7 @@ from lowrank_jax.quant.rtn import RTNWeight, rtn_dequantize
 from lowrank_jax.quant.unisvq import UniSVQWeight
 from pallas_kernels.lattice_matmul.api import lattice_matmul
 
+
 class QuantCodes(nnx.Variable):
     """Frozen integer codes of a quantized layer (never trained)."""
 

@@ -35,13 +35,13 @@ import numpy as np
 import optax
 from jaxtyping import Array, Float, Int, UInt8
 
+from lowrank_jax.quant.packing import unisvq_bits_per_weight
 from pallas_kernels.lattice_matmul.reference import (
     block_hadamard,
     dequantize_reference,
     hadamard_block_size,
     unpack_codes,
 )
-from lowrank_jax.quant.packing import unisvq_bits_per_weight
 
 LATTICE_SIGMA = math.sqrt(1.25)  # std of Uniform{0,1,2,3}
 

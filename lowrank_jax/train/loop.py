@@ -34,13 +34,8 @@ from lowrank_jax.data import (
 from lowrank_jax.models.llama import Llama, count_params
 from lowrank_jax.train import sharding as shard_lib
 from lowrank_jax.train.config import RunConfig
+from lowrank_jax.train.losses import cross_entropy
 from lowrank_jax.train.optimizers import build_optimizer
-
-
-def cross_entropy(logits, targets):
-    """Mean next-token cross entropy in nats (fp32)."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
 
 
 @dataclasses.dataclass

@@ -1,4 +1,5 @@
-"""``lowrank-jax finetune --jobs jobs.yaml``: several LoRA jobs trained at once (PLoRA packing).
+"""Several LoRA jobs trained at once on one frozen base (PLoRA packing): the application behind
+``lowrank-jax finetune --jobs jobs.yaml``.
 
 ``jobs.yaml``::
 
@@ -64,37 +65,70 @@ def load_jobs(path: str) -> dict:
     return spec
 
 
-def run_jobs(args) -> int:
+def make_packed_step(graph, rest, ids, tx, k_jobs: int):
+    """The jitted packed step ``(lora, opt, x, y) -> (lora, opt, per_job_losses)``.
+
+    One forward over the concatenated batches of all jobs (``ids`` says which rows belong to
+    which job), loss = sum of per-job mean next-token losses
+    (:func:`~lowrank_jax.train.multi_job.packed_loss`), one update with ``tx``.
+    """
     import jax
     import jax.numpy as jnp
     import optax
     from flax import nnx
+
+    from lowrank_jax.nn.multi_lora import set_adapter_ids
+    from lowrank_jax.train.multi_job import packed_loss
+
+    @jax.jit
+    def step(lora, opt, x, y):
+        def loss_fn(lora):
+            m = nnx.merge(graph, lora, jax.tree.map(lambda v: v, rest))
+            set_adapter_ids(m, ids)
+            logits, _ = m(x)
+            per_token = -jnp.take_along_axis(jax.nn.log_softmax(logits), y[..., None], -1)[..., 0]
+            return packed_loss(per_token.mean(-1), ids, k_jobs)
+
+        (_, per_job), grads = jax.value_and_grad(loss_fn, has_aux=True)(lora)
+        updates, opt = tx.update(grads, opt, lora)
+        return optax.apply_updates(lora, updates), opt, per_job
+
+    return step
+
+
+def run_jobs(spec: dict, *, model: str = "tiny", out: str = "runs/finetune",
+             progress: bool = True, log=print) -> list[dict]:
+    """Train the jobs of a validated ``spec`` (:func:`load_jobs`) and export their adapters.
+
+    ``model`` / ``out`` are the defaults when the spec names none. Returns one summary dict per
+    job (also written to ``out/jobs_summary.json``).
+    """
+    import jax.numpy as jnp
+    from flax import nnx
     from tqdm.auto import tqdm
 
-    from lowrank_jax.commands.finetune import _load
     from lowrank_jax.data import batch_at
     from lowrank_jax.io.peft import export_peft
+    from lowrank_jax.models.presets import PRESETS
     from lowrank_jax.nn import LoRARule, apply_lora, lora_layers, remove_lora
-    from lowrank_jax.nn.multi_lora import apply_multi_lora, multi_lora_layers, set_adapter_ids
-    from lowrank_jax.train.multi_job import packed_loss, per_job_adamw
+    from lowrank_jax.nn.multi_lora import apply_multi_lora, multi_lora_layers
+    from lowrank_jax.train.finetune import load_model_and_tokens
+    from lowrank_jax.train.multi_job import per_job_adamw
 
-    spec = load_jobs(args.jobs)
     jobs = spec["jobs"]
     k_jobs = len(jobs)
     targets = tuple(spec.get("targets") or ("q_proj", "v_proj"))
     seq_len, steps = int(spec.get("seq_len", 64)), int(spec.get("steps", 50))
-    out = spec.get("out", args.out)
-    model_name = spec.get("model", args.model)
-    model, tokens, base_name = _load(model_name, None)
+    out = spec.get("out", out)
+    model_name = spec.get("model", model)
+    model, tokens, base_name = load_model_and_tokens(model_name, None)
     job_tokens = []
     for job in jobs:
         if job.get("data"):
-            _, toks, _ = _load(model_name, job["data"]) if model_name == "tiny" else (None, None,
-                                                                                     None)
-            if toks is None:
+            if model_name not in PRESETS:
                 raise ValueError("per-job 'data' files are supported with model: tiny; for real "
                                  "models pass one --data for all jobs.")
-            job_tokens.append(toks)
+            job_tokens.append(load_model_and_tokens(model_name, job["data"])[1])
         else:
             job_tokens.append(tokens)
         if len(job_tokens[-1]) < seq_len + 2:
@@ -111,22 +145,10 @@ def run_jobs(args) -> int:
     ids = jnp.repeat(jnp.arange(k_jobs), jnp.asarray([j["batch"] for j in jobs]),
                      total_repeat_length=sum(j["batch"] for j in jobs))
 
-    @jax.jit
-    def step(lora, opt, x, y):
-        def loss_fn(lora):
-            m = nnx.merge(graph, lora, jax.tree.map(lambda v: v, rest))
-            set_adapter_ids(m, ids)
-            logits, _ = m(x)
-            per_token = -jnp.take_along_axis(jax.nn.log_softmax(logits), y[..., None], -1)[..., 0]
-            return packed_loss(per_token.mean(-1), ids, k_jobs)
-
-        (loss, per_job), grads = jax.value_and_grad(loss_fn, has_aux=True)(lora)
-        updates, opt = tx.update(grads, opt, lora)
-        return optax.apply_updates(lora, updates), opt, per_job
-
+    step = make_packed_step(graph, rest, ids, tx, k_jobs)
     opt = tx.init(lora)
     history = []
-    for t in tqdm(range(steps), desc=f"finetune {k_jobs} jobs", disable=args.no_progress):
+    for t in tqdm(range(steps), desc=f"finetune {k_jobs} jobs", disable=not progress):
         parts = [batch_at(job_tokens[k], t, jobs[k]["batch"], seq_len, seed=k)
                  for k in range(k_jobs)]
         x = jnp.asarray(np.concatenate([p[0] for p in parts]))
@@ -136,7 +158,7 @@ def run_jobs(args) -> int:
     nnx.update(model, lora)
     # export: one plain LoRA per job on the same base, then removed again (unmerged)
     multi = dict(multi_lora_layers(model))
-    export_base, _, _ = _load(model_name, None)
+    export_base = load_model_and_tokens(model_name, None)[0]
     os.makedirs(out, exist_ok=True)
     summary = []
     for k, job in enumerate(jobs):
@@ -153,8 +175,11 @@ def run_jobs(args) -> int:
         first, last = history[0][k], float(np.mean([h[k] for h in history[-5:]]))
         summary.append({"name": job["name"], "rank": job["rank"], "first_loss": first,
                         "final_loss": last, "adapter": folder})
-        print(f"{job['name']}: rank {job['rank']}, loss {first:.4f} -> {last:.4f}; "
+        log(f"{job['name']}: rank {job['rank']}, loss {first:.4f} -> {last:.4f}; "
               f"PEFT adapter in {folder}")
     with open(os.path.join(out, "jobs_summary.json"), "w") as f:
         json.dump({"jobs": summary, "history": history}, f, indent=1)
-    return 0
+    return summary
+
+
+__all__ = ["JOB_KEYS", "TOP_KEYS", "load_jobs", "make_packed_step", "run_jobs"]
