@@ -1,4 +1,5 @@
-"""``lowrank-jax edit``: apply counterfactual edits to a real model (CrispEdit, FT or LoRA)."""
+"""``lowrank-jax edit``: apply counterfactual edits to a real model (CrispEdit, FT or LoRA) and
+write the edited model as a folder every ``--model`` option reads."""
 
 from __future__ import annotations
 
@@ -26,13 +27,15 @@ def register(subparsers) -> None:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--capability-seqs", type=int, default=16)
     p.add_argument("--held-seqs", type=int, default=8)
-    p.add_argument("--out", default="runs/edit")
+    p.add_argument("--out", default="runs/edit",
+                   help="folder for the edited model (loadable by eval/generate/--model) and "
+                        "edit.json")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     from lowrank_jax import editing as ed
-    from lowrank_jax.models.hub import load_model
+    from lowrank_jax.models.hub import load_model, save_model
 
     if not 0.0 < args.gamma <= 1.0:
         raise ValueError(f"--gamma {args.gamma} must lie in (0, 1], e.g. 0.9.")
@@ -53,9 +56,9 @@ def run(args) -> int:
         print(f"{k:<22}{before[k]:>10.4f}{after[k]:>10.4f}")
     rel = (after["loss"] - before["loss"]) / before["loss"]
     print(f"relative capability loss change: {100 * rel:+.2f}%  ({log['epochs']} epochs)")
-    os.makedirs(args.out, exist_ok=True)
+    save_model(model, args.out, tokenizer=tokenizer)
     with open(os.path.join(args.out, "edit.json"), "w") as f:
         json.dump({"config": vars(config) if hasattr(config, "__dict__") else str(config),
                    "before": before, "after": after, "log": log}, f, indent=2, default=str)
-    print(f"wrote {os.path.join(args.out, 'edit.json')}")
+    print(f"wrote the edited model and edit.json to {args.out} (load it with --model {args.out})")
     return 0

@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 
-import numpy as np
 
 METHOD_BITS = {"unisvq": (2,), "rtn": (2, 3, 4, 8)}
 
@@ -42,24 +41,9 @@ def register(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
-def calibration_tokens(tokenizer, text: str, n_seq: int, seq_len: int, seed: int = 0):
-    """``[n_seq, seq_len]`` windows of the tokenized ``text`` at sorted random offsets."""
-    if not text or not text.strip():
-        raise ValueError("calibration text is empty; pass --calib-file with English text.")
-    ids = np.asarray(tokenizer.encode(text) if tokenizer is not None
-                     else list(text.encode("utf-8")), np.int32)
-    if len(ids) < n_seq * seq_len // 2 or len(ids) <= seq_len:
-        raise ValueError(
-            f"calibration text has {len(ids)} tokens, too few for --calib-seqs {n_seq} × "
-            f"--seq-len {seq_len}; give a longer --calib-file or lower them."
-        )
-    rng = np.random.default_rng(seed)
-    starts = np.sort(rng.choice(len(ids) - seq_len, size=n_seq, replace=len(ids) - seq_len < n_seq))
-    return np.stack([ids[s:s + seq_len] for s in starts])
-
-
 def run(args: argparse.Namespace) -> int:
-    from lowrank_jax.quant.model import quantize_model, save_quantized
+    from lowrank_jax.models.hub import save_model
+    from lowrank_jax.quant.pipeline import calibration_tokens, quantize_model
     from lowrank_jax.quant.unisvq import UniSVQConfig
 
     allowed = METHOD_BITS.get(args.method)
@@ -92,11 +76,11 @@ def run(args: argparse.Namespace) -> int:
                        seed=args.seed)
     report = quantize_model(model, calib, method=args.method, bits=args.bits,
                             group_size=args.group_size, cfg=cfg, layers=layers, progress=True)
-    save_quantized(model, args.out, tokenizer=tokenizer, report=report)
+    save_model(model, args.out, tokenizer=tokenizer, report=report)
     summary = {k: report[k] for k in ("method", "bits", "bits_per_weight", "seconds")}
     print(json.dumps(summary))
     print(f"wrote {args.out}")
     return 0
 
 
-__all__ = ["calibration_tokens", "register", "run"]
+__all__ = ["register", "run"]

@@ -256,4 +256,20 @@ def model_bits_per_weight(model: Llama) -> float:
     return bits / weights
 
 
-__all__ = ["METHODS", "UNISVQ_BITS", "model_bits_per_weight", "quantize_model"]
+def calibration_tokens(tokenizer, text: str, n_seq: int, seq_len: int, seed: int = 0):
+    """``[n_seq, seq_len]`` windows of the tokenized ``text`` at sorted random offsets."""
+    if not text or not text.strip():
+        raise ValueError("calibration text is empty; pass English text (--calib-file on the command line).")
+    ids = np.asarray(tokenizer.encode(text) if tokenizer is not None
+                     else list(text.encode("utf-8")), np.int32)
+    if len(ids) < n_seq * seq_len // 2 or len(ids) <= seq_len:
+        raise ValueError(
+            f"calibration text has {len(ids)} tokens, too few for --calib-seqs {n_seq} × "
+            f"--seq-len {seq_len}; give a longer --calib-file or lower them."
+        )
+    rng = np.random.default_rng(seed)
+    starts = np.sort(rng.choice(len(ids) - seq_len, size=n_seq, replace=len(ids) - seq_len < n_seq))
+    return np.stack([ids[s:s + seq_len] for s in starts])
+
+
+__all__ = ["METHODS", "UNISVQ_BITS", "calibration_tokens", "model_bits_per_weight", "quantize_model"]

@@ -57,3 +57,30 @@ def test_crispedit_run_on_tiny_llama():
                                                    lr=1e-2), capability_batches=cap)
     plain = base.layers[1].mlp.down_proj.kernel[...] - before
     assert outside(plain) > 0.05
+
+
+def test_edit_command_writes_a_loadable_model(tmp_path):
+    import argparse
+    import json
+
+    from lowrank_jax.commands import edit as edit_command
+    from lowrank_jax.models.hub import load_model
+    from lowrank_jax.models.presets import preset_model
+
+    edits = tmp_path / "edits.jsonl"
+    edits.write_text(json.dumps({"prompt": "ab", "target": "c", "paraphrases": ["ba"]}) + "\n")
+    parser = argparse.ArgumentParser()
+    edit_command.register(parser.add_subparsers())
+    out = tmp_path / "edited"
+    args = parser.parse_args(["edit", "--model", "tiny", "--edits", str(edits), "--method",
+                              "finetune", "--layers", "layers/1/mlp/down_proj", "--steps", "2",
+                              "--lr", "1e-2", "--seq-len", "16", "--capability-seqs", "2",
+                              "--held-seqs", "1", "--out", str(out)])
+    assert edit_command.run(args) == 0
+    assert (out / "edit.json").is_file()
+    edited, _ = load_model(str(out))  # the one loading path reads what edit wrote
+    base = preset_model("tiny")
+    moved = edited.layers[1].mlp.down_proj.kernel[...] - base.layers[1].mlp.down_proj.kernel[...]
+    assert float(jnp.abs(moved).max()) > 0  # the edit is in the written weights
+    np.testing.assert_array_equal(edited.layers[0].mlp.down_proj.kernel[...],
+                                  base.layers[0].mlp.down_proj.kernel[...])

@@ -231,7 +231,8 @@ def test_all_digits_cover_lattice():
 def test_quantize_command_bad_input(tmp_path):
     import argparse
 
-    from lowrank_jax.commands.quantize import calibration_tokens, register, run
+    from lowrank_jax.commands.quantize import register, run
+    from lowrank_jax.quant.pipeline import calibration_tokens
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
@@ -247,3 +248,21 @@ def test_quantize_command_bad_input(tmp_path):
         calibration_tokens(None, "  ", 4, 8)
     windows = calibration_tokens(None, "hello world " * 20, 4, 8)
     assert windows.shape == (4, 8)
+
+
+def test_save_model_writes_a_quantized_folder_that_load_model_and_generate_read(tmp_path):
+    from lowrank_jax.models.generate import generate
+    from lowrank_jax.models.hub import load_model, save_model
+    from lowrank_jax.models.presets import preset_model
+    from lowrank_jax.quant.model import RTNLinear, quantize_model
+
+    model = preset_model("tiny")
+    quantize_model(model, None, method="rtn", bits=4, group_size=32, progress=False)
+    folder = save_model(model, tmp_path / "q")  # quantized layers -> the quantized format
+    assert (tmp_path / "q" / "quantization.json").is_file()
+    loaded, _ = load_model(folder)
+    assert isinstance(loaded.layers[1].mlp.down_proj, RTNLinear)
+    tokens = jnp.asarray([[5, 9, 77, 3]], jnp.int32)
+    np.testing.assert_allclose(loaded(tokens)[0], model(tokens)[0], atol=1e-5)
+    assert (generate(loaded, None, [5, 9, 77], max_new_tokens=4).token_ids
+            == generate(model, None, [5, 9, 77], max_new_tokens=4).token_ids)
