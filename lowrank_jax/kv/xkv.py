@@ -17,8 +17,8 @@ The code is split by concern: :mod:`~lowrank_jax.kv.ranks` (layer groups, rank c
 :mod:`~lowrank_jax.kv.compress` (the grouped SVD and reconstruction),
 :mod:`~lowrank_jax.kv.selective` (selective reconstruction at decode) and
 :mod:`~lowrank_jax.kv.model` (K/V providers that plug the compressed cache into the one Llama
-forward, plus generation, perplexity sweeps and the CLI factory). This module re-exports the
-public names. The per-layer SVD baseline is the same code with ``group_size=1``.
+forward: prefill, decode, generation) and :mod:`~lowrank_jax.kv.evaluate` (the perplexity
+protocol and the CLI factory). This module re-exports the public names. The per-layer SVD baseline is the same code with ``group_size=1``.
 
 References:
     Chang et al, `xKV: Cross-Layer KV-Cache Compression via Aligned Singular Vector
@@ -36,19 +36,21 @@ from lowrank_jax.kv.cache import (
     uncompressed_bytes,
 )
 from lowrank_jax.kv.compress import xkv_compress, xkv_reconstruct
+from lowrank_jax.kv.evaluate import (
+    XKVCacheFactory,
+    xkv_cache_factory,
+    xkv_perplexity,
+    xkv_perplexity_sweep,
+    xkv_windowed_perplexity,
+)
 from lowrank_jax.kv.model import (
     ContextKV,
     PrefillKV,
-    XKVCacheFactory,
     XKVDecodeKV,
     prefill_kv,
-    xkv_cache_factory,
     xkv_decode_step,
     xkv_generate,
-    xkv_perplexity,
-    xkv_perplexity_sweep,
     xkv_prefill,
-    xkv_windowed_perplexity,
 )
 from lowrank_jax.kv.ranks import (
     DEFAULT_GROUP_SIZE,

@@ -1,15 +1,28 @@
-"""Models: the Llama-style decoder, real-checkpoint loaders (GGUF, safetensors), tokenizers,
+"""Models: the one Llama-style decoder forward (with its three extension points), loading and
+writing checkpoints (GGUF, safetensors, quantized folders, PEFT adapters, presets), tokenizers,
 generation and perplexity."""
 
-from lowrank_jax.models.generate import english_eval_text, generate, perplexity
+from lowrank_jax.models.generate import english_eval_text, forward, generate, perplexity, prepare
 from lowrank_jax.models.gguf import load_gguf
-from lowrank_jax.models.hub import factorize_projections, load_model, resolve_model
-from lowrank_jax.models.llama import KVCache, Llama, LlamaConfig, count_params
+from lowrank_jax.models.hub import factorize_projections, load_model, resolve_model, save_model
+from lowrank_jax.models.llama import (
+    CausalKV,
+    KVCache,
+    KVProvider,
+    Llama,
+    LlamaConfig,
+    count_params,
+    projections,
+    replace_projections,
+)
+from lowrank_jax.models.presets import PRESETS, preset_config, preset_model
 from lowrank_jax.models.safetensors_io import load_hf_checkpoint, save_hf_checkpoint
 from lowrank_jax.models.tokenizer import BPETokenizer, ByteTokenizer
 
 __all__ = [
-    "BPETokenizer", "ByteTokenizer", "KVCache", "Llama", "LlamaConfig", "count_params",
-    "english_eval_text", "factorize_projections", "generate", "load_gguf", "load_hf_checkpoint",
-    "load_model", "perplexity", "resolve_model", "save_hf_checkpoint",
+    "BPETokenizer", "ByteTokenizer", "CausalKV", "KVCache", "KVProvider", "Llama", "LlamaConfig",
+    "PRESETS", "count_params", "english_eval_text", "factorize_projections", "forward",
+    "generate", "load_gguf", "load_hf_checkpoint", "load_model", "perplexity", "prepare",
+    "preset_config", "preset_model", "projections", "replace_projections", "resolve_model",
+    "save_hf_checkpoint", "save_model",
 ]

@@ -1,0 +1,224 @@
+"""xKV evaluation: the perplexity protocol shared by xKV, per-layer SVD and the exact cache
+(teacher-forced blocks after a rebuilt context, through the one Llama forward), and the object
+``--kv xkv`` builds for the CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lowrank_jax.kv.cache import SelectiveConfig, XKVCache, compression_ratio
+from lowrank_jax.kv.compress import xkv_compress, xkv_reconstruct
+from lowrank_jax.kv.model import ContextKV, prefill_kv, xkv_decode_step, xkv_generate, xkv_prefill
+from lowrank_jax.kv.ranks import (
+    DEFAULT_GROUP_SIZE,
+    DEFAULT_SINK_TOKENS,
+    DEFAULT_VALUE_RANK_SCALE,
+    METHODS,
+)
+from pallas_kernels.xkv_decode.reference import rope
+
+
+@nnx.jit
+def _block_logits(model, tokens, context_keys, context_values):
+    return model(tokens, cache=ContextKV(context_keys, context_values))[0]
+
+
+def _method_group_size(method: str, group_size: int) -> int:
+    if method not in METHODS:
+        raise ValueError(f"method={method!r} is unknown; choose from {METHODS}.")
+    return 1 if method == "per_layer_svd" else group_size
+
+
+def xkv_perplexity_sweep(
+    model, ids, *, context_len: int, eval_len: int, settings: Sequence[tuple],
+    group_size: int = DEFAULT_GROUP_SIZE, value_rank_scale: float = DEFAULT_VALUE_RANK_SCALE,
+    sink_tokens: int = DEFAULT_SINK_TOKENS,
+) -> list[dict]:
+    """Perplexity of ``eval_len`` tokens after a compressed ``context_len`` context, per setting.
+
+    Protocol (identical for every method): prefill ``ids[:, :C]`` exactly, compress its KV cache
+    (``"none"`` keeps it exact), then score ``ids[:, C+1 : C+E+1]`` from inputs
+    ``ids[:, C : C+E]`` in one teacher-forced block whose queries attend to the (rebuilt,
+    re-rotated) context plus the exact new tokens, which is what token-by-token decoding with an
+    exact tail computes. The prefill is shared by all settings.
+
+    Args:
+        model: a Llama.
+        ids: ``[T]`` or ``[b, T]`` token ids with ``T >= context_len + eval_len + 1``.
+        context_len, eval_len: ``C`` and ``E``.
+        settings: ``(method, ratio[, sink_tokens[, group_size]])`` tuples, method in
+            ``METHODS`` (``ratio`` ignored for ``"none"``; omitted entries take the keyword
+            defaults below).
+        group_size: ``G`` for ``"xkv"``.
+        value_rank_scale: ``r_v / r_k``.
+        sink_tokens: exact leading tokens for settings that do not give their own.
+
+    Returns:
+        One dict per setting: ``method, target_ratio, sink_tokens, group_size,
+        compression_ratio, rank_k,
+        rank_v (first group), key_error, value_error`` (relative Frobenius error of the pre-RoPE
+        context K / V over all layers) ``, nll, perplexity, tokens``.
+    """
+    ids = jnp.asarray(ids)
+    ids = ids[None] if ids.ndim == 1 else ids
+    if ids.ndim != 2 or ids.shape[1] < context_len + eval_len + 1:
+        raise ValueError(
+            f"ids has shape {ids.shape}; need [batch, >= context_len + eval_len + 1 = "
+            f"{context_len + eval_len + 1}] tokens."
+        )
+    if context_len < 1 or eval_len < 1:
+        raise ValueError(f"context_len={context_len} and eval_len={eval_len} must be >= 1.")
+    theta = model.cfg.rope_theta
+    keys, values = prefill_kv(model, ids[:, :context_len])
+    inputs = ids[:, context_len: context_len + eval_len]
+    targets = ids[:, context_len + 1: context_len + eval_len + 1]
+    positions = jnp.arange(context_len)
+    results = []
+    for setting in settings:
+        method, ratio = setting[:2]
+        sink = int(setting[2]) if len(setting) > 2 else sink_tokens
+        gs = _method_group_size(method, int(setting[3]) if len(setting) > 3 else group_size)
+        if method == "none":
+            ctx_k, ctx_v, info = keys, values, dict(compression_ratio=1.0, rank_k=None,
+                                                    rank_v=None, key_error=0.0,
+                                                    value_error=0.0)
+        else:
+            cache = xkv_compress(keys, values, rope_theta=theta, ratio=ratio, group_size=gs,
+                                 value_rank_scale=value_rank_scale, sink_tokens=sink)
+            n = cache.n_layers
+            ctx_k = jnp.stack([xkv_reconstruct(cache, l, "k") for l in range(n)])
+            ctx_v = jnp.stack([xkv_reconstruct(cache, l, "v") for l in range(n)])
+            rel = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+            info = dict(compression_ratio=compression_ratio(cache), rank_k=cache.ranks[0][0],
+                        rank_v=cache.ranks[0][1], key_error=rel(ctx_k, keys),
+                        value_error=rel(ctx_v, values))
+        ctx_k = jax.vmap(lambda k: rope(k, positions, theta))(ctx_k)
+        logits = _block_logits(model, inputs, ctx_k, ctx_v.astype(jnp.float32))
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        nll = -float(jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1)))
+        results.append(dict(method=method, target_ratio=None if method == "none" else ratio,
+                            sink_tokens=None if method == "none" else sink,
+                            group_size=None if method == "none" else gs, nll=nll, perplexity=math.exp(nll), tokens=int(targets.size), **info))
+    return results
+
+
+def xkv_perplexity(
+    model, ids, *, context_len: int, eval_len: int, ratio: float = 8.0, method: str = "xkv",
+    group_size: int = DEFAULT_GROUP_SIZE, value_rank_scale: float = DEFAULT_VALUE_RANK_SCALE,
+    sink_tokens: int = DEFAULT_SINK_TOKENS,
+) -> float:
+    """Perplexity of ``eval_len`` tokens after a compressed context (see
+    :func:`xkv_perplexity_sweep` for the protocol, shared by ``"xkv"``, ``"per_layer_svd"``
+    (same ``ratio``, ``G = 1``, so equal memory up to rank rounding) and ``"none"``).
+
+    Example::
+
+        >>> from flax import nnx
+        >>> import jax.numpy as jnp
+        >>> from lowrank_jax.models.llama import Llama, LlamaConfig
+        >>> model = Llama(LlamaConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2,
+        ...                           n_kv_heads=1, d_ff=32), rngs=nnx.Rngs(0))
+        >>> ids = jnp.arange(64) % 32
+        >>> ppl = xkv_perplexity(model, ids, context_len=48, eval_len=8, ratio=2.0,
+        ...                      group_size=2)
+        >>> ppl > 1.0
+        True
+    """
+    return xkv_perplexity_sweep(model, ids, context_len=context_len, eval_len=eval_len,
+                                settings=[(method, ratio)], group_size=group_size,
+                                value_rank_scale=value_rank_scale,
+                                sink_tokens=sink_tokens)[0]["perplexity"]
+
+
+def xkv_windowed_perplexity(model, ids, factory, *, window: int, eval_len: int,
+                            progress: bool = True) -> tuple[float, int]:
+    """Perplexity over disjoint windows of ``window`` tokens of ``ids``: in each, prefill and
+    compress the first ``window - eval_len - 1`` tokens with ``factory``'s settings and score the
+    last ``eval_len`` (geometric mean over windows). Returns ``(perplexity, windows)``."""
+    from tqdm.auto import tqdm
+
+    if not 0 < eval_len < window - 1:
+        raise ValueError(f"--kv-eval-tokens {eval_len} must lie in [1, window-2={window - 2}].")
+    n_windows = len(ids) // window
+    if n_windows == 0:
+        raise ValueError(f"the text has {len(ids)} tokens, fewer than one window of {window}.")
+    logs = []
+    for w in tqdm(range(n_windows), desc="xkv eval", disable=not progress):
+        chunk = ids[w * window:(w + 1) * window]
+        ppl = factory.perplexity(model, chunk, context_len=window - eval_len - 1,
+                                 eval_len=eval_len)
+        logs.append(math.log(ppl))
+    return math.exp(sum(logs) / len(logs)), n_windows
+
+
+# --------------------------------------------------------------------------------------------
+# CLI hook
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class XKVCacheFactory:
+    """What ``--kv xkv --kv-ratio R [--kv-group G]`` builds: bound settings for a model.
+
+    Example::
+
+        >>> factory = xkv_cache_factory(8.0, 4)
+        >>> factory.ratio, factory.group_size
+        (8.0, 4)
+    """
+
+    ratio: float
+    group_size: int = DEFAULT_GROUP_SIZE
+    value_rank_scale: float = DEFAULT_VALUE_RANK_SCALE
+    selective: SelectiveConfig | None = None
+    sink_tokens: int = DEFAULT_SINK_TOKENS
+
+    def prefill(self, model, tokens, *, max_new_tokens: int = 256) -> XKVCache:
+        return xkv_prefill(model, tokens, ratio=self.ratio, group_size=self.group_size,
+                           value_rank_scale=self.value_rank_scale, selective=self.selective,
+                           max_new_tokens=max_new_tokens, sink_tokens=self.sink_tokens)
+
+    def decode_step(self, model, cache: XKVCache, token):
+        return xkv_decode_step(model, cache, token)
+
+    def generate(self, model, prompt, *, max_new_tokens: int):
+        return xkv_generate(model, prompt, max_new_tokens=max_new_tokens, ratio=self.ratio,
+                            group_size=self.group_size, value_rank_scale=self.value_rank_scale,
+                            selective=self.selective, sink_tokens=self.sink_tokens)
+
+    def perplexity(self, model, ids, *, context_len: int, eval_len: int) -> float:
+        return xkv_perplexity(model, ids, context_len=context_len, eval_len=eval_len,
+                              ratio=self.ratio, group_size=self.group_size,
+                              value_rank_scale=self.value_rank_scale,
+                              sink_tokens=self.sink_tokens)
+
+
+def xkv_cache_factory(ratio: float, group_size: int = DEFAULT_GROUP_SIZE,
+                      sink_tokens: int = DEFAULT_SINK_TOKENS) -> XKVCacheFactory:
+    """The object ``--kv xkv --kv-ratio R --kv-group G --kv-sink S`` maps to (validated).
+
+    Example::
+
+        >>> xkv_cache_factory(4.0).group_size
+        4
+    """
+    if not ratio > 0:
+        raise ValueError(f"--kv-ratio={ratio} must be > 0 (e.g. 8).")
+    if not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size={group_size!r} must be a positive int (default 4).")
+    if not isinstance(sink_tokens, int) or sink_tokens < 0:
+        raise ValueError(f"--kv-sink={sink_tokens!r} must be an int >= 0 (default "
+                         f"{DEFAULT_SINK_TOKENS}; 0 = the paper's xKV).")
+    return XKVCacheFactory(ratio=float(ratio), group_size=group_size, sink_tokens=sink_tokens)
+
+
+__all__ = [
+    "XKVCacheFactory", "xkv_cache_factory", "xkv_perplexity", "xkv_perplexity_sweep",
+    "xkv_windowed_perplexity",
+]
