@@ -15,6 +15,10 @@ PRESETS: dict[str, dict] = {
     # BaLoRA fine-tuning reproduction
     "tiny": dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128,
                  max_seq_len=256),
+    # 8 layers and a 4k context: enough layers for cross-layer (xKV) groups, for plumbing runs
+    # of the xKV reproduction without the real checkpoint
+    "tiny-deep": dict(vocab_size=256, d_model=64, n_layers=8, n_heads=4, n_kv_heads=2,
+                      d_ff=128, max_seq_len=4096),
 }
 
 

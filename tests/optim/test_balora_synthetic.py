@@ -1,6 +1,6 @@
 """BaLoRA's synthetic study (Castin et al, Fig. 3), reduced grid: beats LoRA, stays balanced.
 
-Runs ``scripts/reproduce_balora_synthetic.py``'s study with 4 seeds × 16 learning rates (the full
+Runs ``scripts/reproduce/balora_synthetic.py``'s study with 4 seeds × 16 learning rates (the full
 run uses 8 × 50). Measured on 2026-11-29: median final excess loss 0.35 (BaLoRA) vs 1.15 (LoRA),
 BaLoRA's balancing gap <= 1.6e-5 after every step, LoRA's 45.8 at step 0, 54.9 at its peak, 48.6 at
 the end.
@@ -12,7 +12,7 @@ import pathlib
 import numpy as np
 import pytest
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "reproduce_balora_synthetic.py"
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "reproduce" / "balora_synthetic.py"
 
 
 @pytest.fixture(scope="module")

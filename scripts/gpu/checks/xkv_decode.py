@@ -1,4 +1,4 @@
-"""Device check for ``pallas_kernels.xkv_decode`` (plug-in for ``scripts/gpu_check.py``).
+"""Device check for ``pallas_kernels.xkv_decode`` (plug-in for ``scripts/gpu/check.py``).
 
 1. Construction test (spec): K = A_k·B_k and V = A_v·B_v are exactly low rank, bf16 inputs;
    the Pallas kernel must match the fp32 reference with relative L2 error < 2e-2 and per-row
@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pallas_kernels.xkv_decode import reconstruct, rope, xkv_decode_attention  # noqa: E402
 from pallas_kernels.xkv_decode.reference import xkv_decode_reference  # noqa: E402

@@ -17,8 +17,8 @@ weights (factors) before and after the step (outside the timed region).
 
 Usage::
 
-    python scripts/reproduce_spectron.py            # default (≤ 15 min on 2 CPU cores)
-    python scripts/reproduce_spectron.py --quick    # ~2 min smoke run
+    python -m scripts.reproduce.spectron            # default (≤ 15 min on 2 CPU cores)
+    python -m scripts.reproduce.spectron --quick    # ~2 min smoke run
 
 Writes ``<out>/results.json`` and ``<out>/loss_curves.png`` (default ``runs/reproduce_spectron``).
 
@@ -93,20 +93,6 @@ def make_config(args, projection: str) -> LlamaConfig:
                        max_seq_len=args.seq, projection=projection, rank_ratio=args.rank_ratio)
 
 
-def flops_per_token(cfg: LlamaConfig, seq: int) -> float:
-    """``6·N_matmul + 12·L·d·seq/2`` (forward+backward; causal attention scores ≈ half)."""
-    d, f = cfg.d_model, cfg.d_ff
-    shapes = [(d, cfg.n_heads * cfg.head_dim), (d, cfg.n_kv_heads * cfg.head_dim),
-              (d, cfg.n_kv_heads * cfg.head_dim), (cfg.n_heads * cfg.head_dim, d),
-              (d, f), (d, f), (f, d)]
-    per_layer = 0
-    for m, n in shapes:
-        per_layer += cfg.rank_for(m, n) * (m + n) if cfg.projection == "factorized" else m * n
-    n_matmul = cfg.n_layers * per_layer + d * cfg.vocab_size  # + tied LM head
-    attention = 12 * cfg.n_layers * d * seq / 2
-    return 6.0 * n_matmul + attention
-
-
 def weight_pairs(params) -> list:
     """``[(a_path, b_path)]`` for factorized models, ``[(kernel_path, None)]`` for dense."""
     pairs = factor_pairs(params)
@@ -142,15 +128,6 @@ def make_delta_w_fn(pairs):
     return jax.jit(fn)
 
 
-def lr_shape(step: int, total: int, warmup_frac: float) -> float:
-    """Linear warmup over ``warmup_frac`` of the steps, then cosine decay to 10%."""
-    warmup = max(1, int(round(warmup_frac * total)))
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-
 @dataclasses.dataclass
 class Run:
     name: str
@@ -166,25 +143,6 @@ class Run:
     delta_w: list = dataclasses.field(default_factory=list)
     step_times: list = dataclasses.field(default_factory=list)
     diverged: bool = False
-
-
-def build_step(graphdef, tx):
-    def loss_fn(params, x, y):
-        model = nnx.merge(graphdef, params)
-        logits, _ = model(x)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-    @jax.jit
-    def step(params, opt_state, x, y):
-        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    @jax.jit
-    def evaluate(params, x, y):
-        return loss_fn(params, x, y)
-
-    return step, evaluate
 
 
 def set_rates(run: Run, step: int, args) -> None:

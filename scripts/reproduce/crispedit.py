@@ -9,8 +9,8 @@ Paper: Ikram et al., CrispEdit, ICML 2026, https://arxiv.org/abs/2602.15823
 
 Usage::
 
-    python scripts/reproduce_crispedit.py            # default (20 edits)
-    python scripts/reproduce_crispedit.py --quick    # 10 edits, fewer steps
+    python -m scripts.reproduce.crispedit            # default (20 edits)
+    python -m scripts.reproduce.crispedit --quick    # 10 edits, fewer steps
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 import pathlib
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 ORDER = ["main_job", "spectron", "real_checkpoints", "sharding", "lora_toolkit", "continual",
          "loda", "crispedit", "attention_kernels", "xkv", "unisvq", "plora", "analysis"]
 
@@ -12,7 +12,7 @@ Every number here was measured by a script in `scripts/` that runs the method **
 baseline in the same run**; the command is given with each table. Machine: CPU, 2 cores, shared
 with other jobs while these ran (load averages of 8–25), so absolute seconds are inflated and only
 same-run ratios should be compared. No GPU/TPU was lent in the sessions so far: there are no
-device timings yet (`scripts/gpu_check.sh` is ready for one). Date of all runs: 2026-11-29.
+device timings yet (`scripts/gpu/check.sh` is ready for one). Date of all runs: 2026-11-29.
 
 """
 

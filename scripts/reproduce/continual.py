@@ -19,8 +19,8 @@ Reports ACC (mean final accuracy over tasks) and BWT (mean drop from just-learne
 mean ± std over seeds, plus the first-layer null-space violation ‖ΔW X_past‖/‖X_past‖.
 LoDA (specs/loda.md) is not implemented yet and is not in the table.
 
-    python scripts/reproduce_continual.py            # 3 seeds, ~3 min on 2 cores
-    python scripts/reproduce_continual.py --quick    # 1 seed, fewer steps
+    python -m scripts.reproduce.continual            # 3 seeds, ~3 min on 2 cores
+    python -m scripts.reproduce.continual --quick    # 1 seed, fewer steps
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
-from lowrank_jax.train.continual import continual_metrics
 from lowrank_jax.optim.janus import (
     SubspaceMemory,
     decoupled_margin_loss,
@@ -44,6 +43,7 @@ from lowrank_jax.optim.janus import (
     oe_finalize,
     rectify_pair,
 )
+from lowrank_jax.train.continual import continual_metrics
 
 D_IN, HIDDEN, RANK, TASKS, CLASSES_PER_TASK, SUB = 64, 128, 4, 5, 4, 8
 SCALE, TEMP, MARGIN, DML_WEIGHT = 1.0, 10.0, 0.2, 0.5

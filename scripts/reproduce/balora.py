@@ -24,8 +24,8 @@ method compiles once for the whole grid.
 
 Usage::
 
-    python scripts/reproduce_balora.py --quick        # tiny grid, ~1-2 minutes
-    python scripts/reproduce_balora.py                # 13 lrs × 9 scales × 3 methods, 3 seeds
+    python -m scripts.reproduce.balora --quick        # tiny grid, ~1-2 minutes
+    python -m scripts.reproduce.balora                # 13 lrs × 9 scales × 3 methods, 3 seeds
 
 Claims checked (Castin et al, https://arxiv.org/abs/2605.31484): BaLoRA converges faster than
 LoRA and is more robust to the (learning rate, scale) choice.
@@ -153,11 +153,11 @@ def main(argv=None) -> int:
     from flax import nnx
     from tqdm import tqdm
 
-    from lowrank_jax.models.presets import preset_model
-    from lowrank_jax.train.losses import cross_entropy
     from lowrank_jax.data import batch_at, corpus_bytes, eval_batches
+    from lowrank_jax.models.presets import preset_model
     from lowrank_jax.nn import LoRALinear, LoRARule, apply_lora
     from lowrank_jax.optim.balora import balancing_gap, balora, find_lora_pairs
+    from lowrank_jax.train.losses import cross_entropy
 
     if args.quick:
         args.pretrain_steps, args.steps, args.seeds = 100, 40, 2

@@ -11,8 +11,8 @@ What it measures (all in one run, so ratios are meaningful on a shared machine):
 
 Usage::
 
-    python scripts/bench_loading.py            # full: all windows of the English text
-    python scripts/bench_loading.py --quick    # 2 windows, shorter generation
+    python -m scripts.bench.loading            # full: all windows of the English text
+    python -m scripts.bench.loading --quick    # 2 windows, shorter generation
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ shipped English license text (``lowrank_jax.models.generate.english_eval_text``)
 
 Usage::
 
-    python scripts/reproduce_unisvq.py            # all 30 blocks (~15 min on 2 CPU cores)
-    python scripts/reproduce_unisvq.py --quick    # the first 4 blocks only, fewer steps
+    python -m scripts.reproduce.unisvq            # all 30 blocks (~15 min on 2 CPU cores)
+    python -m scripts.reproduce.unisvq --quick    # the first 4 blocks only, fewer steps
 
 References:
     Wang et al, `UniSVQ: 2-bit Unified Scalar-Vector Quantization
@@ -53,8 +53,8 @@ def main(argv=None) -> int:
     from flax import nnx
 
     from lowrank_jax.data import corpus_text
-    from lowrank_jax.models.hub import load_model
     from lowrank_jax.models import perplexity
+    from lowrank_jax.models.hub import load_model
     from lowrank_jax.quant.model import model_bits_per_weight, quantize_model
     from lowrank_jax.quant.unisvq import UniSVQConfig
 

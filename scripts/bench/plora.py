@@ -13,9 +13,9 @@ the jobs on SmolLM2-135M, 1/4 on a 1B Llama).
 
 Usage::
 
-    python scripts/bench_plora.py --quick          # K=8, batch 2, 4 timed steps
-    python scripts/bench_plora.py --out runs/bench_plora
-    python scripts/bench_plora.py --model smollm2 --batches 1 --seq-len 32 --steps 2
+    python -m scripts.bench.plora --quick          # K=8, batch 2, 4 timed steps
+    python -m scripts.bench.plora --out runs/bench_plora
+    python -m scripts.bench.plora --model smollm2 --batches 1 --seq-len 32 --steps 2
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 For each compute budget ``C`` (training FLOPs) and each model width ``d`` in a grid, train a
 factorized Llama (rank ratio 0.25, Spectron on the factors, AdamW on the rest) for
 ``C / (F(d) · tokens_per_step)`` steps, where ``F(d)`` is the forward+backward FLOPs per token
-(``6·N_matmul`` + attention, see ``reproduce_spectron.flops_per_token``), and record the final
+(``6·N_matmul`` + attention, see ``scripts._shared.flops_per_token``), and record the final
 validation loss. Per budget a quadratic ``L(log N)`` is fitted (the isoFLOP parabola); its vertex
 gives ``N_opt(C)`` and ``D_opt = C / F(N_opt)`` tokens. Power laws ``N_opt ∝ C^a`` and
 ``D_opt ∝ C^b`` are fitted by least squares in log-log space, with the slope's standard error,
@@ -14,9 +14,9 @@ of a few MB, so expect the exponents to be noisy; the script reports what it mea
 
 Usage::
 
-    python scripts/scaling_law.py            # default small grid (≤ 10 min on 2 CPU cores)
-    python scripts/scaling_law.py --quick    # smoke run (~2 min)
-    python scripts/scaling_law.py --widths 32 64 96 128 --budgets 2e10 6e10 1.8e11  # larger
+    python -m scripts.reproduce.scaling_law            # default small grid (≤ 10 min on 2 CPU cores)
+    python -m scripts.reproduce.scaling_law --quick    # smoke run (~2 min)
+    python -m scripts.reproduce.scaling_law --widths 32 64 96 128 --budgets 2e10 6e10 1.8e11  # larger
 
 Writes ``<out>/results.json`` and ``<out>/isoflop.png`` (default ``runs/scaling_law``).
 
@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from pathlib import Path
 
@@ -42,12 +41,10 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from reproduce_spectron import build_step, flops_per_token, lr_shape  # noqa: E402
-
 from lowrank_jax.data import batch_at, corpus_bytes, eval_batches, train_val_split  # noqa: E402
 from lowrank_jax.models import Llama, LlamaConfig  # noqa: E402
 from lowrank_jax.optim import spectron_with_adamw  # noqa: E402
+from scripts._shared import build_step, flops_per_token, lr_shape  # noqa: E402
 
 PAPER_A, PAPER_B = 0.479, 0.521
 

@@ -1,4 +1,4 @@
-"""LoDA on the continual-learning stream of scripts/reproduce_continual.py.
+"""LoDA on the continual-learning stream of scripts/reproduce/continual.py.
 
 Same synthetic class-incremental stream (5 tasks x 4 classes), frozen random 2-layer MLP, cosine
 classifier, seeds and steps as ``reproduce_continual.py`` (imported as a module, its
@@ -11,17 +11,15 @@ merges into the kernel after each task.
 Arms: ``lora``, ``janus`` (lead's script), ``loda_norecal`` (no recalibration), ``loda``.
 By default ``k_G = k_I = 2`` so LoDA's total rank equals the baselines' rank 4.
 
-    python scripts/reproduce_continual_loda.py            # 3 seeds
-    python scripts/reproduce_continual_loda.py --quick    # 1 seed, fewer steps
+    python -m scripts.reproduce.continual_loda            # 3 seeds
+    python -m scripts.reproduce.continual_loda --quick    # 1 seed, fewer steps
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import pathlib
-import sys
 import time
 
 import jax
@@ -39,12 +37,7 @@ from lowrank_jax.optim.loda import (
     recalibrate,
     update_memory,
 )
-
-_BASE_PATH = pathlib.Path(__file__).resolve().parent / "reproduce_continual.py"
-_spec = importlib.util.spec_from_file_location("reproduce_continual", _BASE_PATH)
-base = importlib.util.module_from_spec(_spec)
-sys.modules["reproduce_continual"] = base
-_spec.loader.exec_module(base)
+from scripts.reproduce import continual as base  # noqa: E402  (the shared LoRA baselines)
 
 LAYERS = ("l1", "l2")
 LODA_METHODS = ("loda_norecal", "loda")

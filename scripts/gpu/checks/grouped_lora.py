@@ -1,7 +1,7 @@
 """Device check of the PLoRA grouped LoRA kernels: kernel vs ragged_dot reference, and timings.
 
-Picked up by ``scripts/gpu_check.py`` through :data:`CHECKS` (``check_grouped_lora(ctx)``), or
-run alone: ``python scripts/gpu_checks/grouped_lora.py --out runs/gpu_checks [--quick]``
+Picked up by ``scripts/gpu/check.py`` through :data:`CHECKS` (``check_grouped_lora(ctx)``), or
+run alone: ``python scripts/gpu/checks/grouped_lora.py --out runs/gpu_checks [--quick]``
 (``check(out_dir, quick)``). For K = 8 adapters with mixed ranks padded to R = 64 over a
 4096-wide projection it (1) compares shrink + expand (Pallas, Triton lowering on GPU) with the
 ``jax.lax.ragged_dot`` reference in bf16, (2) times forward shrink+expand of both paths and the
@@ -14,11 +14,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def _timeit(fn, *args, warmup: int = 3, reps: int = 20) -> float:
@@ -100,7 +96,7 @@ def _rows(dry_run: bool, reps: int) -> list[dict]:
 
 
 def check_grouped_lora(ctx) -> list[dict]:
-    """``scripts/gpu_check.py`` plug-in entry: rows with ``ok`` per shape and rank set."""
+    """``scripts/gpu/check.py`` plug-in entry: rows with ``ok`` per shape and rank set."""
     return _rows(ctx.dry_run, max(5, ctx.reps))
 
 

@@ -1,10 +1,10 @@
 """One device check for every Pallas kernel: correctness against its reference, then timings.
 
-Run on a lent GPU through ``scripts/gpu_check.sh`` (sized to finish in under 6 minutes on one
+Run on a lent GPU through ``scripts/gpu/check.sh`` (sized to finish in under 6 minutes on one
 H200). Each check is a function ``check(ctx) -> list[dict]`` in :data:`CHECKS`; every check runs
 inside its own try/except, so one failure is recorded and the others still run. Later kernels
 (xkv_decode, lattice_matmul, grouped_lora) add a check by appending a function to ``CHECKS``
-below, or by dropping a module with a ``CHECKS`` list into ``scripts/gpu_checks/``.
+below, or by dropping a module with a ``CHECKS`` list into ``scripts/gpu/checks/``.
 
 Timings: warm-up 3 calls, then the median of ``--reps`` calls, each ``jax.block_until_ready``.
 The baseline is ``jax.nn.dot_product_attention(implementation="cudnn")`` (``"xla"`` when cuDNN
@@ -12,8 +12,8 @@ is unavailable), measured in the same run at every length.
 
 Usage::
 
-    bash scripts/gpu_check.sh                      # on the device: writes $OUT/gpu_check.json
-    python scripts/gpu_check.py --dry-run --out runs/gpu_check   # CPU: tiny sizes, interpret
+    bash scripts/gpu/check.sh                      # on the device: writes $OUT/gpu_check.json
+    python -m scripts.gpu.check --dry-run --out runs/gpu_check   # CPU: tiny sizes, interpret
 """
 
 from __future__ import annotations
@@ -34,8 +34,6 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pallas_kernels.flash_attention import api as flash_api  # noqa: E402
 from pallas_kernels.flash_attention.reference import flash_attention_reference  # noqa: E402
@@ -218,17 +216,18 @@ CHECKS: list[Callable[[Context], list[dict]]] = [
 
 
 def discover_extra_checks() -> list[Callable]:
-    """``CHECKS`` lists of modules in ``scripts/gpu_checks/*.py`` (optional plug-ins)."""
+    """``CHECKS`` lists of the modules in ``scripts/gpu/checks/`` (optional plug-ins)."""
     extra = []
-    folder = Path(__file__).resolve().parent / "gpu_checks"
-    for path in sorted(folder.glob("*.py")) if folder.is_dir() else []:
-        spec = importlib.util.spec_from_file_location(f"gpu_checks_{path.stem}", path)
-        module = importlib.util.module_from_spec(spec)
+    import pkgutil
+
+    from scripts.gpu import checks
+
+    for info in sorted(pkgutil.iter_modules(checks.__path__), key=lambda m: m.name):
         try:
-            spec.loader.exec_module(module)
+            module = importlib.import_module(f"scripts.gpu.checks.{info.name}")
             extra.extend(getattr(module, "CHECKS", []))
         except Exception as exc:  # noqa: BLE001 - a broken plug-in must not stop the run
-            print(f"[gpu_check] could not load {path.name}: {exc}", flush=True)
+            print(f"[gpu_check] could not load {info.name}: {exc}", flush=True)
     return extra
 
 

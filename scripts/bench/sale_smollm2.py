@@ -12,9 +12,9 @@ interpret mode, and the tests show kernel and reference give the same block mask
 
 Usage::
 
-    python scripts/bench_sale_smollm2.py                 # 2048 tokens, τ ∈ {0.001, 0.004, 0.016}
-    python scripts/bench_sale_smollm2.py --quick         # 1280 tokens, τ = 0.004 only
-    python scripts/bench_sale_smollm2.py --calibrate     # + per-head calibrated τ (slow on CPU)
+    python -m scripts.bench.sale_smollm2                 # 2048 tokens, τ ∈ {0.001, 0.004, 0.016}
+    python -m scripts.bench.sale_smollm2 --quick         # 1280 tokens, τ = 0.004 only
+    python -m scripts.bench.sale_smollm2 --calibrate     # + per-head calibrated τ (slow on CPU)
 """
 
 from __future__ import annotations
@@ -30,8 +30,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lowrank_jax.attention import reference_attention, register_attention  # noqa: E402
 from lowrank_jax.models.llama import apply_rope  # noqa: E402

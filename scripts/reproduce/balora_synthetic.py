@@ -17,8 +17,8 @@ learning rates × steps) runs as one jitted ``lax.map``/``vmap``/``lax.scan`` pe
 
 Usage::
 
-    python scripts/reproduce_balora_synthetic.py                 # 8 seeds × 50 lrs, seconds
-    python scripts/reproduce_balora_synthetic.py --resample-problem \
+    python -m scripts.reproduce.balora_synthetic                 # 8 seeds × 50 lrs, seconds
+    python -m scripts.reproduce.balora_synthetic --resample-problem \
         --out runs/balora_synth_resampled
 
 Writes ``<out>/results.json`` and ``<out>/synthetic.png`` (median excess loss, log scale, and

@@ -9,8 +9,8 @@ Domains (all shipped with Python, no download):
   B  "code": Python source of a fixed list of standard-library modules, CPT domain;
   C  "reference": the language-reference prose of pydoc_data.topics, a second CPT domain.
 
-    python scripts/reproduce_diffract.py            # default, ≈ 5–10 min on 2 CPU cores
-    python scripts/reproduce_diffract.py --quick    # smoke run, ≈ 1–2 min
+    python -m scripts.reproduce.diffract            # default, ≈ 5–10 min on 2 CPU cores
+    python -m scripts.reproduce.diffract --quick    # smoke run, ≈ 1–2 min
 """
 
 from __future__ import annotations

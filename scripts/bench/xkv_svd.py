@@ -6,24 +6,20 @@ after compilation, the speed-up, and the relative K / V reconstruction errors of
 
 Usage::
 
-    python scripts/bench_xkv_svd.py [--lengths 1024 2048] [--ratio 8]
+    python -m scripts.bench.xkv_svd [--lengths 1024 2048] [--ratio 8]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from reproduce_xkv import _load, _windows  # noqa: E402
-
 from lowrank_jax.kv import xkv  # noqa: E402
+from scripts._shared import corpus_windows, load_model_and_codec  # noqa: E402
 
 
 def _relative_error(cache, keys, values, kind: str) -> float:
@@ -39,11 +35,11 @@ def main(argv=None) -> int:
     parser.add_argument("--ratio", type=float, default=8.0)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
-    model, encode, _ = _load(args.model)
+    model, encode, _ = load_model_and_codec(args.model)
     print("| prompt | exact SVD | randomized | speed-up | rel. K err exact / randomized | "
           "rel. V err exact / randomized |\n|---|---|---|---|---|---|")
     for length in args.lengths:
-        ids = _windows(encode, 1, length)[0]
+        ids = corpus_windows(encode, 1, length)[0]
         keys, values = xkv.prefill_kv(model, jnp.asarray(ids[None]))
         rows = {}
         for method in ("full", "randomized"):

@@ -1,6 +1,6 @@
 """Device check of the UniSVQ lattice matmul: kernel vs reference, time vs bf16 dense, bandwidth.
 
-``check(out_dir, quick)`` is called by ``scripts/gpu_check.py`` on the device machine. For each
+``check(out_dir, quick)`` is called by ``scripts/gpu/check.py`` on the device machine. For each
 shape it (1) compares the Pallas kernel (fold and dequant modes) with the XLA reference,
 (2) times the kernel against a bf16 ``jnp.dot`` with the dense weight, and (3) reports the
 kernel's achieved code bandwidth (bytes of packed codes + activations + output per second) as a
@@ -43,7 +43,6 @@ def check(out_dir: str, quick: bool) -> dict:
     """Run the checks; write ``lattice_matmul.json`` into ``out_dir``; return the summary."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     from pallas_kernels.lattice_matmul.api import code_matmul
     from pallas_kernels.lattice_matmul.reference import code_matmul_reference

@@ -9,9 +9,9 @@ with 8x caches.
 
 Usage::
 
-    python scripts/reproduce_xkv.py                  # SmolLM2-135M, 4 windows of 1024 + 256
-    python scripts/reproduce_xkv.py --quick          # 2 short windows, ratios 2 and 8
-    python scripts/reproduce_xkv.py --model tiny     # random tiny Llama (plumbing only)
+    python -m scripts.reproduce.xkv                  # SmolLM2-135M, 4 windows of 1024 + 256
+    python -m scripts.reproduce.xkv --quick          # 2 short windows, ratios 2 and 8
+    python -m scripts.reproduce.xkv --model tiny     # random tiny Llama (plumbing only)
 """
 
 from __future__ import annotations
@@ -27,48 +27,13 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from lowrank_jax.data import corpus_text
 from lowrank_jax.kv import xkv
-
-
-def _load(name: str):
-    if name == "tiny":
-        from flax import nnx
-
-        from lowrank_jax.models.llama import Llama, LlamaConfig
-
-        cfg = LlamaConfig(vocab_size=256, d_model=64, n_layers=8, n_heads=4, n_kv_heads=2,
-                          d_ff=128, max_seq_len=4096)
-        encode = lambda text: list(text.encode("utf-8"))
-        decode = lambda ids: bytes(int(i) % 256 for i in ids).decode("utf-8", "replace")
-        return Llama(cfg, rngs=nnx.Rngs(0)), encode, decode
-    from lowrank_jax.models.hub import load_model
-
-    model, tok = load_model(name)
-    return model, (lambda text: tok.encode(text, add_bos=False)), tok.decode
-
-
-def _windows(encode, n: int, length: int) -> list[np.ndarray]:
-    """``n`` windows of ``length`` tokens from evenly spaced places of the corpus."""
-    text = corpus_text()
-    out = []
-    for i in range(n):
-        start = (i * len(text)) // n
-        chars = 6 * length
-        while True:
-            ids = encode(text[start: start + chars])
-            if len(ids) >= length or start + chars >= len(text):
-                break
-            chars *= 2
-        if len(ids) < length:
-            raise ValueError(f"corpus too short for window {i} of {length} tokens.")
-        out.append(np.asarray(ids[:length], np.int32))
-    return out
+from scripts._shared import corpus_windows, load_model_and_codec
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2", help="'smollm2', a checkpoint, or 'tiny'")
+    parser.add_argument("--model", default="smollm2", help="'smollm2', a checkpoint, or 'tiny-deep' (random 8-layer Llama)")
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--eval", type=int, default=256)
@@ -89,9 +54,9 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
 
     t0 = time.time()
-    model, encode, decode = _load(args.model)
+    model, encode, decode = load_model_and_codec(args.model)
     cfg = model.cfg
-    windows = _windows(encode, args.windows, args.context + args.eval + 1)
+    windows = corpus_windows(encode, args.windows, args.context + args.eval + 1)
     # (method, ratio, sink tokens, group size): the paper's xKV and its per-layer baseline
     # (no sink), the same pair with the library's default exact sink token, and G = 8.
     g, sink = args.group_size, args.sink_tokens
