@@ -53,16 +53,14 @@ def _encode(tokenizer, text: str, max_tokens: int):
 
 def run(args) -> int:
     import jax
-    import numpy as np
     from flax import nnx
 
     from lowrank_jax.analysis import checkpoint as ckpt
     from lowrank_jax.analysis import report
-    from lowrank_jax.analysis.heads import head_scores
+    from lowrank_jax.analysis.model_report import model_report
 
     start = time.time()
     model, tokenizer = _load(args.model)
-    cfg = model.cfg
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     shapes = ckpt.params_shapes(params)
 
@@ -79,48 +77,9 @@ def run(args) -> int:
             ckpt.check_same_architecture(shapes, ckpt.params_shapes(base),
                                          f"--model {args.model}", f"--compare {args.compare}")
 
-    results = report.analyze_params(params, layer_filter=args.layers, base=base, top_k=args.top_k)
-    os.makedirs(args.out, exist_ok=True)
-
-    if cfg.tie_embeddings or params.get("lm_head") is None:
-        unembed = params["embed_tokens"]["embedding"]
-    else:
-        unembed = np.asarray(params["lm_head"]["kernel"]).T
-    results["unembedding"] = report.unembedding_report(unembed)
-    results["unembedding"]["tied"] = bool(cfg.tie_embeddings)
-
-    if base is not None:
-        scores = {c: head_scores(base, params, num_heads=cfg.n_heads, num_kv_heads=cfg.n_kv_heads,
-                                 criterion=c, k=args.top_k) for c in ("rel_update", "rotation")}
-        results["head_scores"] = scores
-        heat, title = scores["rel_update"], "head importance (relative update, vs base)"
-    else:
-        from lowrank_jax.analysis.heads import head_slices
-        from lowrank_jax.analysis.rank import effective_rank_of
-
-        heat = np.zeros((cfg.n_layers, cfg.n_heads))
-        for i in range(cfg.n_layers):
-            sl = head_slices(params, i, num_heads=cfg.n_heads, num_kv_heads=cfg.n_kv_heads)
-            for h in range(cfg.n_heads):
-                heat[i, h] = float(effective_rank_of(sl["q_proj"][h]))
-        results["head_q_effective_rank"] = heat
-        title = "per-head effective rank of q slices (no --compare given)"
-    report.plot_heatmap(heat, os.path.join(args.out, "head_importance.png"), title=title,
-                        xlabel="query head", ylabel="layer")
-
     ids = _encode(tokenizer, report.PASSAGE, args.max_tokens)
-    cka = report.key_cka(model, np.asarray(ids))
-    results["key_cka"] = {"matrix": cka, "tokens": len(ids), "estimator": "unbiased linear CKA",
-                          "adjacent_mean": float(np.mean(np.diag(cka, 1))) if len(cka) > 1
-                          else None}
-    report.plot_heatmap(cka, os.path.join(args.out, "key_cka.png"),
-                        title=f"linear CKA of cached keys across layers ({len(ids)} tokens)",
-                        xlabel="layer", ylabel="layer", vmin=0.0, vmax=1.0)
-    report.plot_spectra(results["spectra"], os.path.join(args.out, "spectra.png"))
-    table = report.per_layer_table(results, "effective_rank")
-    results["effective_rank_by_layer"] = table
-    if table:
-        report.plot_by_layer(table, os.path.join(args.out, "effective_rank_by_layer.png"))
+    results = model_report(model, params, ids, out=args.out, base=base,
+                           layer_filter=args.layers, top_k=args.top_k)
     results["meta"] = {"model": args.model, "compare": args.compare, "layers": args.layers,
                        "n_matrices": len(results["matrices"]), "seconds": time.time() - start,
                        "jax_backend": jax.default_backend()}
