@@ -64,13 +64,13 @@ def reference_matmul_seconds(flops: float, repeats: int = 3) -> tuple[float, int
 def swap_to_gguf_rope_order(model) -> None:
     """Put llama.cpp's Q/K row permutation back (the wrong pairing for HF-style RoPE)."""
     from lowrank_jax.models.gguf import permute_rope_rows
+    from lowrank_jax.models.llama import projections
 
-    cfg = model.cfg
-    for layer in model.layers:
-        for name, heads in (("q_proj", cfg.n_heads), ("k_proj", cfg.n_kv_heads)):
-            linear = getattr(layer.self_attn, name)
+    heads = {"q_proj": model.cfg.n_heads, "k_proj": model.cfg.n_kv_heads}
+    for _, name, _, linear in projections(model):
+        if name in heads:
             kernel = np.asarray(linear.kernel[...])
-            linear.kernel[...] = jnp.asarray(permute_rope_rows(kernel.T, heads).T)
+            linear.kernel[...] = jnp.asarray(permute_rope_rows(kernel.T, heads[name]).T)
 
 
 def main(argv=None) -> int:
@@ -84,6 +84,7 @@ def main(argv=None) -> int:
     from lowrank_jax.models.generate import english_eval_text, generate, perplexity
     from lowrank_jax.models.gguf import gguf_metadata, load_gguf, open_gguf
     from lowrank_jax.models.hub import resolve_model
+    from lowrank_jax.models.llama import projections
     from lowrank_jax.models.tokenizer import BPETokenizer
 
     os.makedirs(args.out, exist_ok=True)
@@ -146,13 +147,12 @@ def main(argv=None) -> int:
                    ppl_windows=full.n_windows)
     wrong_tokens = ids[:256]
     correct_short = perplexity(model, wrong_tokens, window=256, progress=False).perplexity
-    originals = [(layer.self_attn.q_proj.kernel[...], layer.self_attn.k_proj.kernel[...])
-                 for layer in model.layers]
+    rope_linears = [lin for _, name, _, lin in projections(model) if name in ("q_proj", "k_proj")]
+    originals = [lin.kernel[...] for lin in rope_linears]
     swap_to_gguf_rope_order(model)
     wrong_short = perplexity(model, wrong_tokens, window=256, progress=False).perplexity
-    for layer, (q_kernel, k_kernel) in zip(model.layers, originals):
-        layer.self_attn.q_proj.kernel[...] = q_kernel
-        layer.self_attn.k_proj.kernel[...] = k_kernel
+    for lin, kernel in zip(rope_linears, originals):
+        lin.kernel[...] = kernel
     restored = perplexity(model, wrong_tokens, window=256, progress=False).perplexity
     results.update(ppl_256_correct=correct_short, ppl_256_gguf_row_order=wrong_short,
                    ppl_256_restored=restored)
