@@ -35,13 +35,13 @@ from tqdm import tqdm
 from lowrank_jax.data import batch_at, corpus_bytes
 from lowrank_jax.models.llama import Llama, LlamaConfig
 from lowrank_jax.nn import LoRARule, apply_lora, lora_layers
-from lowrank_jax.nn.multi_lora import apply_multi_lora, multi_lora_layers, set_adapter_ids
+from lowrank_jax.nn.multi_lora import apply_multi_lora, multi_lora_layers
+from lowrank_jax.train.jobs import make_packed_step
 from lowrank_jax.train.multi_job import (
     CostModel,
     JobSpec,
     ModelSpec,
     compare_plans,
-    packed_loss,
     per_job_adamw,
 )
 
@@ -124,17 +124,11 @@ def run_packed(tokens, k_jobs, batch, seq_len, steps, inits, implementation="rag
     tx = per_job_adamw(LRS[:k_jobs], weight_decays=[WEIGHT_DECAY] * k_jobs)
     ids = jnp.repeat(jnp.arange(k_jobs), batch)
 
-    @jax.jit
+    packed = make_packed_step(graph, rest, ids, tx, k_jobs)  # the library's packed step
+
     def step(lora, opt, x, y):
-        def loss_fn(lora):
-            # fresh Variables at this trace level, so the ids can be stored on the layers
-            m = nnx.merge(graph, lora, jax.tree.map(lambda v: v, rest))
-            set_adapter_ids(m, ids)
-            logits, _ = m(x)
-            return packed_loss(_xent(logits, y), ids, k_jobs)
-        (loss, per_job), grads = jax.value_and_grad(loss_fn, has_aux=True)(lora)
-        upd, opt = tx.update(grads, opt, lora)
-        return (optax.apply_updates(lora, upd), opt), per_job
+        lora, opt, per_job = packed(lora, opt, x, y)
+        return (lora, opt), per_job
 
     def packed_batch(t):
         parts = [batch_at(tokens, t, batch, seq_len, seed=k) for k in range(k_jobs)]
