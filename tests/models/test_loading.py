@@ -327,3 +327,21 @@ def test_cli_eval_and_generate_on_a_saved_checkpoint(smollm2, tmp_path, capsys):
             model=str(tmp_path), text=str(tmp_path / "nope.txt"), window=32, stride=None,
             max_tokens=None, dtype="float32", projection="dense", rank_ratio=None,
             no_progress=True))
+
+
+def test_load_model_reads_a_peft_adapter_folder_over_its_base(tmp_path):
+    from lowrank_jax.io.peft import export_peft
+    from lowrank_jax.models.hub import load_model, save_model
+    from lowrank_jax.nn import LoRARule, apply_lora, lora_layers
+
+    base = tiny_model()
+    base_folder = save_model(base, tmp_path / "base")
+    tuned = tiny_model()
+    apply_lora(tuned, LoRARule("v_proj", rank=2), rngs=nnx.Rngs(1))
+    for i, (_, layer) in enumerate(lora_layers(tuned)):  # a non-zero update
+        layer.lora_b[...] = 0.2 * jax.random.normal(jax.random.key(i), layer.lora_b[...].shape)
+    export_peft(tuned, tmp_path / "adapter", base_model_name_or_path=str(base_folder))
+    loaded, _ = load_model(str(tmp_path / "adapter"))  # base loaded, adapter applied
+    tokens = jnp.asarray([[1, 5, 7, 2]], jnp.int32)
+    np.testing.assert_allclose(loaded(tokens)[0], tuned(tokens)[0], atol=1e-5)
+    assert float(jnp.max(jnp.abs(loaded(tokens)[0] - base(tokens)[0]))) > 1e-4
