@@ -31,8 +31,9 @@ def tiny_model(tie: bool = True, seed: int = 0) -> Llama:
     cfg = LlamaConfig(vocab_size=40, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                       d_ff=64, max_seq_len=32, rope_theta=1e5, tie_embeddings=tie)
     model = Llama(cfg, rngs=nnx.Rngs(seed))
-    for layer in model.layers:  # non-trivial norms, so a wrong mapping shows up
-        layer.input_layernorm.weight[...] = 1 + 0.1 * jnp.arange(32) / 32
+    for path, module in nnx.iter_modules(model):  # non-trivial norms: a wrong mapping shows up
+        if path and path[-1] == "input_layernorm":
+            module.weight[...] = 1 + 0.1 * jnp.arange(32) / 32
     return model
 
 
