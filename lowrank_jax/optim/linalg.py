@@ -80,7 +80,9 @@ def _normalize_coeffs(coeffs) -> tuple[tuple[float, float, float], ...] | str:
     )
 
 
-def polar(x: Float[Array, "*batch m n"], *, eps: float = 1e-7) -> Float[Array, "*batch m n"]:
+def polar(
+    x: Float[Array, "*batch m n"], *, eps: float = 1e-7, drop_null: bool = True
+) -> Float[Array, "*batch m n"]:
     """Exact polar factor ``U Vᵀ`` of ``x = U Σ Vᵀ`` (via SVD), zero on the null space.
 
     .. math:: \\operatorname{polar}(X) = \\sum_{i:\\,\\sigma_i > \\tau} u_i v_i^\\top,
@@ -88,10 +90,13 @@ def polar(x: Float[Array, "*batch m n"], *, eps: float = 1e-7) -> Float[Array, "
 
     Directions with a singular value below ``τ = max(eps, 10·dtype_eps·max(m, n))·σ₁`` are
     dropped (DERIVED), so ``polar(0) = 0`` like Newton–Schulz rather than an arbitrary basis.
+    With ``drop_null=False`` every direction is kept: the result of a square input is then always
+    orthogonal (what a Procrustes rotation needs, e.g. BaLoRA's). Computed in at least fp32.
 
     Args:
         x: ``[..., m, n]`` matrices.
         eps: relative cut-off for null directions.
+        drop_null: zero the directions below the cut-off (default) or keep them all.
 
     Returns:
         The polar factor, same shape and dtype as ``x``.
@@ -101,11 +106,16 @@ def polar(x: Float[Array, "*batch m n"], *, eps: float = 1e-7) -> Float[Array, "
         >>> import jax.numpy as jnp
         >>> polar(jnp.diag(jnp.array([3.0, 0.5]))).tolist()
         [[1.0, 0.0], [0.0, 1.0]]
+        >>> polar(jnp.diag(jnp.array([3.0, 0.0]))).tolist()
+        [[1.0, 0.0], [0.0, 0.0]]
     """
     _check_matrix(x, "polar: x")
-    u, s, vt = jnp.linalg.svd(x.astype(jnp.float32), full_matrices=False)
-    rel = jnp.maximum(eps, 10 * float(jnp.finfo(jnp.float32).eps) * max(x.shape[-2:]))
-    keep = (s > rel * s[..., :1]).astype(jnp.float32)
+    dtype = jnp.promote_types(x.dtype, jnp.float32)
+    u, s, vt = jnp.linalg.svd(x.astype(dtype), full_matrices=False)
+    if not drop_null:
+        return (u @ vt).astype(x.dtype)
+    rel = jnp.maximum(eps, 10 * float(jnp.finfo(dtype).eps) * max(x.shape[-2:]))
+    keep = (s > rel * s[..., :1]).astype(dtype)
     return ((u * keep[..., None, :]) @ vt).astype(x.dtype)
 
 

@@ -24,13 +24,13 @@ from jaxtyping import Array, Float, Int
 NEG_INF = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: masked rows stay NaN-free
 
 
-def rope_inverse_frequencies(head_dim: int, theta: float) -> Float[Array, "half"]:
+def rope_inverse_frequencies(head_dim: int, theta: float) -> Float[Array, " half"]:
     """``θ^{-2i/D}`` for ``i < D/2`` (the HF Llama frequencies)."""
     return 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
 
 
 def rope(
-    x: Float[Array, "*batch t h d"], positions: Int[Array, "t"], theta: float
+    x: Float[Array, "*batch t h d"], positions: Int[Array, " t"], theta: float
 ) -> Float[Array, "*batch t h d"]:
     """Rotary embedding, HF "rotate half" pairing (dims ``i`` and ``i + D/2``), in fp32.
 
