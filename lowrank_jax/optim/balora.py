@@ -26,6 +26,7 @@ from lowrank_jax.optim.factors import (
     path_str,
     unflatten_by_path,
 )
+from lowrank_jax.optim.linalg import gathered as _gathered
 from lowrank_jax.optim.linalg import polar
 
 BalanceMode = Literal["svd", "procrustes"]
@@ -36,14 +37,6 @@ class BaLoRAState(NamedTuple):
     """State of :func:`scale_by_balora`: only a step counter."""
 
     count: jax.Array  # shape=(), dtype=jnp.int32: optimizer steps seen so far
-
-
-def _gathered(x):
-    """Replicate an explicitly sharded factor (QR/SVD need unsharded matrix dims)."""
-    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
-    if spec is not None and any(axis is not None for axis in spec):
-        return jax.sharding.reshard(x, jax.sharding.PartitionSpec())
-    return x
 
 
 def _svd_balanced(left, right):

@@ -38,6 +38,7 @@ from jaxtyping import Array, Float
 
 from lowrank_jax.curvature.kfac import KFACEigenbasis, KFACFactor, eigenbasis
 from lowrank_jax.optim.factors import normalize_path, path_str
+from lowrank_jax.optim.linalg import with_sharding_of
 
 
 class LayerProjector(NamedTuple):
@@ -246,16 +247,7 @@ def project(x: Array, proj: LayerProjector) -> Array:
             f"leaf shape {x.shape} does not match the projector's (d_in, d_out)="
             f"{(proj.U_A.shape[0], proj.U_G.shape[0])}; kernels must be in Flax [in, out] layout."
         )
-    return _same_sharding(kron_project(x, *proj), x)
-
-
-def _same_sharding(out: Array, like: Array) -> Array:
-    """Keep the leaf's (explicit-mesh) sharding, so optimiser moments keep their type."""
-    sharding = getattr(jax.typeof(like), "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
-    if mesh is None or mesh.empty or all(s is None for s in sharding.spec):
-        return out
-    return jax.sharding.reshard(out, sharding)
+    return with_sharding_of(kron_project(x, *proj), x)
 
 
 # ------------------------------------------------------------------------------- optax transform
@@ -431,3 +423,12 @@ def relative_weight_change(params, reference_params, projector: Mapping[str, Any
 def needs_refresh(params, reference_params, projector, *, threshold: float = 0.25) -> bool:
     """Recompute policy: refresh factors when a kernel moved more than ``threshold`` (0.25)."""
     return relative_weight_change(params, reference_params, projector) > threshold
+
+
+__all__ = [
+    "CrispEditState", "CrispProjector", "LayerProjector", "build_projector", "crispedit",
+    "crispedit_adam", "crispedit_refresh", "energy_threshold", "energy_threshold_sorted",
+    "keep_mask", "kron_project", "layer_projector", "leaf_path", "match_projector",
+    "needs_refresh", "project", "projector_from_eigenbasis", "relative_weight_change",
+    "scale_by_crispedit",
+]

@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Float
 
+from lowrank_jax.optim.linalg import gathered, with_sharding_of
 from lowrank_jax.optim.factors import (
     PairFn,
     flatten_by_path,
@@ -144,8 +145,10 @@ def _map_pairs(fn, updates, params, subspaces, pair_fn: PairFn = lora_pairs):
             continue
         basis = subspaces[parent]
         _check_basis(parent, basis, pars[pa].shape[0])
-        da, db = fn(ups[pa], ups[pb], pars[pa], pars[pb], basis)
-        out[pa], out[pb] = da.astype(ups[pa].dtype), db.astype(ups[pb].dtype)
+        # r×r solves and projections need whole factors: gather sharded ones (they are thin)
+        da, db = fn(*(gathered(x) for x in (ups[pa], ups[pb], pars[pa], pars[pb], basis)))
+        out[pa] = with_sharding_of(da.astype(ups[pa].dtype), ups[pa])
+        out[pb] = with_sharding_of(db.astype(ups[pb].dtype), ups[pb])
     return unflatten_by_path(treedef, order, out)
 
 
