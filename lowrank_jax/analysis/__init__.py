@@ -31,16 +31,17 @@ from lowrank_jax.analysis.heads import (
 from lowrank_jax.analysis.kruskal import (
     coherence,
     khatri_rao,
+    kruskal_penalty,
     kruskal_rank_bounds,
     kruskal_rank_exact,
     numerical_krank,
 )
 from lowrank_jax.analysis.linalg import (
-    randomized_svd,
     singular_values,
     singular_values_gram,
     svd_exact,
 )
+from lowrank_jax.optim.linalg import randomized_svd  # the one randomized SVD
 from lowrank_jax.analysis.lockin_optax import (
     LockinProbeState,
     lockin_probe,
@@ -90,8 +91,9 @@ __all__ = [
     "compare_checkpoints", "compare_matrices", "curvature_basis", "effective_rank",
     "effective_rank_of", "energy_rank", "energy_rank_of", "esd", "harm_signal", "head_scores",
     "hsic_biased", "hsic_unbiased", "interpolate", "isotropy_partition",
-    "iter_checkpoint_matrices", "kernel_cka", "khatri_rao", "kruskal_rank_bounds",
-    "kruskal_rank_exact", "linear_cka", "local_kfac", "lockin_probe", "loss_barrier",
+    "iter_checkpoint_matrices", "kernel_cka", "khatri_rao", "kruskal_penalty",
+    "kruskal_rank_bounds", "kruskal_rank_exact", "linear_cka", "local_kfac", "lockin_probe",
+    "loss_barrier",
     "matrix_summary", "merge_heads", "minibatch_cka", "mp_edge", "mp_spike_count",
     "numerical_krank", "numerical_rank", "numerical_rank_of", "powerlaw_alpha", "principal_angles",
     "probe_metrics", "project_sharp", "project_soft", "randomized_svd", "rankme",

@@ -3,14 +3,16 @@
 ``M [p, n]`` holds ``n`` column vectors in ``R^p`` (for a LoRA factor ``A [d_in, r]`` in our
 ``[in, out]`` layout pass ``A.T``, i.e. p = r, n = d_in). ``krank ≤ rank ≤ min(p, n)`` and
 ``spark = krank + 1``. Exact computation is NP-hard (Tillmann & Pfetsch 2014), so the exact routine
-is host-side and budgeted; bounds and random probing cover large matrices. Shared by the spectral
-analysis and LoKRA specs.
+is host-side and budgeted; bounds and random probing cover large matrices. The package's one Kruskal
+module: the spectral analysis and LoKRA (:mod:`lowrank_jax.nn.lokra`, which trains with
+:func:`kruskal_penalty`) both use it.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -118,12 +120,89 @@ def numerical_krank(
     return rank
 
 
-def coherence(matrix: Float[Array, "p n"]) -> float:
-    """Mutual coherence ``μ = max_{i≠j} |m̂_iᵀ m̂_j|`` of the normalised columns."""
-    cols, _ = _normalised_columns(matrix)
-    gram = np.abs(cols.T @ cols)
-    np.fill_diagonal(gram, 0.0)
-    return float(gram.max()) if gram.size > 1 else 0.0
+def _unit_columns(m, eps):
+    norms = jnp.sqrt(jnp.sum(m * m, axis=0, keepdims=True) + eps * eps)
+    return m / norms
+
+
+def coherence(matrix: Float[Array, "p n"], eps: float = 1e-12) -> Float[Array, ""]:
+    """Mutual coherence ``μ(M) = max_{i≠j} |cos(m_i, m_j)|`` of the columns (``k(M) ≥ 1/μ``).
+
+    Differentiable (``eps`` guards zero columns); 0 for a single column.
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> float(coherence(jnp.eye(3)))
+        0.0
+        >>> round(float(coherence(jnp.array([[1.0, 1.0], [0.0, 1.0]]))), 4)
+        0.7071
+    """
+    m = jnp.asarray(matrix, jnp.float32)
+    if m.ndim != 2:
+        raise ValueError(f"coherence: matrix has shape {m.shape}; pass a [p, n] matrix.")
+    unit = _unit_columns(m, eps)
+    cos = jnp.abs(unit.T @ unit)
+    return jnp.max(jnp.where(jnp.eye(m.shape[1], dtype=bool), 0.0, cos), initial=0.0)
+
+
+PenaltyKind = Literal["frame", "coherence"]
+
+
+def kruskal_penalty(
+    m: Float[Array, "p n"],
+    *,
+    kind: PenaltyKind = "frame",
+    eps: float = 1e-6,
+    tau: float = 20.0,
+    skip_below: float = 1e-3,
+) -> Float[Array, ""]:
+    """Differentiable surrogate pushing up the Kruskal rank of the columns of ``m`` (DERIVED).
+
+    .. math::
+
+        \\hat M = M / \\|m_j\\|,\\qquad
+        \\text{frame: } \\frac{\\|\\hat M \\hat M^\\top\\|_F^2}{n^2} - \\frac1p \\ge 0,\\qquad
+        \\text{coherence: } \\tfrac1\\tau \\log \\sum_{i<j} e^{\\tau \\cos^2(m_i, m_j)}
+
+    The frame potential is zero iff the normalised columns form a tight frame and costs
+    ``O(n p²)`` (no ``n × n`` Gram); the coherence form is a smooth max of ``cos²`` and costs
+    ``O(n² p)``. Column norms have an ``eps`` guard (finite gradients at a zero column); a
+    matrix whose largest entry is below ``skip_below`` (e.g. ``B = 0`` at init) gets 0.
+
+    Args:
+        m: ``[p, n]`` channel codes (columns = channels), e.g. ``lora_aᵀ`` or ``lora_b``.
+        kind: ``"frame"`` or ``"coherence"``.
+        eps: column-norm guard.
+        tau: sharpness of the coherence smooth max.
+        skip_below: below this max-abs value the penalty is 0.
+
+    Returns:
+        A scalar.
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> float(kruskal_penalty(jnp.concatenate([jnp.eye(2), jnp.eye(2)], axis=1)))
+        0.0
+        >>> float(kruskal_penalty(jnp.array([[1.0, 1.0], [0.0, 0.0]])))  # duplicated columns
+        0.5
+    """
+    if m.ndim != 2:
+        raise ValueError(f"kruskal_penalty: m has shape {m.shape}; pass a [p, n] matrix.")
+    if kind not in ("frame", "coherence"):
+        raise ValueError(f"kruskal_penalty: kind={kind!r}; use 'frame' or 'coherence'.")
+    m = m.astype(jnp.float32)
+    p, n = m.shape
+    unit = _unit_columns(m, eps)
+    if kind == "frame":
+        gram = unit @ unit.T
+        value = jnp.sum(gram * gram) / (n * n) - 1.0 / p
+    else:
+        cos2 = (unit.T @ unit) ** 2
+        upper = jnp.triu(jnp.ones((n, n), bool), k=1)
+        value = jax.nn.logsumexp(jnp.where(upper, tau * cos2, -jnp.inf)) / tau
+    return jnp.where(jnp.max(jnp.abs(m)) > skip_below, value, 0.0)
 
 
 def kruskal_rank_bounds(matrix: Float[Array, "p n"], *, rtol: float = 1e-6) -> tuple[int, int]:
@@ -145,7 +224,7 @@ def kruskal_rank_bounds(matrix: Float[Array, "p n"], *, rtol: float = 1e-6) -> t
         return 0, 0
     s = np.linalg.svd(cols, compute_uv=False)
     rank = int(np.sum(s > rtol * s[0]))
-    mu = coherence(cols)
+    mu = float(coherence(cols))
     if mu <= 1e-12:
         return rank, rank
     lower = min(math.ceil(1.0 / mu - 1e-9), rank)
@@ -168,5 +247,5 @@ def khatri_rao(a: Float[Array, "p n"], b: Float[Array, "q n"]) -> Float[Array, "
     return jnp.einsum("pn,qn->pqn", a, b).reshape(a.shape[0] * b.shape[0], a.shape[1])
 
 
-__all__ = ["coherence", "khatri_rao", "kruskal_rank_bounds", "kruskal_rank_exact",
-           "numerical_krank"]
+__all__ = ["PenaltyKind", "coherence", "khatri_rao", "kruskal_penalty", "kruskal_rank_bounds",
+           "kruskal_rank_exact", "numerical_krank"]

@@ -1,18 +1,17 @@
-"""SVD backends for analysis: exact, Gram-streaming (tall matrices) and randomized (top-k).
+"""SVD backends for analysis: exact and Gram-streaming (tall matrices).
 
-The randomized SVD is the shared one of ``lowrank_jax/optim/linalg.py`` (design.md), re-exported
-with the analysis spec's argument order ``(key, matrix, rank, *, oversample, power_iterations)``.
+The randomized (top-k) SVD is the package's one :func:`lowrank_jax.optim.linalg.randomized_svd`
+(``randomized_svd(matrix, rank, *, oversample, power_iters, key)``), re-exported by
+:mod:`lowrank_jax.analysis`.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, PRNGKeyArray
+from jaxtyping import Array, Float
 
 
 def _check_matrix(matrix, name: str = "matrix") -> None:
@@ -88,60 +87,4 @@ def singular_values_gram(
     return np.sqrt(np.maximum(eig, 0.0))
 
 
-@functools.cache
-def _jitted_shared_rsvd():
-    from lowrank_jax.optim.linalg import randomized_svd as shared  # lazy: optim is heavier
-
-    return jax.jit(shared, static_argnames=("rank", "oversample", "power_iters"))
-
-
-def randomized_svd(
-    key: PRNGKeyArray,
-    matrix: Float[Array, "m n"],
-    rank: int,
-    *,
-    oversample: int = 10,
-    power_iterations: int = 2,
-) -> tuple[Float[Array, "m rank"], Float[Array, " rank"], Float[Array, "rank n"]]:
-    """Top-``rank`` SVD by the Halko–Martinsson–Tropp randomized range finder.
-
-    .. math::
-        Y = A\\Omega,\\ \\Omega\\sim N(0,1)^{n\\times(k+p)};\\quad
-        Y \\leftarrow A(A^T \\mathrm{qr}(Y))\\ (q\\ \\text{times});\\quad
-        Q = \\mathrm{qr}(Y),\\ B = Q^T A = \\hat U s V^T,\\ U = Q\\hat U
-
-    Only for top-k quantities (spectral norm, top subspaces, overlaps), not full-spectrum metrics.
-
-    Args:
-      key: PRNG key for the test matrix Ω.
-      matrix: ``A [m, n]``.
-      rank: number of components ``k`` (``1 ≤ k ≤ min(m, n)``).
-      oversample: extra columns ``p`` (clipped so ``k + p ≤ min(m, n)``).
-      power_iterations: ``q`` subspace iterations, re-orthonormalised each time.
-
-    Returns:
-      ``(U [m,k], s [k] descending, Vt [k,n])``.
-
-    Example::
-
-        >>> import jax, jax.numpy as jnp
-        >>> a = jax.random.normal(jax.random.key(0), (50, 3)) @ jax.random.normal(
-        ...     jax.random.key(1), (3, 40))
-        >>> _, s, _ = randomized_svd(jax.random.key(2), a, 3)
-        >>> bool(jnp.allclose(s, jnp.linalg.svd(a, compute_uv=False)[:3], rtol=1e-4))
-        True
-
-    References:
-      Halko, Martinsson, Tropp, `Finding structure with randomness
-      <https://arxiv.org/abs/0909.4061>`_, SIAM Review 2011.
-    """
-    _check_matrix(matrix)
-    m, n = matrix.shape
-    if not isinstance(rank, (int, np.integer)) or not 1 <= rank <= min(m, n):
-        raise ValueError(f"rank={rank} must be an int in [1, min(m, n)={min(m, n)}].")
-    return _jitted_shared_rsvd()(
-        matrix, int(rank), oversample=oversample, power_iters=power_iterations, key=key
-    )
-
-
-__all__ = ["randomized_svd", "singular_values", "singular_values_gram", "svd_exact"]
+__all__ = ["singular_values", "singular_values_gram", "svd_exact"]

@@ -18,7 +18,8 @@ from typing import NamedTuple
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from lowrank_jax.analysis.linalg import randomized_svd, svd_exact
+from lowrank_jax.analysis.linalg import svd_exact
+from lowrank_jax.optim.linalg import randomized_svd
 from lowrank_jax.analysis.rank import effective_rank, stable_rank
 from lowrank_jax.analysis.spectra import principal_angles
 
@@ -167,7 +168,7 @@ def top_subspaces(delta: Float[Array, "m n"], k: int, *, key=None):
     """Orthonormal top-k left/right singular bases and singular values of an update."""
     kk = min(k, *delta.shape)
     if key is not None and kk < min(delta.shape):
-        u, s, vt = randomized_svd(key, delta, kk)
+        u, s, vt = randomized_svd(delta, int(kk), key=key)
     else:
         u, s, vt = svd_exact(delta)
     u, _ = jnp.linalg.qr(u[:, :kk])

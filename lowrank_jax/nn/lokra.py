@@ -10,6 +10,9 @@ the factors as Khatri–Rao products, whose k-rank has the lower bound
 In lowrank_jax's layout (``lora_a`` ``[in, r]``, ``lora_b`` ``[r, out]``) the channel-code
 matrices are ``A = lora_aᵀ`` ``[r, in]`` and ``Bᵀ = lora_b`` ``[r, out]``.
 
+The Kruskal-rank tools (exact rank, coherence, Khatri–Rao product, the penalty) live in
+:mod:`lowrank_jax.analysis.kruskal` and are re-exported here.
+
 DERIVED (the paper and its code were not readable): the penalty formula (frame potential or
 smooth max coherence), applying it to both ``A`` and ``Bᵀ``, skipping a still-zero factor,
 LoKRA+'s parameterisation (candidate P1 of the spec: ``A = A1 ⊙ A2``, ``Bᵀ = B1ᵀ ⊙ B2ᵀ``) and its
@@ -24,130 +27,22 @@ References:
 
 from __future__ import annotations
 
-import itertools
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float
 
+from lowrank_jax.analysis.kruskal import (  # the one Kruskal module
+    PenaltyKind,
+    coherence,
+    khatri_rao,
+    kruskal_penalty,
+    kruskal_rank_exact,
+)
 from lowrank_jax.nn.factorized import check_rank
 from lowrank_jax.nn.inject import lora_layers
-
-PenaltyKind = Literal["frame", "coherence"]
-
-
-def _unit_columns(m, eps):
-    norms = jnp.sqrt(jnp.sum(m * m, axis=0, keepdims=True) + eps * eps)
-    return m / norms
-
-
-def kruskal_penalty(
-    m: Float[Array, "p n"],
-    *,
-    kind: PenaltyKind = "frame",
-    eps: float = 1e-6,
-    tau: float = 20.0,
-    skip_below: float = 1e-3,
-) -> Float[Array, ""]:
-    """Surrogate pushing up the Kruskal rank of the columns of ``m`` (DERIVED).
-
-    .. math::
-
-        \\hat M = M / \\|m_j\\|,\\qquad
-        \\text{frame: } \\frac{\\|\\hat M \\hat M^\\top\\|_F^2}{n^2} - \\frac1p \\ge 0,\\qquad
-        \\text{coherence: } \\tfrac1\\tau \\log \\sum_{i<j} e^{\\tau \\cos^2(m_i, m_j)}
-
-    The frame potential is zero iff the normalised columns form a tight frame and costs
-    ``O(n p²)`` (no ``n × n`` Gram); the coherence form is a smooth max of ``cos²`` and costs
-    ``O(n² p)``. Column norms have an ``eps`` guard (finite gradients at a zero column); a
-    matrix whose largest entry is below ``skip_below`` (e.g. ``B = 0`` at init) gets 0.
-
-    Args:
-        m: ``[p, n]`` channel codes (columns = channels), e.g. ``lora_aᵀ`` or ``lora_b``.
-        kind: ``"frame"`` or ``"coherence"``.
-        eps: column-norm guard.
-        tau: sharpness of the coherence smooth max.
-        skip_below: below this max-abs value the penalty is 0.
-
-    Returns:
-        A scalar.
-
-    Example::
-
-        >>> import jax.numpy as jnp
-        >>> float(kruskal_penalty(jnp.concatenate([jnp.eye(2), jnp.eye(2)], axis=1)))
-        0.0
-    """
-    if m.ndim != 2:
-        raise ValueError(f"kruskal_penalty: m has shape {m.shape}; pass a [p, n] matrix.")
-    if kind not in ("frame", "coherence"):
-        raise ValueError(f"kruskal_penalty: kind={kind!r}; use 'frame' or 'coherence'.")
-    m = m.astype(jnp.float32)
-    p, n = m.shape
-    unit = _unit_columns(m, eps)
-    if kind == "frame":
-        gram = unit @ unit.T
-        value = jnp.sum(gram * gram) / (n * n) - 1.0 / p
-    else:
-        cos2 = (unit.T @ unit) ** 2
-        upper = jnp.triu(jnp.ones((n, n), bool), k=1)
-        value = jax.nn.logsumexp(jnp.where(upper, tau * cos2, -jnp.inf)) / tau
-    return jnp.where(jnp.max(jnp.abs(m)) > skip_below, value, 0.0)
-
-
-def coherence(m: Float[Array, "p n"], eps: float = 1e-12) -> Float[Array, ""]:
-    """Mutual coherence ``μ(M) = max_{i≠j} |cos(m_i, m_j)|`` (``k(M) ≥ 1/μ``).
-
-    Example::
-
-        >>> import jax.numpy as jnp
-        >>> float(coherence(jnp.eye(3)))
-        0.0
-    """
-    unit = _unit_columns(m.astype(jnp.float32), eps)
-    cos = jnp.abs(unit.T @ unit)
-    return jnp.max(jnp.where(jnp.eye(m.shape[1], dtype=bool), 0.0, cos))
-
-
-def kruskal_rank_exact(m: Float[Array, "p n"], *, tol: float = 1e-6) -> int:
-    """Exact Kruskal rank by brute force over column subsets (tests only, ``n ≤ 12``).
-
-    Example::
-
-        >>> import numpy as np
-        >>> kruskal_rank_exact(np.array([[1.0, 1.0, 0.0], [0.0, 0.0, 1.0]]))
-        1
-    """
-    m = np.asarray(m, np.float64)
-    n = m.shape[1]
-    if n > 12:
-        raise ValueError(f"kruskal_rank_exact: n={n} columns is too many for brute force (≤ 12).")
-    k = 0
-    for size in range(1, min(m.shape) + 1):
-        for cols in itertools.combinations(range(n), size):
-            sub = m[:, cols]
-            s = np.linalg.svd(sub, compute_uv=False)
-            if s[-1] <= tol * max(1.0, s[0]):
-                return k
-        k = size
-    return k
-
-
-def khatri_rao(p: Float[Array, "a n"], q: Float[Array, "b n"]) -> Float[Array, "ab n"]:
-    """Column-wise Kronecker product: column ``j`` is ``p_j ⊗ q_j``.
-
-    Example::
-
-        >>> import jax.numpy as jnp
-        >>> khatri_rao(jnp.ones((2, 3)), jnp.ones((4, 3))).shape
-        (8, 3)
-    """
-    if p.shape[1] != q.shape[1]:
-        raise ValueError(f"khatri_rao: p {p.shape} and q {q.shape} need the same column count.")
-    return jnp.einsum("in,jn->ijn", p, q).reshape(p.shape[0] * q.shape[0], p.shape[1])
 
 
 def lokra_regularizer(model: nnx.Module, *, kind: PenaltyKind = "frame",

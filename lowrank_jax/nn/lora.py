@@ -19,7 +19,8 @@ LoRAInit = Literal["standard", "pissa", "gaussian"]
 
 
 def lora_scaling(rank: int, alpha: float | None, use_rslora: bool) -> float:
-    """PEFT's scale: ``alpha / rank``, or ``alpha / sqrt(rank)`` with rsLoRA (alpha defaults to rank)."""
+    """PEFT's scale: ``alpha / rank``, or ``alpha / sqrt(rank)`` with rsLoRA (alpha defaults to
+    rank)."""
     alpha = float(rank if alpha is None else alpha)
     return alpha / math.sqrt(rank) if use_rslora else alpha / rank
 
@@ -101,7 +102,9 @@ class LoRALinear(nnx.Linear):
             self.init_pissa()
 
     @classmethod
-    def from_linear(cls, linear: nnx.Linear, *, rank: int, rngs: nnx.Rngs, **kwargs) -> "LoRALinear":
+    def from_linear(
+        cls, linear: nnx.Linear, *, rank: int, rngs: nnx.Rngs, **kwargs
+    ) -> "LoRALinear":
         """Wrap an existing ``nnx.Linear`` (its kernel and bias are shared, not copied)."""
         pissa = kwargs.get("init") == "pissa"
         if pissa:

@@ -129,7 +129,7 @@ class MultiLoRALinear(nnx.Linear):
     def __call__(
         self,
         inputs: Float[Array, "b ... in"],
-        adapter_ids: Int[Array, "b"] | None = None,
+        adapter_ids: Int[Array, " b"] | None = None,
     ) -> Float[Array, "b ... out"]:
         out = super().__call__(inputs)
         ids = self.adapter_ids.get_value() if adapter_ids is None else adapter_ids
@@ -181,7 +181,7 @@ def multi_lora_layers(model: nnx.Module) -> list[tuple[str, MultiLoRALinear]]:
             if isinstance(m, MultiLoRALinear)]
 
 
-def set_adapter_ids(model: nnx.Module, ids: Int[Array, "b"] | None) -> None:
+def set_adapter_ids(model: nnx.Module, ids: Int[Array, " b"] | None) -> None:
     """Store per-example adapter ids on every ``MultiLoRALinear`` of ``model``.
 
     Lets an unmodified model (e.g. ``Llama``) call its projections as ``proj(x)``; call this

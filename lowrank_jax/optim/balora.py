@@ -12,12 +12,22 @@ References:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Float
+
+from lowrank_jax.optim.factors import (
+    PairFn,
+    flatten_by_path,
+    lora_pairs,
+    path_str,
+    unflatten_by_path,
+)
+from lowrank_jax.optim.linalg import gathered as _gathered
+from lowrank_jax.optim.linalg import polar
 
 BalanceMode = Literal["svd", "procrustes"]
 LEFT_NAME, RIGHT_NAME = "lora_a", "lora_b"
@@ -29,14 +39,6 @@ class BaLoRAState(NamedTuple):
     count: jax.Array  # shape=(), dtype=jnp.int32: optimizer steps seen so far
 
 
-def _gathered(x):
-    """Replicate an explicitly sharded factor (QR/SVD need unsharded matrix dims)."""
-    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
-    if spec is not None and any(axis is not None for axis in spec):
-        return jax.sharding.reshard(x, jax.sharding.PartitionSpec())
-    return x
-
-
 def _svd_balanced(left, right):
     """QR form of the reference projection: ``L' = Q₁ U Σ^½``, ``R' = Σ^½ Vᵀ Q₂ᵀ``."""
     q1, t1 = jnp.linalg.qr(left)
@@ -44,11 +46,6 @@ def _svd_balanced(left, right):
     u, sigma, vt = jnp.linalg.svd(t1 @ t2.T)
     root = jnp.sqrt(sigma)
     return (q1 @ u) * root[None, :], root[:, None] * (vt @ q2.T), sigma
-
-
-def _polar(m):
-    u, _, vt = jnp.linalg.svd(m)
-    return u @ vt
 
 
 def balance_pair(
@@ -107,7 +104,7 @@ def balance_pair(
     l32, r32 = _gathered(left).astype(dtype), _gathered(right).astype(dtype)
     new_l, new_r, sigma = _svd_balanced(l32, r32)
     if mode == "procrustes":
-        rotation = _polar(new_l.T @ l32 + new_r @ r32.T)
+        rotation = polar(new_l.T @ l32 + new_r @ r32.T, drop_null=False)
         new_l, new_r = new_l @ rotation, rotation.T @ new_r
     product_norm = jnp.sqrt(jnp.sum(sigma**2))
     keep = product_norm <= min_product_norm
@@ -129,36 +126,15 @@ def balancing_gap(left: Float[Array, "p r"], right: Float[Array, "r q"]) -> Floa
     return jnp.linalg.norm(left.T @ left - right @ right.T)
 
 
-# ----------------------------------------------------------------------------- pair finding
-
-
-def _key_name(key) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
-def _clean_path(path) -> tuple[str, ...]:
-    names = tuple(_key_name(k) for k in path)
-    while names and names[-1] in ("value", "raw_value"):  # nnx.Variable leaves
-        names = names[:-1]
-    return names
+# ----------------------------------------------------------------------------- pairs
 
 
 def find_lora_pairs(tree: Any) -> list[tuple[int, int, str]]:
-    """Indices (in ``jax.tree.leaves`` order) of every ``(lora_a, lora_b)`` sibling pair.
+    """Deprecated view of :func:`lowrank_jax.optim.lora_pairs` as leaf indices.
 
-    A pair is two leaves named ``lora_a`` and ``lora_b`` under the same parent (a dict, an
-    ``nnx.State``, or any pytree with named keys); ``optax.MaskedNode`` leaves have no arrays
-    and are skipped naturally.
-
-    Returns:
-        ``[(index_of_lora_a, index_of_lora_b, parent_path), ...]`` with the parent path written
-        with ``/``.
-
-    Raises:
-        ValueError: when a ``lora_a`` has no ``lora_b`` sibling or the reverse (a half pair).
+    Returns ``[(index_of_lora_a, index_of_lora_b, parent_path), ...]`` in ``jax.tree.leaves``
+    order (the parent path written with ``/``). New code should use :func:`lora_pairs`, whose
+    paths are the one ``pair_fn`` contract of :mod:`lowrank_jax.optim.factors`.
 
     Example::
 
@@ -166,25 +142,16 @@ def find_lora_pairs(tree: Any) -> list[tuple[int, int, str]]:
         >>> find_lora_pairs({"q": {"lora_a": jnp.ones((4, 2)), "lora_b": jnp.zeros((2, 3))}})
         [(0, 1, 'q')]
     """
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    groups: dict[tuple[str, ...], dict[str, int]] = {}
-    for index, (path, _) in enumerate(flat):
-        names = _clean_path(path)
-        if names and names[-1] in (LEFT_NAME, RIGHT_NAME):
-            groups.setdefault(names[:-1], {})[names[-1]] = index
-    pairs = []
-    for parent, members in groups.items():
-        where = "/".join(parent) or "(root)"
-        if len(members) != 2:
-            have = next(iter(members))
-            missing = RIGHT_NAME if have == LEFT_NAME else LEFT_NAME
-            raise ValueError(
-                f"find_lora_pairs: {where}/{have} has no sibling {missing!r}; LoRA transforms "
-                "(BaLoRA, Janus) need both factors of each adapter in the tree (do not mask one "
-                "of them out)."
-            )
-        pairs.append((members[LEFT_NAME], members[RIGHT_NAME], where))
-    return pairs
+    _, order, _ = flatten_by_path(tree)
+    index = {p: i for i, p in enumerate(order)}
+    return [(index[pa], index[pb], path_str(pa[:-1]) or "(root)") for pa, pb in lora_pairs(tree)]
+
+
+def _balance_any(left, right, **kwargs):
+    """:func:`balance_pair`, vmapped over the adapter axis of stacked multi-LoRA factors."""
+    if left.ndim == 3 and right.ndim == 3:
+        return jax.vmap(lambda l, r: balance_pair(l, r, **kwargs))(left, right)
+    return balance_pair(left, right, **kwargs)
 
 
 def balance_lora_params(params: Any, *, mode: BalanceMode = "procrustes",
@@ -203,12 +170,11 @@ def balance_lora_params(params: Any, *, mode: BalanceMode = "procrustes",
         >>> bool(balancing_gap(q["lora_a"], q["lora_b"]) < 1e-4)
         True
     """
-    leaves, treedef = jax.tree.flatten(params)
-    leaves = list(leaves)
-    for ia, ib, _ in find_lora_pairs(params):
-        leaves[ia], leaves[ib] = balance_pair(leaves[ia], leaves[ib], mode=mode,
+    values, order, treedef = flatten_by_path(params)
+    for pa, pb in lora_pairs(params):
+        values[pa], values[pb] = _balance_any(values[pa], values[pb], mode=mode,
                                               min_product_norm=min_product_norm)
-    return jax.tree.unflatten(treedef, leaves)
+    return unflatten_by_path(treedef, order, values)
 
 
 # ----------------------------------------------------------------------------- optax
@@ -220,7 +186,7 @@ def scale_by_balora(
     every: int = 1,
     start_step: int = 0,
     min_product_norm: float = 0.0,
-    pair_fn: Callable[[Any], list[tuple[int, int, str]]] = find_lora_pairs,
+    pair_fn: PairFn = lora_pairs,
 ) -> optax.GradientTransformation:
     """The BaLoRA projection as the last element of an optax chain.
 
@@ -243,7 +209,9 @@ def scale_by_balora(
         every: project every ``every`` optimizer steps.
         start_step: first step (0-based count of updates) at which to project.
         min_product_norm: pairs with ``‖L R‖_F`` at or below this are left untouched.
-        pair_fn: ``params -> [(index_a, index_b, name), ...]`` in ``jax.tree.leaves`` order.
+        pair_fn: ``params -> [(a_path, b_path), ...]``, the contract of
+            :mod:`lowrank_jax.optim.factors` (default :func:`lora_pairs`). Stacked multi-LoRA
+            factors (``[K, in, R]``, ``[K, R, out]``) are balanced adapter by adapter.
 
     Returns:
         A :class:`optax.GradientTransformation` with :class:`BaLoRAState`.
@@ -281,26 +249,29 @@ def scale_by_balora(
                 "scale_by_balora: params is None; call tx.update(grads, state, params) "
                 "(nnx.Optimizer does this) because the projection needs the current factors."
             )
-        up_leaves, treedef = jax.tree.flatten(updates)
-        par_leaves = jax.tree.leaves(params)
-        if len(up_leaves) != len(par_leaves):
+        up, order, treedef = flatten_by_path(updates)
+        par, par_order, _ = flatten_by_path(params)
+        if set(order) - set(par_order):
+            missing = sorted(path_str(p) for p in set(order) - set(par_order))[:3]
             raise ValueError(
-                f"scale_by_balora: updates have {len(up_leaves)} leaves but params have "
-                f"{len(par_leaves)}; pass params with the same structure as the updates."
+                f"scale_by_balora: updates have leaves {missing} that params lack; pass params "
+                "with the same structure as the updates."
             )
         project = (state.count >= start_step) & (state.count % every == 0)
-        out = list(up_leaves)
-        for ia, ib, _ in pair_fn(params):
-            left, right = par_leaves[ia], par_leaves[ib]
-            step_l = left + up_leaves[ia].astype(left.dtype)
-            step_r = right + up_leaves[ib].astype(right.dtype)
-            bal_l, bal_r = balance_pair(jax.lax.stop_gradient(step_l),
+        out = dict(up)
+        for pa, pb in pair_fn(params):
+            if pa not in up or pb not in up:
+                continue  # masked out of this partition
+            left, right = par[pa], par[pb]
+            step_l = left + up[pa].astype(left.dtype)
+            step_r = right + up[pb].astype(right.dtype)
+            bal_l, bal_r = _balance_any(jax.lax.stop_gradient(step_l),
                                         jax.lax.stop_gradient(step_r), mode=mode,
                                         min_product_norm=min_product_norm)
-            out[ia] = jnp.where(project, bal_l - left, up_leaves[ia]).astype(up_leaves[ia].dtype)
-            out[ib] = jnp.where(project, bal_r - right, up_leaves[ib]).astype(up_leaves[ib].dtype)
+            out[pa] = jnp.where(project, bal_l - left, up[pa]).astype(up[pa].dtype)
+            out[pb] = jnp.where(project, bal_r - right, up[pb]).astype(up[pb].dtype)
         count = optax.safe_int32_increment(state.count)
-        return jax.tree.unflatten(treedef, out), BaLoRAState(count=count)
+        return unflatten_by_path(treedef, order, out), BaLoRAState(count=count)
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -312,6 +283,7 @@ def balora(
     every: int = 1,
     start_step: int = 0,
     min_product_norm: float = 0.0,
+    pair_fn: PairFn = lora_pairs,
 ) -> optax.GradientTransformation:
     """``optax.chain(base_optimizer, scale_by_balora(...))``: any optimizer, then the projection.
 
@@ -329,7 +301,7 @@ def balora(
     return optax.chain(
         base_optimizer,
         scale_by_balora(mode=mode, every=every, start_step=start_step,
-                        min_product_norm=min_product_norm),
+                        min_product_norm=min_product_norm, pair_fn=pair_fn),
     )
 
 

@@ -14,10 +14,10 @@ with ``τ`` the k-th largest product for the smallest ``k`` whose top-k energy i
 ``P`` is an orthogonal projector, and for ``Δ = P(X)``:
 ``tr(A Δ G Δᵀ) ≤ τ ‖Δ‖_F²`` (the per-step curvature bound of the *strict* order).
 
-Orders: ``optax.chain(crispedit(P), optax.adam(lr))`` is the published ("faithful") setting;
-Adam's per-coordinate scaling moves the step slightly off the kept subspace.
-``optax.chain(optax.adam(lr), crispedit(P))`` ("strict") makes every final update lie in the kept
-subspace, so the curvature bound holds. :func:`crispedit_adam` defaults to ``"strict"``.
+Orders: ``optax.chain(scale_by_crispedit(P), optax.adam(lr))`` is the published ("faithful")
+setting; Adam's per-coordinate scaling moves the step slightly off the kept subspace.
+``optax.chain(optax.adam(lr), scale_by_crispedit(P))`` ("strict") makes every final update lie in
+the kept subspace, so the curvature bound holds. :func:`crispedit` defaults to ``"strict"``.
 
 References:
     Z. Ikram, A. Firouzkouhi, S. Tu, M. Soltanolkotabi, P. Rashidinejad, *CrispEdit:
@@ -37,6 +37,8 @@ import optax
 from jaxtyping import Array, Float
 
 from lowrank_jax.curvature.kfac import KFACEigenbasis, KFACFactor, eigenbasis
+from lowrank_jax.optim.factors import normalize_path, path_str
+from lowrank_jax.optim.linalg import with_sharding_of
 
 
 class LayerProjector(NamedTuple):
@@ -245,34 +247,18 @@ def project(x: Array, proj: LayerProjector) -> Array:
             f"leaf shape {x.shape} does not match the projector's (d_in, d_out)="
             f"{(proj.U_A.shape[0], proj.U_G.shape[0])}; kernels must be in Flax [in, out] layout."
         )
-    return _same_sharding(kron_project(x, *proj), x)
-
-
-def _same_sharding(out: Array, like: Array) -> Array:
-    """Keep the leaf's (explicit-mesh) sharding, so optimiser moments keep their type."""
-    sharding = getattr(jax.typeof(like), "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
-    if mesh is None or mesh.empty or all(s is None for s in sharding.spec):
-        return out
-    return jax.sharding.reshard(out, sharding)
+    return with_sharding_of(kron_project(x, *proj), x)
 
 
 # ------------------------------------------------------------------------------- optax transform
 
 
-def _key_str(k) -> str | None:
-    for attr in ("key", "idx", "name"):
-        if hasattr(k, attr):
-            return str(getattr(k, attr))
-    return str(k)
-
-
 def leaf_path(keypath) -> str:
-    """Tree key path → ``'layers/3/mlp/down_proj/kernel'`` (drops NNX's trailing ``value``)."""
-    parts = [_key_str(k) for k in keypath]
-    if parts and parts[-1] == "value" and type(keypath[-1]).__name__ == "GetAttrKey":
-        parts = parts[:-1]
-    return "/".join(parts)
+    """Tree key path → ``'layers/3/mlp/down_proj/kernel'`` (drops NNX's trailing ``value``).
+
+    The path convention of :mod:`lowrank_jax.optim.factors`, written with ``/``.
+    """
+    return path_str(normalize_path(keypath))
 
 
 def match_projector(path: str, projector: Mapping[str, Any]) -> str | None:
@@ -296,7 +282,7 @@ def _project_tree(tree, projector: CrispProjector, unmatched: str):
     return jax.tree_util.tree_map_with_path(f, tree)
 
 
-def crispedit(
+def scale_by_crispedit(
     projector: CrispProjector, *, unmatched: Literal["pass", "zero"] = "pass"
 ) -> optax.GradientTransformationExtraArgs:
     """Project every matched update leaf onto its layer's low-curvature subspace.
@@ -311,7 +297,7 @@ def crispedit(
         >>> import jax.numpy as jnp, optax
         >>> from lowrank_jax.curvature.kfac import KFACFactor
         >>> f = {"w": KFACFactor(jnp.diag(jnp.array([3.0, 1.0])), jnp.eye(2), jnp.array(1.0))}
-        >>> tx = optax.chain(optax.adam(1e-2), crispedit(build_projector(f, 0.5)))
+        >>> tx = optax.chain(optax.adam(1e-2), scale_by_crispedit(build_projector(f, 0.5)))
         >>> params = {"w": jnp.ones((2, 2))}
         >>> u, _ = tx.update(params, tx.init(params), params)
         >>> [float(v) for v in u["w"][0]]   # row 0 = the high-curvature input direction
@@ -322,7 +308,7 @@ def crispedit(
         unmatched: leaves with no projector entry pass through (``"pass"``) or are zeroed.
 
     Returns:
-        An :class:`optax.GradientTransformationExtraArgs`.
+        An :class:`optax.GradientTransformationExtraArgs` with :class:`CrispEditState`.
     """
     if unmatched not in ("pass", "zero"):
         raise ValueError(f"unmatched={unmatched!r} is unknown; use 'pass' or 'zero'.")
@@ -339,24 +325,63 @@ def crispedit(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+def crispedit(
+    learning_rate: optax.ScalarOrSchedule,
+    projector: CrispProjector,
+    *,
+    order: Literal["strict", "faithful"] = "strict",
+    unmatched: Literal["pass", "zero"] = "pass",
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    mu_dtype: Any = None,
+) -> optax.GradientTransformationExtraArgs:
+    """Adam with CrispEdit projection; ``order="strict"`` (default) projects after Adam.
+
+    ``"strict"``: ``chain(adam(lr), scale_by_crispedit(P))`` — each step lies in the kept
+    subspace, so the curvature bound ``tr(AΔGΔᵀ) ≤ τ‖Δ‖²`` holds. ``"faithful"``:
+    ``chain(scale_by_crispedit(P), adam(lr))``, the reference code's (published) setting, which
+    carries no such per-step guarantee.
+
+    Args:
+        learning_rate: Adam's step size (float or schedule).
+        projector: ``{path: LayerProjector}`` from :func:`build_projector`.
+        order: ``"strict"`` or ``"faithful"`` (see above).
+        unmatched: see :func:`scale_by_crispedit`.
+        b1, b2, eps, mu_dtype: forwarded to ``optax.adam``.
+
+    Returns:
+        An :class:`optax.GradientTransformationExtraArgs`.
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> from lowrank_jax.curvature.kfac import KFACFactor
+        >>> f = {"w": KFACFactor(jnp.diag(jnp.array([3.0, 1.0])), jnp.eye(2), jnp.array(1.0))}
+        >>> tx = crispedit(1e-2, build_projector(f, 0.5))
+        >>> params = {"w": jnp.ones((2, 2))}
+        >>> u, _ = tx.update(params, tx.init(params), params)
+        >>> u["w"][0].tolist()
+        [0.0, 0.0]
+    """
+    project_step = scale_by_crispedit(projector, unmatched=unmatched)
+    adam = optax.adam(learning_rate, b1=b1, b2=b2, eps=eps, mu_dtype=mu_dtype)
+    if order == "strict":
+        return optax.chain(adam, project_step)
+    if order == "faithful":
+        return optax.chain(project_step, adam)
+    raise ValueError(f"order={order!r} is unknown; use 'strict' or 'faithful'.")
+
+
 def crispedit_adam(
     projector: CrispProjector,
     learning_rate: float = 5e-4,
     *,
     order: Literal["strict", "faithful"] = "strict",
     unmatched: Literal["pass", "zero"] = "pass",
-) -> optax.GradientTransformation:
-    """Adam with CrispEdit projection; ``order="strict"`` (default) projects after Adam.
-
-    ``"strict"``: ``chain(adam(lr), crispedit(P))`` — each step lies in the kept subspace, so the
-    curvature bound ``tr(AΔGΔᵀ) ≤ τ‖Δ‖²`` holds. ``"faithful"``: ``chain(crispedit(P), adam(lr))``,
-    the reference code's (published) setting, which carries no such per-step guarantee.
-    """
-    if order == "strict":
-        return optax.chain(optax.adam(learning_rate), crispedit(projector, unmatched=unmatched))
-    if order == "faithful":
-        return optax.chain(crispedit(projector, unmatched=unmatched), optax.adam(learning_rate))
-    raise ValueError(f"order={order!r} is unknown; use 'strict' or 'faithful'.")
+) -> optax.GradientTransformationExtraArgs:
+    """Deprecated argument order of :func:`crispedit` (``projector`` first)."""
+    return crispedit(learning_rate, projector, order=order, unmatched=unmatched)
 
 
 def crispedit_refresh(opt_state, new_projector: CrispProjector, *, project_moments: bool = True):
@@ -398,3 +423,12 @@ def relative_weight_change(params, reference_params, projector: Mapping[str, Any
 def needs_refresh(params, reference_params, projector, *, threshold: float = 0.25) -> bool:
     """Recompute policy: refresh factors when a kernel moved more than ``threshold`` (0.25)."""
     return relative_weight_change(params, reference_params, projector) > threshold
+
+
+__all__ = [
+    "CrispEditState", "CrispProjector", "LayerProjector", "build_projector", "crispedit",
+    "crispedit_adam", "crispedit_refresh", "energy_threshold", "energy_threshold_sorted",
+    "keep_mask", "kron_project", "layer_projector", "leaf_path", "match_projector",
+    "needs_refresh", "project", "projector_from_eigenbasis", "relative_weight_change",
+    "scale_by_crispedit",
+]

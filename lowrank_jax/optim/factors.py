@@ -1,23 +1,39 @@
-"""Find the (A, B) factor pairs of a parameter tree, explicitly and inspectably.
+"""Find the factor pairs of a parameter tree: one discovery, one ``pair_fn`` contract.
 
-A factor pair is two leaves named ``a`` (``[in, rank]``) and ``b`` (``[rank, out]``) under the
-same parent, or two :class:`lowrank_jax.nn.LowRankFactor` variables with ``role`` metadata
-``"a"`` / ``"b"`` under the same parent (what :class:`lowrank_jax.nn.FactorizedLinear` creates).
-Pairs are never guessed from shapes. Works on plain dicts, ``nnx.State`` (with ``Variable``
-leaves or pure arrays, as ``nnx.Optimizer`` passes them) and trees masked by
-``optax.partition`` / ``optax.masked`` (``optax.MaskedNode`` leaves are skipped).
+Every transform that acts on pairs (Spectron, BaLoRA, Janus, CrispEdit's LoRA path, LoDA) and
+:func:`lowrank_jax.nn.apply_lora`'s bookkeeping use :func:`find_pairs`. A pair is two leaves under
+the same parent, recognised by **NNX variable type** first and by name second (pure-array trees,
+as ``nnx.Optimizer`` and ``optax.partition`` pass them, carry no types):
+
+* kind ``"factor"`` — natively low-rank weights ``W = a·b``: :class:`lowrank_jax.nn.LowRankFactor`
+  variables with ``role`` metadata ``"a"`` / ``"b"``, or leaves named ``a`` / ``b``;
+* kind ``"lora"`` — adapters ``ΔW = s·lora_a·lora_b``: ``nnx.LoRAParam`` variables or leaves named
+  ``lora_a`` / ``lora_b`` (also the stacked ``[K, in, R]`` / ``[K, R, out]`` factors of
+  :class:`lowrank_jax.nn.MultiLoRALinear`).
+
+Pairs are never guessed from shapes. ``optax.MaskedNode`` leaves are skipped.
+
+**The contract.** A ``pair_fn`` is ``params -> list[(a_path, b_path)]``: paths are tuples of
+names (dict keys, attribute names, list indices), without NNX's trailing ``value``; ``a`` is the
+``[in, rank]`` side. :func:`factor_pairs` (``kind="factor"``) is Spectron's default,
+:func:`lora_pairs` (``kind="lora"``) BaLoRA's and Janus's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
 import jax
 import optax
 from flax import nnx
 
 Path = tuple[Any, ...]
+PairKind = Literal["factor", "lora"]
+PairFn = Callable[[Any], list[tuple[Path, Path]]]
+
+#: role names per kind: (name of the ``[in, rank]`` side, name of the ``[rank, out]`` side)
+ROLE_NAMES: dict[str, tuple[str, str]] = {"factor": ("a", "b"), "lora": ("lora_a", "lora_b")}
 
 
 def _key_name(key) -> Any:
@@ -30,7 +46,8 @@ def _key_name(key) -> Any:
 def normalize_path(path) -> Path:
     """A key path as a plain tuple of names, without NNX's trailing ``.value`` accessor."""
     names = tuple(_key_name(k) for k in path)
-    if names and names[-1] == "value" and isinstance(path[-1], jax.tree_util.GetAttrKey):
+    while (names and names[-1] in ("value", "raw_value")
+           and isinstance(path[len(names) - 1], jax.tree_util.GetAttrKey)):
         names = names[:-1]
     return names
 
@@ -44,39 +61,66 @@ def _is_leaf(x) -> bool:
     return isinstance(x, (nnx.Variable, optax.MaskedNode))
 
 
-def factor_roles(params) -> dict[Path, str]:
-    """Map every factor leaf's path to its role ``"a"`` or ``"b"`` (other leaves are absent).
-
-    A leaf is a factor when it is a ``LowRankFactor`` variable (role from its metadata) or when
-    its last path entry is the name ``a`` or ``b``.
-    """
+def _role_of(path: Path, leaf) -> tuple[str, str] | None:
+    """``(kind, "a" | "b")`` of one leaf, or ``None`` when it is not a factor."""
     from lowrank_jax.nn.factorized import LowRankFactor
 
+    last = path[-1] if path else None
+    if isinstance(leaf, LowRankFactor):
+        role = getattr(leaf, "role", None) or last
+        if role not in ("a", "b"):
+            raise ValueError(
+                f"LowRankFactor at {path_str(path)!r} has role={role!r}; it must be 'a' or 'b'."
+            )
+        return "factor", role
+    if isinstance(leaf, nnx.LoRAParam) and last not in ROLE_NAMES["lora"]:
+        return None  # e.g. LoKRA's four factors: not an (A, B) pair
+    for kind, (name_a, name_b) in ROLE_NAMES.items():
+        if last == name_a:
+            return kind, "a"
+        if last == name_b:
+            return kind, "b"
+    return None
+
+
+def factor_roles(params, *, kinds: Sequence[PairKind] = ("factor",)) -> dict[Path, str]:
+    """Map every factor leaf's path to its role ``"a"`` or ``"b"`` (other leaves are absent).
+
+    Args:
+        params: a dict / ``nnx.State`` / masked pytree.
+        kinds: which pair kinds to report (``"factor"``, ``"lora"``).
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> factor_roles({"p": {"a": jnp.ones((4, 2)), "b": jnp.ones((2, 3))}, "w": jnp.ones(3)})
+        {('p', 'a'): 'a', ('p', 'b'): 'b'}
+    """
+    for kind in kinds:
+        if kind not in ROLE_NAMES:
+            raise ValueError(f"kinds={tuple(kinds)!r}: {kind!r} is unknown; use 'factor', 'lora'.")
     roles: dict[Path, str] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_leaf)[0]:
         if isinstance(leaf, optax.MaskedNode):
             continue
         p = normalize_path(path)
-        if isinstance(leaf, LowRankFactor):
-            role = getattr(leaf, "role", None) or (p[-1] if p else None)
-            if role not in ("a", "b"):
-                raise ValueError(
-                    f"LowRankFactor at {path_str(p)!r} has role={role!r}; it must be 'a' or 'b'."
-                )
-            roles[p] = role
-        elif p and p[-1] in ("a", "b"):
-            roles[p] = p[-1]
+        found = _role_of(p, leaf)
+        if found is not None and found[0] in kinds:
+            roles[p] = found[1]
     return roles
 
 
-def factor_pairs(params) -> list[tuple[Path, Path]]:
-    """The ``(path_to_a, path_to_b)`` pairs of a parameter tree, in tree order.
+def find_pairs(
+    params, *, kinds: Sequence[PairKind] = ("factor", "lora")
+) -> list[tuple[Path, Path]]:
+    """The ``(a_path, b_path)`` pairs of a parameter tree, in tree order (the one discovery).
 
     Args:
-        params: a dict / ``nnx.State`` / masked pytree of parameters.
+        params: a dict / ``nnx.State`` (``Variable`` leaves or pure arrays) / masked pytree.
+        kinds: the pair kinds to find (see the module docstring).
 
     Returns:
-        A list of ``(a_path, b_path)``; each path is a tuple of names (``'a'``/``'b'`` last).
+        A list of ``(a_path, b_path)``; each path is a tuple of names.
 
     Raises:
         ValueError: a parent holds an ``a`` without a ``b`` (or vice versa), naming the path.
@@ -84,13 +128,16 @@ def factor_pairs(params) -> list[tuple[Path, Path]]:
     Example::
 
         >>> import jax.numpy as jnp
-        >>> params = {"proj": {"a": jnp.ones((8, 2)), "b": jnp.ones((2, 4))}, "bias": jnp.ones(4)}
-        >>> factor_pairs(params)
-        [(('proj', 'a'), ('proj', 'b'))]
+        >>> tree = {"proj": {"a": jnp.ones((8, 2)), "b": jnp.ones((2, 4))},
+        ...         "q": {"kernel": jnp.ones((4, 4)), "lora_a": jnp.ones((4, 1)),
+        ...               "lora_b": jnp.zeros((1, 4))}}
+        >>> find_pairs(tree)
+        [(('proj', 'a'), ('proj', 'b')), (('q', 'lora_a'), ('q', 'lora_b'))]
     """
-    by_parent: dict[Path, dict[str, Path]] = {}
-    for p, role in factor_roles(params).items():
-        slot = by_parent.setdefault(p[:-1], {})
+    by_parent: dict[tuple[Path, str], dict[str, Path]] = {}
+    for p, role in factor_roles(params, kinds=kinds).items():
+        kind = "lora" if p[-1] in ROLE_NAMES["lora"] else "factor"
+        slot = by_parent.setdefault((p[:-1], kind), {})
         if role in slot:
             raise ValueError(
                 f"two factors with role {role!r} under {path_str(p[:-1]) or '<root>'!r}: "
@@ -99,17 +146,58 @@ def factor_pairs(params) -> list[tuple[Path, Path]]:
             )
         slot[role] = p
     pairs = []
-    for parent, slot in by_parent.items():
+    for (parent, kind), slot in by_parent.items():
         if set(slot) != {"a", "b"}:
             (have,) = slot
-            missing = "b" if have == "a" else "a"
+            missing = ROLE_NAMES[kind][0 if have == "b" else 1]
             raise ValueError(
-                f"half factor pair at {path_str(slot[have])!r}: no {missing!r} under "
-                f"{path_str(parent) or '<root>'!r}. Rename the leaf, add its partner, or route "
-                "it away from the factor optimizer with a custom label function."
+                f"half factor pair at {path_str(slot[have])!r}: no {missing!r} partner under "
+                f"{path_str(parent) or '<root>'!r}. Add its partner, do not mask one factor of a "
+                "pair out, or pass a custom pair_fn."
             )
         pairs.append((slot["a"], slot["b"]))
     return pairs
+
+
+def factor_pairs(params) -> list[tuple[Path, Path]]:
+    """:func:`find_pairs` of kind ``"factor"`` (``LowRankFactor`` / ``a``, ``b``): Spectron's.
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> params = {"proj": {"a": jnp.ones((8, 2)), "b": jnp.ones((2, 4))}, "bias": jnp.ones(4)}
+        >>> factor_pairs(params)
+        [(('proj', 'a'), ('proj', 'b'))]
+    """
+    return find_pairs(params, kinds=("factor",))
+
+
+def lora_pairs(params) -> list[tuple[Path, Path]]:
+    """:func:`find_pairs` of kind ``"lora"`` (``nnx.LoRAParam`` / ``lora_a``, ``lora_b``).
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> lora_pairs({"q": {"lora_a": jnp.ones((4, 2)), "lora_b": jnp.zeros((2, 3))}})
+        [(('q', 'lora_a'), ('q', 'lora_b'))]
+    """
+    return find_pairs(params, kinds=("lora",))
+
+
+def flatten_by_path(tree) -> tuple[dict[Path, Any], list[Path], Any]:
+    """``({path: leaf}, paths in leaf order, treedef)`` of a pytree (the pair_fn path keys).
+
+    ``MaskedNode`` is an empty pytree and NNX Variables flatten to their value, so the leaves are
+    exactly the arrays and :func:`unflatten_by_path` restores masks and Variable wrappers.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    order = [normalize_path(p) for p, _ in leaves]
+    return {normalize_path(p): leaf for p, leaf in leaves}, order, treedef
+
+
+def unflatten_by_path(treedef, order: list[Path], values: dict[Path, Any]):
+    """Inverse of :func:`flatten_by_path`."""
+    return jax.tree_util.tree_unflatten(treedef, [values[p] for p in order])
 
 
 def label_factors(
@@ -117,7 +205,7 @@ def label_factors(
     factor_label: str = "spectron",
     other_label: str = "adamw",
     *,
-    pair_fn=None,
+    pair_fn: PairFn | None = None,
 ):
     """Label every leaf for ``optax.partition``: factors get ``factor_label``, the rest
     ``other_label`` (embeddings, norms, biases, a dense LM head).
@@ -126,7 +214,7 @@ def label_factors(
         params: the parameter tree (dict or ``nnx.State``).
         factor_label: label of leaves that belong to a complete factor pair.
         other_label: label of every other leaf.
-        pair_fn: custom ``params -> [(a_path, b_path)]`` (default :func:`factor_pairs`).
+        pair_fn: a ``pair_fn`` (default :func:`factor_pairs`).
 
     Returns:
         A tree of strings with the structure of ``params`` (``Variable`` leaves become strings).
@@ -147,8 +235,8 @@ def label_factors(
     return jax.tree_util.tree_map_with_path(label, params, is_leaf=_is_leaf)
 
 
-PairFn = Callable[[Any], list[tuple[Path, Path]]]
 default_pair_fn: PairFn = factor_pairs
 
-__all__ = ["default_pair_fn", "factor_pairs", "factor_roles", "label_factors", "normalize_path",
-           "path_str"]
+__all__ = ["PairFn", "ROLE_NAMES", "default_pair_fn", "factor_pairs", "factor_roles",
+           "find_pairs", "flatten_by_path", "label_factors", "lora_pairs", "normalize_path",
+           "path_str", "unflatten_by_path"]

@@ -48,21 +48,28 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Float
 
-from lowrank_jax.optim.balora import find_lora_pairs
+from lowrank_jax.optim.linalg import gathered, with_sharding_of
+from lowrank_jax.optim.factors import (
+    PairFn,
+    flatten_by_path,
+    lora_pairs,
+    path_str,
+    unflatten_by_path,
+)
 
 # ---------------------------------------------------------------------------------------------
 # Finding LoRA pairs in a parameter tree
 # ---------------------------------------------------------------------------------------------
 
 
-def lora_pair_paths(tree) -> dict[str, tuple[int, int]]:
-    """``{parent path: (index of lora_a, index of lora_b)}`` in ``jax.tree.leaves`` order.
+def lora_pair_paths(tree, pair_fn: PairFn = lora_pairs) -> dict[str, tuple[Any, Any]]:
+    """``{parent path written with '/': (path of lora_a, path of lora_b)}``.
 
-    The pair finder is BaLoRA's :func:`lowrank_jax.optim.balora.find_lora_pairs` (leaves named
-    ``lora_a`` / ``lora_b`` under one parent; ``optax.MaskedNode`` has no leaves; a lone factor is
-    an error naming its path).
+    The pairs come from the package's one discovery, :func:`lowrank_jax.optim.lora_pairs`
+    (``nnx.LoRAParam`` / leaves named ``lora_a``, ``lora_b`` under one parent; a lone factor is an
+    error naming its path).
     """
-    return {parent: (ia, ib) for ia, ib, parent in find_lora_pairs(tree)}
+    return {path_str(pa[:-1]): (pa, pb) for pa, pb in pair_fn(tree)}
 
 
 def _check_basis(parent: str, basis, d_in: int):
@@ -121,14 +128,10 @@ def rectify_pair(
     return delta_a, delta_b
 
 
-class JanusState(NamedTuple):
-    """GR and the clamp keep no state between steps."""
-
-
-def _map_pairs(fn, updates, params, subspaces):
-    leaves, treedef = jax.tree_util.tree_flatten(updates)
-    param_leaves = jax.tree_util.tree_leaves(params)
-    pairs = lora_pair_paths(updates)
+def _map_pairs(fn, updates, params, subspaces, pair_fn: PairFn = lora_pairs):
+    ups, order, treedef = flatten_by_path(updates)
+    pars, _, _ = flatten_by_path(params)
+    pairs = lora_pair_paths(updates, pair_fn)
     subspaces = subspaces or {}
     unknown = sorted(set(subspaces) - set(pairs))
     if unknown:
@@ -136,30 +139,39 @@ def _map_pairs(fn, updates, params, subspaces):
             f"janus: subspaces given for {unknown[:3]} but no LoRA pair has that path; "
             f"pairs: {sorted(pairs)[:6]}"
         )
-    out = list(leaves)
-    for parent, (ia, ib) in pairs.items():
+    out = dict(ups)
+    for parent, (pa, pb) in pairs.items():
         if parent not in subspaces:
             continue
         basis = subspaces[parent]
-        _check_basis(parent, basis, param_leaves[ia].shape[0])
-        da, db = fn(leaves[ia], leaves[ib], param_leaves[ia], param_leaves[ib], basis)
-        out[ia], out[ib] = da.astype(leaves[ia].dtype), db.astype(leaves[ib].dtype)
-    return jax.tree_util.tree_unflatten(treedef, out)
+        _check_basis(parent, basis, pars[pa].shape[0])
+        # r×r solves and projections need whole factors: gather sharded ones (they are thin)
+        da, db = fn(*(gathered(x) for x in (ups[pa], ups[pb], pars[pa], pars[pb], basis)))
+        out[pa] = with_sharding_of(da.astype(ups[pa].dtype), ups[pa])
+        out[pb] = with_sharding_of(db.astype(ups[pb].dtype), ups[pb])
+    return unflatten_by_path(treedef, order, out)
 
 
-def janus_rectify(
-    scale: float = 1.0, *, precondition: bool = True, eps_rel: float = 1e-3, tol: float = 1e-6,
+def scale_by_janus(
+    scale: float = 1.0,
+    *,
+    precondition: bool = True,
+    eps_rel: float = 1e-3,
+    tol: float = 1e-6,
+    pair_fn: PairFn = lora_pairs,
 ) -> optax.GradientTransformationExtraArgs:
     """Gradient Rectification: make each LoRA pair's composite update orthogonal to ``V``.
 
     Call as ``update(grads, state, params, subspaces={parent_path: V})`` where ``parent_path`` is
     the LoRA layer's path written with ``/`` (``"layers/0/self_attn/k_proj"``) and ``V`` is an
     orthonormal ``[in, k]`` basis (zero columns allowed: a fixed-shape basis with unused columns
-    keeps ``jit`` from retracing). Pairs without a subspace pass through unchanged.
+    keeps ``jit`` from retracing). Pairs without a subspace pass through unchanged. The state is
+    ``optax.EmptyState``.
 
-    Recommended chain for LoRA leaves (never weight-decay protected factors)::
+    Recommended chain for LoRA leaves (never weight-decay protected factors), which is
+    :func:`janus`::
 
-        optax.chain(janus_rectify(s), optax.scale_by_adam(), optax.scale_by_learning_rate(lr),
+        optax.chain(scale_by_janus(s), optax.scale_by_adam(), optax.scale_by_learning_rate(lr),
                     orthogonality_clamp())
 
     Args:
@@ -167,33 +179,108 @@ def janus_rectify(
         precondition: use the Gram-preconditioned closed form (``False``: plain projections).
         eps_rel: relative damping of the ``r × r`` Gram matrices.
         tol: singular values of ``aᵀV`` below ``tol·max(1, σ_max)`` count as zero.
+        pair_fn: the ``pair_fn`` of :mod:`lowrank_jax.optim.factors` (default ``lora_pairs``).
 
     Returns:
         A :class:`optax.GradientTransformationExtraArgs`.
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> params = {"l": {"lora_a": jnp.eye(4, 2), "lora_b": jnp.ones((2, 3))}}
+        >>> v = jnp.eye(4, 1)  # protect input direction e_0
+        >>> tx = scale_by_janus()
+        >>> u, _ = tx.update(params, tx.init(params), params, subspaces={"l": v})
+        >>> float(jnp.abs(v.T @ u["l"]["lora_a"]).max())
+        0.0
     """
 
     def init_fn(params):
         del params
-        return JanusState()
+        return optax.EmptyState()
 
     def update_fn(updates, state, params=None, *, subspaces=None, **extra):
         del extra
         if params is None:
-            raise ValueError("janus_rectify needs params: call update(grads, state, params, ...).")
-        fn = lambda ga, gb, a, b, v: rectify_pair(
+            raise ValueError("scale_by_janus needs params: call update(grads, state, params, ...).")
+        fn = lambda ga, gb, a, b, v: rectify_pair(  # noqa: E731
             ga, gb, a, b, v, scale=scale, precondition=precondition, eps_rel=eps_rel, tol=tol)
-        return _map_pairs(fn, updates, params, subspaces), state
+        return _map_pairs(fn, updates, params, subspaces, pair_fn), state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def orthogonality_clamp(*, tol: float = 1e-6) -> optax.GradientTransformationExtraArgs:
+janus_rectify = scale_by_janus  # the name used before the optax two-level API
+
+
+def janus(
+    learning_rate: optax.ScalarOrSchedule,
+    scale: float = 1.0,
+    *,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    mu_dtype: Any = None,
+    precondition: bool = True,
+    eps_rel: float = 1e-3,
+    tol: float = 1e-6,
+    pair_fn: PairFn = lora_pairs,
+) -> optax.GradientTransformationExtraArgs:
+    """Janus-LoRA's optimizer for LoRA leaves: rectify, Adam, step, clamp.
+
+    ``chain(scale_by_janus(scale), scale_by_adam(b1, b2, eps, mu_dtype),
+    scale_by_learning_rate(learning_rate), orthogonality_clamp())``; pass
+    ``subspaces={parent_path: V}`` to ``update`` (it reaches the two Janus parts).
+
+    Args:
+        learning_rate: Adam's step size (float or schedule).
+        scale: the LoRA scale ``s``.
+        b1, b2, eps, mu_dtype: forwarded to ``optax.scale_by_adam``.
+        precondition, eps_rel, tol, pair_fn: see :func:`scale_by_janus`.
+
+    Returns:
+        A :class:`optax.GradientTransformationExtraArgs`.
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> params = {"l": {"lora_a": jnp.eye(4, 2), "lora_b": jnp.ones((2, 3))}}
+        >>> tx = janus(0.1)
+        >>> u, _ = tx.update(params, tx.init(params), params, subspaces={"l": jnp.eye(4, 1)})
+        >>> float(jnp.abs(u["l"]["lora_a"][0]).max())
+        0.0
+
+    References:
+        Chen et al, `JANUS-LoRA <https://arxiv.org/abs/2605.28495>`_, 2026.
+    """
+    return optax.chain(
+        scale_by_janus(scale, precondition=precondition, eps_rel=eps_rel, tol=tol,
+                       pair_fn=pair_fn),
+        optax.scale_by_adam(b1=b1, b2=b2, eps=eps, mu_dtype=mu_dtype),
+        optax.scale_by_learning_rate(learning_rate),
+        orthogonality_clamp(tol=tol, pair_fn=pair_fn),
+    )
+
+
+def orthogonality_clamp(
+    *, tol: float = 1e-6, pair_fn: PairFn = lora_pairs
+) -> optax.GradientTransformationExtraArgs:
     """Re-impose ``Vᵀ δa = 0`` and ``(Vᵀ a) δb = 0`` on the final deltas (``δa ← P δa``,
-    ``δb ← Π δb``), using the pre-update ``params``. Put it last in the chain."""
+    ``δb ← Π δb``), using the pre-update ``params``. Put it last in the chain.
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> params = {"l": {"lora_a": jnp.eye(4, 2), "lora_b": jnp.ones((2, 3))}}
+        >>> tx = orthogonality_clamp()
+        >>> u, _ = tx.update(params, tx.init(params), params, subspaces={"l": jnp.eye(4, 1)})
+        >>> u["l"]["lora_a"][0].tolist()
+        [0.0, 0.0]
+    """
 
     def init_fn(params):
         del params
-        return JanusState()
+        return optax.EmptyState()
 
     def clamp(da, db, a, b, v):
         v = v.astype(jnp.float32)
@@ -205,7 +292,7 @@ def orthogonality_clamp(*, tol: float = 1e-6) -> optax.GradientTransformationExt
         del extra
         if params is None:
             raise ValueError("orthogonality_clamp needs params (the pre-update LoRA factors).")
-        return _map_pairs(clamp, updates, params, subspaces), state
+        return _map_pairs(clamp, updates, params, subspaces, pair_fn), state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -279,7 +366,8 @@ def oe_finalize(memory: SubspaceMemory, threshold: float) -> SubspaceMemory:
 
 
 def orthonormalize_basis(basis: Float[Array, "d k"], *, atol: float = 1e-4):
-    """Return ``basis`` if it is orthonormal; otherwise its QR orthonormalisation, with a warning."""
+    """Return ``basis`` if it is orthonormal; otherwise its QR orthonormalisation, with a
+    warning."""
     import warnings
 
     gram = basis.T @ basis
@@ -338,7 +426,7 @@ def decoupled_margin_loss(
 
 
 __all__ = [
-    "JanusState", "SubspaceMemory", "decoupled_margin_loss", "janus_rectify", "lora_pair_paths",
+    "SubspaceMemory", "decoupled_margin_loss", "janus", "janus_rectify", "lora_pair_paths",
     "oe_accumulate", "oe_finalize", "orthogonality_clamp", "orthonormalize_basis", "reanchor",
-    "rectify_pair",
+    "rectify_pair", "scale_by_janus",
 ]

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
+from optax.contrib import _muon as _optax_muon  # Newton–Schulz is not re-exported by optax
 from jaxtyping import Array, Float
 
 MUON_COEFFS = (3.4445, -4.7750, 2.0315)
@@ -56,6 +57,25 @@ def _contract(lhs, rhs, lhs_axis: int, rhs_axis: int):
     return jax.lax.dot_general(lhs, rhs, dims, out_sharding=out)
 
 
+def gathered(x):
+    """``x`` replicated when it is sharded on an Explicit mesh (QR / SVD / solves need whole
+    matrix dims); a no-op otherwise. Only for thin factors and small matrices."""
+    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+    if spec is not None and any(axis is not None for axis in spec):
+        return jax.sharding.reshard(x, PartitionSpec(*([None] * x.ndim)))
+    return x
+
+
+def with_sharding_of(out, like):
+    """``out`` resharded to ``like``'s Explicit-mesh sharding (so optimizer states keep their
+    ``jax.typeof``); a no-op without an Explicit mesh."""
+    sharding = getattr(jax.typeof(like), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty or all(s is None for s in sharding.spec):
+        return out
+    return jax.sharding.reshard(out, sharding)
+
+
 def _check_matrix(x, name: str, min_ndim: int = 2):
     if x.ndim < min_ndim:
         raise ValueError(
@@ -80,7 +100,9 @@ def _normalize_coeffs(coeffs) -> tuple[tuple[float, float, float], ...] | str:
     )
 
 
-def polar(x: Float[Array, "*batch m n"], *, eps: float = 1e-7) -> Float[Array, "*batch m n"]:
+def polar(
+    x: Float[Array, "*batch m n"], *, eps: float = 1e-7, drop_null: bool = True
+) -> Float[Array, "*batch m n"]:
     """Exact polar factor ``U Vᵀ`` of ``x = U Σ Vᵀ`` (via SVD), zero on the null space.
 
     .. math:: \\operatorname{polar}(X) = \\sum_{i:\\,\\sigma_i > \\tau} u_i v_i^\\top,
@@ -88,10 +110,13 @@ def polar(x: Float[Array, "*batch m n"], *, eps: float = 1e-7) -> Float[Array, "
 
     Directions with a singular value below ``τ = max(eps, 10·dtype_eps·max(m, n))·σ₁`` are
     dropped (DERIVED), so ``polar(0) = 0`` like Newton–Schulz rather than an arbitrary basis.
+    With ``drop_null=False`` every direction is kept: the result of a square input is then always
+    orthogonal (what a Procrustes rotation needs, e.g. BaLoRA's). Computed in at least fp32.
 
     Args:
         x: ``[..., m, n]`` matrices.
         eps: relative cut-off for null directions.
+        drop_null: zero the directions below the cut-off (default) or keep them all.
 
     Returns:
         The polar factor, same shape and dtype as ``x``.
@@ -101,15 +126,21 @@ def polar(x: Float[Array, "*batch m n"], *, eps: float = 1e-7) -> Float[Array, "
         >>> import jax.numpy as jnp
         >>> polar(jnp.diag(jnp.array([3.0, 0.5]))).tolist()
         [[1.0, 0.0], [0.0, 1.0]]
+        >>> polar(jnp.diag(jnp.array([3.0, 0.0]))).tolist()
+        [[1.0, 0.0], [0.0, 0.0]]
     """
     _check_matrix(x, "polar: x")
-    u, s, vt = jnp.linalg.svd(x.astype(jnp.float32), full_matrices=False)
-    rel = jnp.maximum(eps, 10 * float(jnp.finfo(jnp.float32).eps) * max(x.shape[-2:]))
-    keep = (s > rel * s[..., :1]).astype(jnp.float32)
+    dtype = jnp.promote_types(x.dtype, jnp.float32)
+    u, s, vt = jnp.linalg.svd(x.astype(dtype), full_matrices=False)
+    if not drop_null:
+        return (u @ vt).astype(x.dtype)
+    rel = jnp.maximum(eps, 10 * float(jnp.finfo(dtype).eps) * max(x.shape[-2:]))
+    keep = (s > rel * s[..., :1]).astype(dtype)
     return ((u * keep[..., None, :]) @ vt).astype(x.dtype)
 
 
-def _ns_2d(x, coeffs, steps: int, eps: float):
+def _ns_2d_sharded(x, coeffs, steps: int, eps: float):
+    """Our loop for a factor sharded on an Explicit mesh: the Gram's sharding is requested."""
     transposed = x.shape[0] > x.shape[1]
     if transposed:
         x = x.T  # wide orientation: [r, m] with r <= m, Gram matrix is r×r
@@ -120,6 +151,17 @@ def _ns_2d(x, coeffs, steps: int, eps: float):
         poly = b * gram + c * (gram @ gram)
         x = a * x + poly @ x
     return x.T if transposed else x
+
+
+def _ns_2d(x, coeffs, steps: int, eps: float):
+    """optax's Newton–Schulz (``optax.contrib``'s Muon), unless the input is Explicit-sharded."""
+    if _replicated_out(x, ndim=2) is not None:
+        return _ns_2d_sharded(x, coeffs, steps, eps)
+    if len(coeffs) == 1 or steps == 0:
+        table = jnp.asarray(coeffs[0], x.dtype)
+    else:  # optax runs one row per step: unroll our cycled table to `steps` rows
+        table = jnp.asarray([coeffs[i % len(coeffs)] for i in range(steps)], x.dtype)
+    return _optax_muon.orthogonalize_via_newton_schulz(x, table, steps, eps=eps)
 
 
 def newton_schulz(
@@ -137,8 +179,11 @@ def newton_schulz(
         X_{k+1} = a X_k + (b S_k + c S_k^2) X_k
 
     run in the wide orientation (a tall input is transposed first, so ``S`` is the small
-    ``min(m,n)²`` Gram matrix) and transposed back. With Muon's coefficients
-    ``(3.4445, −4.7750, 2.0315)`` and 5 steps the singular values land in about
+    ``min(m,n)²`` Gram matrix) and transposed back. This *is* optax's iteration
+    (``optax.contrib``'s Muon ``orthogonalize_via_newton_schulz``, wrapped here once); only a
+    matrix sharded on an ``Explicit`` mesh takes our own loop, which requests the replicated
+    sharding of the Gram matrix (optax's would fail on the ambiguous contraction). With Muon's
+    coefficients ``(3.4445, −4.7750, 2.0315)`` and 5 steps the singular values land in about
     ``[0.68, 1.13]``, not exactly 1. ``NS(0) = 0`` exactly (no NaN) thanks to ``eps``.
 
     Sharding: see the module docstring — the only long-axis contraction is the Gram matrix,
@@ -322,9 +367,11 @@ def randomized_svd(
 
 __all__ = [
     "MUON_COEFFS",
+    "gathered",
     "newton_schulz",
     "polar",
     "power_iteration",
     "randomized_svd",
     "spectral_norm_exact",
+    "with_sharding_of",
 ]

@@ -54,6 +54,7 @@ __all__ = [
     "old_principal_mask",
     "projection_energy",
     "recalibrate",
+    "scale_by_gao",
     "update_memory",
 ]
 
@@ -298,14 +299,19 @@ def decompose(
     )
 
 
-def gao(
-    learning_rate: float | optax.ScalarOrSchedule,
+def _concrete(x) -> float | None:
+    """``float(x)`` when ``x`` is concrete, ``None`` when traced (``optax.inject_hyperparams``)."""
+    return None if isinstance(x, jax.core.Tracer) else float(x)
+
+
+def scale_by_gao(
     momentum: float = 0.9,
     *,
     max_norm: float | None = 1.0,
     adam: bool = False,
+    mu_dtype=None,
 ) -> optax.GradientTransformation:
-    """Gradient-Aligned Optimization for the up-projections ``B_G, B_I``.
+    """Gradient-Aligned Optimization's direction for the up-projections ``B_G, B_I``.
 
     With orthonormal rows of ``A``, ``∇_B L = A ∇_W L``, so plain (heavy-ball) SGD on ``B`` gives
 
@@ -313,15 +319,62 @@ def gao(
 
     the full fine-tuning step projected onto ``span(Aᵀ)``. A per-coordinate normaliser (Adam)
     would rotate the step inside the subspace; it is kept only as the ``adam=True`` ablation.
-    One global learning rate for every leaf; global-norm clipping first.
+    ``chain(clip_by_global_norm(max_norm), trace(momentum))`` (or ``scale_by_adam``), before the
+    learning rate.
 
     [DERIVED, low confidence] the paper names GAO but its update rule was not readable.
 
     Args:
-        learning_rate: global step size (or schedule).
         momentum: heavy-ball coefficient in ``[0, 1)``; 0 is plain SGD.
         max_norm: global-norm clip (``None`` disables).
-        adam: ablation: use ``optax.adam(learning_rate)`` instead of SGD.
+        adam: ablation: ``optax.scale_by_adam()`` instead of the heavy ball.
+        mu_dtype: dtype of the momentum / first moment (``None``: the params' dtype).
+
+    Returns:
+        A :class:`optax.GradientTransformation` object.
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> tx = scale_by_gao(0.0, max_norm=None)
+        >>> b = {"b_g": jnp.ones((2, 3))}
+        >>> u, _ = tx.update(b, tx.init(b))
+        >>> u["b_g"].tolist() == b["b_g"].tolist()
+        True
+    """
+    concrete = _concrete(momentum)
+    if concrete is not None and not 0.0 <= concrete < 1.0:
+        raise ValueError(f"momentum must be in [0, 1), got {momentum}; e.g. 0.9")
+    if max_norm is not None and _concrete(max_norm) is not None and not float(max_norm) > 0:
+        raise ValueError(f"max_norm must be positive or None, got {max_norm}")
+    if adam:
+        inner = optax.scale_by_adam(mu_dtype=mu_dtype)
+    elif concrete == 0.0:
+        inner = optax.identity()
+    else:
+        inner = optax.trace(decay=momentum, accumulator_dtype=mu_dtype)
+    if max_norm is None:
+        return inner
+    return optax.chain(optax.clip_by_global_norm(max_norm), inner)
+
+
+def gao(
+    learning_rate: float | optax.ScalarOrSchedule,
+    momentum: float = 0.9,
+    *,
+    max_norm: float | None = 1.0,
+    adam: bool = False,
+    mu_dtype=None,
+) -> optax.GradientTransformation:
+    """Gradient-Aligned Optimization for the up-projections ``B_G, B_I`` (LoDA's optimizer).
+
+    ``chain(scale_by_gao(momentum, max_norm=..., adam=...), scale_by_learning_rate(lr))``: one
+    global learning rate for every leaf, global-norm clipping first (same numbers as
+    ``optax.sgd(lr, momentum)`` after the clip).
+
+    Args:
+        learning_rate: global step size (or schedule).
+        momentum, max_norm, adam, mu_dtype: see :func:`scale_by_gao`.
 
     Returns:
         A :class:`optax.GradientTransformation` object. Feed it only the ``B`` leaves (``A`` is
@@ -329,18 +382,14 @@ def gao(
 
     Example::
 
-        tx = gao(0.1)
-        state = tx.init({"b_g": b_g, "b_i": b_i})
+        >>> import jax.numpy as jnp
+        >>> tx = gao(0.1)
+        >>> state = tx.init({"b_g": jnp.zeros((2, 3)), "b_i": jnp.zeros((1, 3))})
     """
-    if not 0.0 <= float(momentum) < 1.0:
-        raise ValueError(f"momentum must be in [0, 1), got {momentum}; e.g. 0.9")
-    if max_norm is not None and not float(max_norm) > 0:
-        raise ValueError(f"max_norm must be positive or None, got {max_norm}")
-    inner = (optax.adam(learning_rate) if adam
-             else optax.sgd(learning_rate, momentum=momentum or None))
-    if max_norm is None:
-        return inner
-    return optax.chain(optax.clip_by_global_norm(max_norm), inner)
+    return optax.chain(
+        scale_by_gao(momentum, max_norm=max_norm, adam=adam, mu_dtype=mu_dtype),
+        optax.scale_by_learning_rate(learning_rate),
+    )
 
 
 def recalibrate(

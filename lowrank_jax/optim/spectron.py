@@ -30,9 +30,11 @@ from lowrank_jax.optim.factors import (
     Path,
     PairFn,
     default_pair_fn,
+    flatten_by_path,
     label_factors,
     normalize_path,
     path_str,
+    unflatten_by_path,
 )
 from lowrank_jax.optim.linalg import (
     MUON_COEFFS,
@@ -97,7 +99,7 @@ def _check_layout(params, pair_fn: PairFn) -> tuple[list[tuple[Path, Path]], dic
         if len(shapes[p]) != 2:
             raise ValueError(f"spectron: factor {path_str(p)!r} must be 2-D, got {shapes[p]}.")
     for pa, pb in pairs:
-        (m, r), (r2, n) = shapes[pa], shapes[pb]
+        (_, r), (r2, _) = shapes[pa], shapes[pb]
         if r != r2:
             raise ValueError(
                 f"spectron: factor pair {path_str(pa)!r} {shapes[pa]} and {path_str(pb)!r} "
@@ -123,16 +125,7 @@ def _on_mesh_of(x, ref):
     return jax.sharding.reshard(x, NamedSharding(mesh, spec))
 
 
-def _flat(tree) -> tuple[dict[Path, Any], list[Path], Any]:
-    # MaskedNode is an empty pytree and NNX Variables flatten to their value, so the leaves are
-    # exactly the arrays to update and unflattening restores masks and Variable wrappers.
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    order = [normalize_path(p) for p, _ in leaves]
-    return {normalize_path(p): leaf for p, leaf in leaves}, order, treedef
-
-
-def _unflat(treedef, order, values: dict[Path, Any]):
-    return jax.tree_util.tree_unflatten(treedef, [values[p] for p in order])
+_flat, _unflat = flatten_by_path, unflatten_by_path
 
 
 def scale_by_spectron(
@@ -147,6 +140,7 @@ def scale_by_spectron(
     exact_norm: bool = False,
     eps: float = 1e-7,
     pair_fn: PairFn = default_pair_fn,
+    mu_dtype: Any = jnp.float32,
 ) -> optax.GradientTransformation:
     """The Spectron direction per factor pair, before the (negative) step ``η_t``.
 
@@ -177,7 +171,10 @@ def scale_by_spectron(
         exact_norm: use exact spectral norms (``eigvalsh`` of the Gram) instead of power
             iteration.
         eps: added to the Frobenius norm before Newton–Schulz.
-        pair_fn: ``params -> [(a_path, b_path)]``; every unmasked leaf must be in a pair.
+        pair_fn: ``params -> [(a_path, b_path)]`` (see :mod:`lowrank_jax.optim.factors`);
+            every unmasked leaf must be in a pair.
+        mu_dtype: dtype of the momentum ``mu`` (default float32, whatever the params' dtype;
+            ``None`` keeps each param's dtype). The arithmetic is always fp32.
 
     Returns:
         A :class:`optax.GradientTransformation` whose ``update`` needs ``params``.
@@ -216,7 +213,7 @@ def scale_by_spectron(
         mu, v = {}, {}
         for i, p in enumerate(order):
             leaf = values[p]
-            mu[p] = jnp.zeros_like(leaf, dtype=jnp.float32)
+            mu[p] = jnp.zeros_like(leaf, dtype=mu_dtype or leaf.dtype)
             rank = _rank_of(leaf.shape, roles[p])
             vec = jax.random.normal(jax.random.fold_in(jax.random.key(0), i), (rank,))
             v[p] = _on_mesh_of(vec / jnp.linalg.norm(vec), leaf)
@@ -249,8 +246,8 @@ def scale_by_spectron(
             ortho = {}
             for p in (pa, pb):
                 g = _value(grads[p]).astype(jnp.float32)
-                m = momentum * _value(mu_old[p]) + (1.0 - momentum) * g
-                mu_new[p] = m
+                m = momentum * _value(mu_old[p]).astype(jnp.float32) + (1.0 - momentum) * g
+                mu_new[p] = m.astype(_value(mu_old[p]).dtype)
                 ns_in = momentum * m + (1.0 - momentum) * g if nesterov else m
                 ortho[p] = newton_schulz(ns_in, steps=ns_steps, coeffs=ns_coeffs, eps=eps)
             if exact_norm:
@@ -298,6 +295,7 @@ def spectron(
     exact_norm: bool = False,
     eps: float = 1e-7,
     pair_fn: PairFn = default_pair_fn,
+    mu_dtype: Any = jnp.float32,
 ) -> optax.GradientTransformation:
     """Spectron for factor pairs: ``u_a = −ρ·NS(M_a)``, ``u_b = −ρ·NS(M_b)``,
     ``ρ = η_t/(σ_a+σ_b+1)``.
@@ -315,7 +313,7 @@ def spectron(
     Args:
         learning_rate: ``η`` as a float or an optax schedule (warmup/cosine act on ``η``).
         momentum, nesterov, ns_steps, ns_coeffs, power_iters, weight_decay, wd_scale,
-        exact_norm, eps, pair_fn: see :func:`scale_by_spectron`.
+        exact_norm, eps, pair_fn, mu_dtype: see :func:`scale_by_spectron`.
 
     Returns:
         A :class:`optax.GradientTransformation`.
@@ -338,7 +336,7 @@ def spectron(
         scale_by_spectron(
             momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, ns_coeffs=ns_coeffs,
             power_iters=power_iters, weight_decay=weight_decay, wd_scale=wd_scale,
-            exact_norm=exact_norm, eps=eps, pair_fn=pair_fn,
+            exact_norm=exact_norm, eps=eps, pair_fn=pair_fn, mu_dtype=mu_dtype,
         ),
         optax.scale_by_learning_rate(learning_rate),
     )
@@ -362,6 +360,7 @@ def spectron_with_adamw(
     exact_norm: bool = False,
     eps: float = 1e-7,
     pair_fn: PairFn = default_pair_fn,
+    mu_dtype: Any = None,
 ) -> optax.GradientTransformation:
     """A whole-model optimizer: Spectron on factor pairs, AdamW on every other leaf.
 
@@ -380,6 +379,8 @@ def spectron_with_adamw(
         clip_norm: optional global-norm clip applied to all gradients first.
         momentum, nesterov, ns_steps, ns_coeffs, power_iters, wd_scale, exact_norm, eps,
         pair_fn: forwarded to :func:`spectron`.
+        mu_dtype: dtype of both first moments (``None``: Spectron's fp32 and AdamW's
+            param dtype, the defaults of :func:`spectron` and ``optax.adamw``).
 
     Returns:
         A :class:`optax.GradientTransformation`.
@@ -397,8 +398,10 @@ def spectron_with_adamw(
                 eta, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                 ns_coeffs=ns_coeffs, power_iters=power_iters, weight_decay=spectron_weight_decay,
                 wd_scale=wd_scale, exact_norm=exact_norm, eps=eps, pair_fn=pair_fn,
+                mu_dtype=jnp.float32 if mu_dtype is None else mu_dtype,
             ),
-            "adamw": optax.adamw(adamw_lr, b1=b1, b2=b2, weight_decay=weight_decay),
+            "adamw": optax.adamw(adamw_lr, b1=b1, b2=b2, weight_decay=weight_decay,
+                                 mu_dtype=mu_dtype),
         },
         lambda params: label_factors(params, "spectron", "adamw", pair_fn=pair_fn),
     )

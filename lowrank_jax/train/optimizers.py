@@ -23,32 +23,35 @@ def schedule(peak: float, steps: int, warmup_fraction: float, kind: str):
 
 
 def build_optimizer(cfg: OptimizerConfig, steps: int) -> optax.GradientTransformation:
-    """The transform for a whole model's ``nnx.Param`` state.
+    """The transform for a whole model's ``nnx.Param`` state, built from public constructors.
 
-    ``spectron``: Spectron on every ``LowRankFactor`` pair, AdamW on everything else (embeddings,
-    norms, LM head), routed by :func:`lowrank_jax.optim.label_factors`. ``adamw``: AdamW on every
-    leaf (on a factorized model this is the "naive" low-rank baseline).
+    ``spectron``: :func:`lowrank_jax.optim.spectron_with_adamw` (Spectron on every factor pair,
+    AdamW with the library's documented betas 0.9 / 0.95 on everything else), the very transform
+    a user would build; ``cfg.weight_decay`` is passed as both of its decays (AdamW's and
+    Spectron's ``λ``). ``adamw``: ``optax.adamw`` on every leaf (on a factorized model this is the
+    "naive" low-rank baseline). ``sgd``: ``optax.sgd`` with momentum. A positive
+    ``cfg.grad_clip`` clips the global gradient norm first.
     """
-    lr = schedule(cfg.learning_rate, steps, cfg.warmup_fraction, cfg.schedule)
-    parts = []
-    if cfg.grad_clip and cfg.grad_clip > 0:
-        parts.append(optax.clip_by_global_norm(cfg.grad_clip))
+    learning_rate = schedule(cfg.learning_rate, steps, cfg.warmup_fraction, cfg.schedule)
+    clip_norm = cfg.grad_clip if cfg.grad_clip and cfg.grad_clip > 0 else None
     if cfg.name == "spectron":
-        from lowrank_jax.optim import label_factors, spectron
+        from lowrank_jax.optim import spectron_with_adamw
 
-        adam_lr = schedule(cfg.adamw_learning_rate, steps, cfg.warmup_fraction, cfg.schedule)
-        parts.append(
-            optax.partition(
-                {
-                    "spectron": spectron(lr, momentum=cfg.momentum,
-                                         weight_decay=cfg.weight_decay),
-                    "adamw": optax.adamw(adam_lr, weight_decay=cfg.weight_decay),
-                },
-                label_factors,
-            )
+        adamw_learning_rate = schedule(
+            cfg.adamw_learning_rate, steps, cfg.warmup_fraction, cfg.schedule
         )
-    elif cfg.name == "adamw":
-        parts.append(optax.adamw(lr, weight_decay=cfg.weight_decay))
+        return spectron_with_adamw(
+            learning_rate,
+            adamw_learning_rate,
+            weight_decay=cfg.weight_decay,
+            spectron_weight_decay=cfg.weight_decay,
+            momentum=cfg.momentum,
+            clip_norm=clip_norm,
+        )
+    if cfg.name == "adamw":
+        tx = optax.adamw(learning_rate, weight_decay=cfg.weight_decay)
     else:
-        parts.append(optax.sgd(lr, momentum=cfg.momentum))
-    return optax.chain(*parts)
+        tx = optax.sgd(learning_rate, momentum=cfg.momentum)
+    if clip_norm is None:
+        return tx
+    return optax.chain(optax.clip_by_global_norm(clip_norm), tx)

@@ -3,10 +3,12 @@
 from pallas_kernels.flash_attention.api import (
     BlockSizes,
     flash_attention,
-    flash_dispatch,
     resolve_implementation,
 )
-from pallas_kernels.flash_attention.reference import flash_attention_reference
+from pallas_kernels.flash_attention.reference import (
+    attention_reference,
+    flash_attention_reference,
+)
 
-__all__ = ["BlockSizes", "flash_attention", "flash_attention_reference", "flash_dispatch",
+__all__ = ["BlockSizes", "attention_reference", "flash_attention", "flash_attention_reference",
            "resolve_implementation"]

@@ -1,7 +1,7 @@
-"""Public flash attention: ``implementation="auto"|"pallas"|"xla"``, custom VJP, dispatcher entry.
+"""Public flash attention: ``implementation="auto"|"pallas"|"xla"``, custom VJP.
 
-Importing this module registers ``"flash"`` with :func:`lowrank_jax.attention.register_attention`,
-so ``LlamaConfig(attention="flash")`` uses it.
+The attention dispatcher (``lowrank_jax.attention``, ``LlamaConfig(attention="flash")``) registers
+it; this package never imports the library.
 """
 
 from __future__ import annotations
@@ -225,29 +225,5 @@ def _flash_pallas(q, k, v, *, static, tq_pad, tk_pad, d_pad):
     return jnp.transpose(out, (0, 2, 1, 3))[:, :tq, :, :d]
 
 
-def flash_dispatch(q, k, v, *, causal=True, q_offset=0, kv_length=None, scale=None):
-    """The attention-dispatcher entry: flash for prefill, the reference for KV-cache decode."""
-    from lowrank_jax.attention import reference_attention
-
-    plain_prefill = (
-        kv_length is None
-        and isinstance(q_offset, int)
-        and q_offset == 0
-        and (not causal or q.shape[1] <= k.shape[1])
-    )
-    if not plain_prefill:
-        return reference_attention(q, k, v, causal=causal, q_offset=q_offset,
-                                   kv_length=kv_length, scale=scale)
-    return flash_attention(q, k, v, causal=causal, scale=scale)
-
-
-def _register() -> None:
-    from lowrank_jax.attention import register_attention
-
-    register_attention("flash", flash_dispatch)
-
-
-_register()
-
-__all__ = ["BlockSizes", "IMPLEMENTATIONS", "flash_attention", "flash_dispatch",
+__all__ = ["BlockSizes", "IMPLEMENTATIONS", "flash_attention",
            "padded_head_dim", "resolve_implementation"]

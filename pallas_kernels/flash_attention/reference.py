@@ -1,8 +1,13 @@
-"""Pure-jnp ground truth for the flash-attention kernel (also the CPU / ``"xla"`` path).
+"""The one attention reference: pure-jnp softmax attention, ground truth of every attention kernel.
+
+It is the flash kernel's CPU / ``"xla"`` path and ``lowrank_jax.attention``'s ``"reference"``
+implementation (the library imports it from here; kernels never import the library).
 
 Layout follows the attention dispatcher: ``q [batch, q_len, heads, head_dim]``, ``k, v [batch,
-kv_len, kv_heads, head_dim]`` with ``heads % kv_heads == 0`` (grouped-query attention). With
-``causal=True`` query ``i`` attends to keys ``j <= i`` (queries and keys start at position 0).
+kv_len, kv_heads, head_dim]`` with ``heads % kv_heads == 0`` (grouped-query attention). Query
+``i`` sits at absolute position ``q_offset + i``; with ``causal=True`` it sees keys
+``j <= q_offset + i``, and only keys ``j < kv_length`` are valid (the rest of a preallocated KV
+cache is ignored).
 """
 
 from __future__ import annotations
@@ -48,24 +53,56 @@ def attention_logits_reference(q, k, *, scale: float) -> Float[Array, "b h tq tk
     return logits.reshape(b, h, tq, k.shape[1])
 
 
-def flash_attention_reference(
+def attention_mask(q_len: int, kv_len: int, *, causal: bool, q_offset=0, kv_length=None):
+    """Boolean ``[q_len, kv_len]`` mask of the keys each query may attend to.
+
+    Example::
+
+        >>> attention_mask(2, 3, causal=True, q_offset=1).astype(int).tolist()
+        [[1, 1, 0], [1, 1, 1]]
+    """
+    q_pos = q_offset + jnp.arange(q_len)[:, None]
+    k_pos = jnp.arange(kv_len)[None, :]
+    mask = jnp.ones((q_len, kv_len), bool)
+    if causal:
+        mask = mask & (k_pos <= q_pos)
+    if kv_length is not None:
+        mask = mask & (k_pos < kv_length)
+    return mask
+
+
+def _grouped_logits(q, k, scale):
+    b, tq, h, d = q.shape
+    hk = k.shape[2]
+    qg = q.reshape(b, tq, hk, h // hk, d).astype(jnp.float32)
+    return jnp.einsum("bqkgd,btkd->bkgqt", qg, k.astype(jnp.float32)) * scale  # [b,hk,g,tq,tk]
+
+
+def attention_reference(
     q: Float[Array, "b tq h d"],
     k: Float[Array, "b tk hk d"],
     v: Float[Array, "b tk hk d"],
     *,
     causal: bool = True,
+    q_offset=0,
+    kv_length=None,
     scale: float | None = None,
 ) -> Float[Array, "b tq h d"]:
-    """Softmax attention computed densely in fp32.
+    """Softmax attention computed densely in fp32 (the ground truth every kernel is tested against).
 
     .. math:: O_i = \\sum_j \\mathrm{softmax}_j(c\\, q_i \\cdot k_j + M_{ij})\\, v_j,
-       \\quad M_{ij} = -\\infty \\text{ if causal and } j > i.
+       \\quad M_{ij} = -\\infty \\text{ if } j > q_{\\text{offset}} + i \\text{ (causal) or }
+       j \\ge \\text{kv\\_length}.
+
+    A query row with no valid key gives 0 (never NaN).
 
     Args:
       q: queries ``[batch, q_len, heads, head_dim]``.
       k: keys ``[batch, kv_len, kv_heads, head_dim]``.
       v: values, same shape as ``k``.
       causal: mask keys after the query position.
+      q_offset: absolute position of query 0 (int or traced scalar).
+      kv_length: number of valid keys (default all).
       scale: logit scale ``c``; ``head_dim ** -0.5`` when ``None``.
 
     Returns:
@@ -75,30 +112,38 @@ def flash_attention_reference(
 
         >>> import jax.numpy as jnp
         >>> q = jnp.ones((1, 4, 2, 8)); k = v = jnp.ones((1, 4, 1, 8))
-        >>> flash_attention_reference(q, k, v).shape
+        >>> attention_reference(q, k, v).shape
         (1, 4, 2, 8)
 
     References:
       Dao et al., FlashAttention-2, https://arxiv.org/abs/2307.08691
     """
-    out, _ = flash_attention_reference_with_lse(q, k, v, causal=causal, scale=scale)
-    return out
+    b, tq, tk, h, hk, d = check_attention_shapes(q, k, v, name="attention")
+    scale = d ** -0.5 if scale is None else scale
+    logits = _grouped_logits(q, k, scale)
+    mask = attention_mask(tq, tk, causal=causal, q_offset=q_offset, kv_length=kv_length)
+    logits = jnp.where(mask, logits, MASK_VALUE)  # finite: fully masked rows stay NaN-free
+    probs = jax.nn.softmax(logits, axis=-1)
+    probs = jnp.where(mask, probs, 0.0)  # rows with no valid key give 0, not NaN
+    out = jnp.einsum("bkgqt,btkd->bqkgd", probs, v.astype(jnp.float32))
+    return out.reshape(b, tq, h, d).astype(q.dtype)
+
+
+def flash_attention_reference(q, k, v, *, causal: bool = True, scale: float | None = None):
+    """:func:`attention_reference` with queries and keys both starting at position 0."""
+    return attention_reference(q, k, v, causal=causal, scale=scale)
 
 
 def flash_attention_reference_with_lse(q, k, v, *, causal: bool = True, scale=None):
-    """Reference output and the fp32 log-sum-exp ``[b, h, tq]`` of every row's logits."""
+    """:func:`attention_reference`'s output and the fp32 log-sum-exp ``[b, h, tq]`` of each row."""
     b, tq, tk, h, hk, d = check_attention_shapes(q, k, v)
     scale = d ** -0.5 if scale is None else float(scale)
-    logits = attention_logits_reference(q, k, scale=scale)
-    if causal:
-        mask = jnp.arange(tk)[None, :] <= jnp.arange(tq)[:, None]
-        logits = jnp.where(mask, logits, MASK_VALUE)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    probs = jnp.exp(logits - lse[..., None])
-    vg = jnp.repeat(v.astype(jnp.float32), h // hk, axis=2)  # [b, tk, h, d]
-    out = jnp.einsum("bhqt,bthd->bqhd", probs, vg)
-    return out.astype(q.dtype), lse
+    logits = _grouped_logits(q, k, scale)
+    mask = attention_mask(tq, tk, causal=causal)
+    lse = jax.nn.logsumexp(jnp.where(mask, logits, MASK_VALUE), axis=-1).reshape(b, h, tq)
+    return attention_reference(q, k, v, causal=causal, scale=scale), lse
 
 
-__all__ = ["MASK_VALUE", "check_attention_shapes", "attention_logits_reference",
-           "flash_attention_reference", "flash_attention_reference_with_lse"]
+__all__ = ["MASK_VALUE", "attention_logits_reference", "attention_mask", "attention_reference",
+           "check_attention_shapes", "flash_attention_reference",
+           "flash_attention_reference_with_lse"]

@@ -111,9 +111,9 @@ _expand_pallas.defvjp(_expand_fwd, _expand_bwd)
 def lora_shrink(
     x: Float[Array, "n d_in"],
     a: Float[Array, "k d_in r"],
-    group_sizes: Int[Array, "k"],
-    scale: Float[Array, "k"],
-    ranks: Int[Array, "k"],
+    group_sizes: Int[Array, " k"],
+    scale: Float[Array, " k"],
+    ranks: Int[Array, " k"],
     *,
     implementation: Literal["auto", "pallas", "xla"] = "auto",
     interpret: bool = False,
@@ -161,8 +161,8 @@ def lora_shrink(
 def lora_expand(
     h: Float[Array, "n r"],
     b: Float[Array, "k r d_out"],
-    group_sizes: Int[Array, "k"],
-    ranks: Int[Array, "k"],
+    group_sizes: Int[Array, " k"],
+    ranks: Int[Array, " k"],
     acc: Float[Array, "n d_out"] | None = None,
     *,
     implementation: Literal["auto", "pallas", "xla"] = "auto",

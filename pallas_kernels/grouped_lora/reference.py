@@ -20,12 +20,12 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 
-def rank_mask(ranks: Int[Array, "k"], r_max: int, dtype=jnp.float32) -> Float[Array, "k r"]:
+def rank_mask(ranks: Int[Array, " k"], r_max: int, dtype=jnp.float32) -> Float[Array, "k r"]:
     """``mask[k, j] = 1`` where ``j < ranks[k]``, else 0."""
     return (jnp.arange(r_max)[None, :] < jnp.asarray(ranks)[:, None]).astype(dtype)
 
 
-def group_ids(group_sizes: Int[Array, "k"], n: int) -> Int[Array, "n"]:
+def group_ids(group_sizes: Int[Array, " k"], n: int) -> Int[Array, " n"]:
     """Group index of every row (rows past ``sum(group_sizes)`` get ``K``, i.e. no group)."""
     ends = jnp.cumsum(jnp.asarray(group_sizes, jnp.int32))
     return jnp.searchsorted(ends, jnp.arange(n, dtype=jnp.int32), side="right").astype(jnp.int32)
@@ -34,9 +34,9 @@ def group_ids(group_sizes: Int[Array, "k"], n: int) -> Int[Array, "n"]:
 def lora_shrink_reference(
     x: Float[Array, "n d_in"],
     a: Float[Array, "k d_in r"],
-    group_sizes: Int[Array, "k"],
-    scale: Float[Array, "k"],
-    ranks: Int[Array, "k"],
+    group_sizes: Int[Array, " k"],
+    scale: Float[Array, " k"],
+    ranks: Int[Array, " k"],
 ) -> Float[Array, "n r"]:
     """``h = s_k · (x A_k) ⊙ m_k`` per group by ``ragged_dot`` (fp32 accumulation).
 
@@ -68,8 +68,8 @@ def lora_shrink_reference(
 def lora_expand_reference(
     h: Float[Array, "n r"],
     b: Float[Array, "k r d_out"],
-    group_sizes: Int[Array, "k"],
-    ranks: Int[Array, "k"],
+    group_sizes: Int[Array, " k"],
+    ranks: Int[Array, " k"],
     acc: Float[Array, "n d_out"] | None = None,
 ) -> Float[Array, "n d_out"]:
     """``y = acc + (h ⊙ m_k) B_k`` per group by ``ragged_dot`` (fp32).

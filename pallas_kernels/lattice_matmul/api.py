@@ -121,8 +121,8 @@ def code_matmul(
 def lattice_matmul(
     x: Float[Array, "... n"],
     codes: UInt8[Array, "m q"],
-    scale_in: Float[Array, "n"],
-    scale_out: Float[Array, "m"],
+    scale_in: Float[Array, " n"],
+    scale_out: Float[Array, " m"],
     affine: Float[Array, "4 4"],
     offset: Float[Array, "4"],
     *,

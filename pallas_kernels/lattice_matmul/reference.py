@@ -147,8 +147,8 @@ def planes_matmul_reference(
 
 def dequantize_reference(
     codes: UInt8[Array, "m q"],
-    scale_in: Float[Array, "n"],
-    scale_out: Float[Array, "m"],
+    scale_in: Float[Array, " n"],
+    scale_out: Float[Array, " m"],
     affine: Float[Array, "4 4"],
     offset: Float[Array, "4"],
     *,
@@ -165,8 +165,8 @@ def dequantize_reference(
 def lattice_matmul_reference(
     x: Float[Array, "... n"],
     codes: UInt8[Array, "m q"],
-    scale_in: Float[Array, "n"],
-    scale_out: Float[Array, "m"],
+    scale_in: Float[Array, " n"],
+    scale_out: Float[Array, " m"],
     affine: Float[Array, "4 4"],
     offset: Float[Array, "4"],
     *,

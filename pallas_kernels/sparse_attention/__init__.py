@@ -3,8 +3,6 @@
 from pallas_kernels.sparse_attention.api import (
     DEFAULT_TAU,
     lookup_table,
-    make_sale_attention,
-    register_sale_per_layer,
     sale_prefill_attention,
 )
 from pallas_kernels.sparse_attention.reference import (
@@ -19,6 +17,5 @@ from pallas_kernels.sparse_attention.reference import (
 )
 
 __all__ = ["DEFAULT_TAU", "QK4", "SaleConfig", "anchor_stats", "block_sparse_attention_reference",
-           "calibrate_thresholds", "lookup_table", "make_sale_attention", "quantize_qk_int4",
-           "register_sale_per_layer", "sale_prefill_attention", "sale_prefill_reference",
-           "sale_select_reference"]
+           "calibrate_thresholds", "lookup_table", "quantize_qk_int4", "sale_prefill_attention",
+           "sale_prefill_reference", "sale_select_reference"]

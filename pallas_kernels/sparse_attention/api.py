@@ -1,9 +1,13 @@
-"""Public SALE sparse prefill attention and its attention-dispatcher entry (``"sale"``)."""
+"""Public SALE sparse prefill attention.
+
+The attention-dispatcher entry ``"sale"`` lives in :mod:`lowrank_jax.attention.kernels`
+(kernels never import the library).
+"""
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -188,81 +192,4 @@ def sale_prefill_attention(
     return (out, mask) if return_mask else out
 
 
-def make_sale_attention(
-    tau: Any = DEFAULT_TAU, cfg: SaleConfig | None = None, *, implementation: str = "auto"
-) -> Callable:
-    """A dispatcher-signature function running SALE for causal prefill, reference otherwise.
-
-    Example::
-
-        >>> from lowrank_jax.attention import register_attention
-        >>> register_attention("sale_strict", make_sale_attention(tau=0.016))
-    """
-
-    def sale_attention(q, k, v, *, causal=True, q_offset=0, kv_length=None, scale=None):
-        from lowrank_jax.attention import reference_attention
-
-        prefill = (causal and kv_length is None and isinstance(q_offset, int) and q_offset == 0
-                   and q.shape[1] == k.shape[1])
-        if not prefill:
-            return reference_attention(q, k, v, causal=causal, q_offset=q_offset,
-                                       kv_length=kv_length, scale=scale)
-        return sale_prefill_attention(q, k, v, tau, cfg, scale=scale,
-                                      implementation=implementation)
-
-    return sale_attention
-
-
-def register_sale_per_layer(
-    taus: Any, cfg: SaleConfig | None = None, *, implementation: str = "auto"
-) -> tuple[str, ...]:
-    """Register one SALE attention per layer; returns the names for ``LlamaConfig.attention``.
-
-    Args:
-        taus: ``[n_layers]`` or ``[n_layers, heads]`` thresholds, e.g. from
-            :func:`pallas_kernels.sparse_attention.reference.calibrate_thresholds` per layer.
-        cfg: the :class:`SaleConfig` (default ``SaleConfig()``).
-        implementation: ``"auto"``, ``"pallas"`` or ``"xla"`` (as :func:`sale_prefill_attention`).
-
-    Returns:
-        One registered name per layer. Names are derived from the thresholds, the config and
-        the implementation, so registering the same settings twice gives the same names and
-        different settings never overwrite each other.
-
-    Example::
-
-        >>> from lowrank_jax.models import LlamaConfig
-        >>> names = register_sale_per_layer([0.004, 0.016])
-        >>> cfg = LlamaConfig(n_layers=2, attention=names)
-        >>> cfg.attention_for(1) == names[1] != names[0]
-        True
-    """
-    import hashlib
-
-    from lowrank_jax.attention import register_attention
-
-    taus = np.asarray(taus, np.float32)
-    if taus.ndim not in (1, 2) or taus.shape[0] == 0:
-        raise ValueError(f"taus has shape {taus.shape}; pass [n_layers] or [n_layers, heads].")
-    if not np.all(np.isfinite(taus)) or np.any(taus < 0):
-        raise ValueError("taus must be finite and >= 0 (0 = a dense head).")
-    names = []
-    for row in taus:
-        digest = hashlib.sha1(row.tobytes() + repr((cfg, implementation)).encode()).hexdigest()
-        name = f"sale/{digest[:12]}"
-        tau = float(row) if row.ndim == 0 else row
-        register_attention(name, make_sale_attention(tau, cfg, implementation=implementation))
-        names.append(name)
-    return tuple(names)
-
-
-def _register() -> None:
-    from lowrank_jax.attention import register_attention
-
-    register_attention("sale", make_sale_attention())
-
-
-_register()
-
-__all__ = ["DEFAULT_TAU", "lookup_table", "make_sale_attention", "register_sale_per_layer",
-           "sale_prefill_attention"]
+__all__ = ["DEFAULT_TAU", "lookup_table", "sale_prefill_attention"]

@@ -273,7 +273,7 @@ def anchor_stats(
     return m.reshape(b, hq, n_q * bq)[..., :n], l.reshape(b, hq, n_q * bq)[..., :n]
 
 
-def selection_thresholds(m, l, tau: Float[Array, "Hq"], scale: float):
+def selection_thresholds(m, l, tau: Float[Array, " Hq"], scale: float):
     """Log-domain thresholds ``T_i = m_i + ln(τ_h l_i) / c`` (−∞ for τ=0, +∞ for τ=∞)."""
     c = scale
     tau = jnp.asarray(tau, jnp.float32)[None, :, None]
@@ -283,7 +283,7 @@ def selection_thresholds(m, l, tau: Float[Array, "Hq"], scale: float):
 def sale_select_reference(
     qk4: QK4,
     thresholds: Float[Array, "B Hq N"],
-    tau: Float[Array, "Hq"],
+    tau: Float[Array, " Hq"],
     cfg: SaleConfig,
 ) -> Bool[Array, "B Hq nQ nK"]:
     """Block mask: anchor ∪ {middle blocks with some ``ŝ_ij > T_i``}; dense heads keep all."""

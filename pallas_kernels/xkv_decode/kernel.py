@@ -33,7 +33,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.xkv_decode.reference import NEG_INF, rope_inverse_frequencies
+from pallas_kernels.rope import rope_inverse_frequencies
+from pallas_kernels.xkv_decode.reference import NEG_INF
 
 
 def _next_pow2(n: int) -> int:

@@ -19,29 +19,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
+
+from pallas_kernels.rope import rope, rope_inverse_frequencies  # the one RoPE (re-exported)
 
 NEG_INF = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: masked rows stay NaN-free
-
-
-def rope_inverse_frequencies(head_dim: int, theta: float) -> Float[Array, "half"]:
-    """``θ^{-2i/D}`` for ``i < D/2`` (the HF Llama frequencies)."""
-    return 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-
-
-def rope(
-    x: Float[Array, "*batch t h d"], positions: Int[Array, "t"], theta: float
-) -> Float[Array, "*batch t h d"]:
-    """Rotary embedding, HF "rotate half" pairing (dims ``i`` and ``i + D/2``), in fp32.
-
-    Same convention as :func:`lowrank_jax.models.llama.apply_rope` (tested equal), kept here so
-    that ``pallas_kernels`` does not import the model package.
-    """
-    d = x.shape[-1]
-    angles = positions.astype(jnp.float32)[:, None] * rope_inverse_frequencies(d, theta)
-    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
 def reconstruct(

@@ -106,7 +106,7 @@ def test_randomized_svd_matches_exact_on_low_rank_matrix():
     s_true = jnp.array([10.0, 7.0, 5.0, 3.0, 2.0])
     noise = 1e-3 * jax.random.normal(key_c, (120, 80)) / jnp.sqrt(120.0)
     a = (u * s_true) @ v.T + noise  # gap σ_5 / σ_6 ≫ 10
-    ur, sr, vtr = randomized_svd(jax.random.key(6), a, k)
+    ur, sr, vtr = randomized_svd(a, k, key=jax.random.key(6))
     se = jnp.linalg.svd(a, compute_uv=False)[:k]
     np.testing.assert_allclose(np.asarray(sr), np.asarray(se), rtol=1e-3)
     # subspace agreement: principal angles ~ 0
@@ -114,7 +114,7 @@ def test_randomized_svd_matches_exact_on_low_rank_matrix():
     assert float(jnp.min(cos)) > 1 - 1e-5
     assert ur.shape == (120, k) and vtr.shape == (k, 80)
     with pytest.raises(ValueError, match="rank"):
-        randomized_svd(jax.random.key(0), a, 0)
+        randomized_svd(a, 0, key=jax.random.key(0))
 
 
 def test_gram_backend_equals_exact_svd():

@@ -10,7 +10,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lowrank_jax.curvature import kfac
-from lowrank_jax.models.llama import Llama, LlamaConfig
 from lowrank_jax.optim import crispedit as ce
 
 
@@ -154,7 +153,7 @@ def test_optax_orders_jit_and_unmatched(order):
         np.testing.assert_allclose(mu, 0.1 * ce.project(grads["dense"]["kernel"], proj),
                                    atol=1e-6)
     assert float(jnp.abs(updates["bias"]).sum()) > 0  # unmatched leaf passes
-    zero_tx = ce.crispedit(projector, unmatched="zero")
+    zero_tx = ce.scale_by_crispedit(projector, unmatched="zero")
     zeroed, _ = zero_tx.update(grads, zero_tx.init(params))
     np.testing.assert_array_equal(zeroed["bias"], 0.0)
 
@@ -162,7 +161,7 @@ def test_optax_orders_jit_and_unmatched(order):
 def test_refresh_reprojects_adam_first_moment_under_masked():
     params, projector = _params_and_projector()
     mask = {"dense": {"kernel": True}, "bias": False}
-    tx = optax.masked(optax.chain(ce.crispedit(projector), optax.adam(1e-2)), mask)
+    tx = optax.masked(optax.chain(ce.scale_by_crispedit(projector), optax.adam(1e-2)), mask)
     state = tx.init(params)
     grads = jax.tree.map(lambda x: jax.random.normal(jax.random.key(2), x.shape), params)
     _, state = jax.jit(tx.update)(grads, state, params)

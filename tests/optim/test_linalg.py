@@ -159,3 +159,11 @@ def test_sharded_long_axis_matches_unsharded(axis_type):
         assert jax.typeof(got[0]).sharding.spec == P("fsdp", None)
         assert jax.typeof(got[1]).sharding.spec == P(None, "fsdp")
         assert got[0].sharding.spec == P("fsdp", None)
+
+
+def test_newton_schulz_is_optax_muon_iteration():
+    from optax.contrib import _muon
+
+    m = _normal(7, (20, 6))
+    want = _muon.orthogonalize_via_newton_schulz(m, jnp.asarray(MUON_COEFFS), 5, eps=1e-7)
+    np.testing.assert_array_equal(np.asarray(newton_schulz(m)), np.asarray(want))

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lowrank_jax.attention import get_attention, reference_attention
+from lowrank_jax.attention import get_attention, reference_attention, register_sale_per_layer
 from pallas_kernels.flash_attention.kernel import export_lowering
 from pallas_kernels.flash_attention.reference import flash_attention_reference
 from pallas_kernels.sparse_attention import api, kernel
@@ -228,9 +228,9 @@ def test_sale_kernels_lower_for_accelerators(platform):
 
 def test_register_sale_per_layer_uses_each_layers_thresholds():
     taus = np.array([[0.0, 0.0], [0.5, 0.5]], np.float32)  # layer 0 dense, layer 1 very sparse
-    names = api.register_sale_per_layer(taus, CFG, implementation="xla")
+    names = register_sale_per_layer(taus, CFG, implementation="xla")
     assert len(set(names)) == 2
-    assert api.register_sale_per_layer(taus, CFG, implementation="xla") == names
+    assert register_sale_per_layer(taus, CFG, implementation="xla") == names
     q, k, v = _qkv(96, 2, 1, 16, seed=3)
     for name, tau in zip(names, taus):
         want = api.sale_prefill_attention(q, k, v, tau, CFG, implementation="xla")
@@ -239,4 +239,4 @@ def test_register_sale_per_layer_uses_each_layers_thresholds():
     np.testing.assert_allclose(dense, reference_attention(q, k, v, causal=True), atol=1e-5)
     assert not np.allclose(get_attention(names[1])(q, k, v, causal=True), dense, atol=1e-3)
     with pytest.raises(ValueError, match="taus"):
-        api.register_sale_per_layer(np.array([[-1.0]]))
+        register_sale_per_layer(np.array([[-1.0]]))
