@@ -15,6 +15,13 @@ from typing import Any, Callable
 
 import numpy as np
 
+from lowrank_jax.io.validate import (
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
+
 METHODS = ("lora", "balora", "pissa", "olora", "gap", "lokra")
 SMOLLM2_HF_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
@@ -34,19 +41,21 @@ def register(subparsers) -> None:
     p.add_argument("--rank-plan", action="store_true",
                    help="CSPLoRA: probe the base model and allocate per-module ranks under the "
                         "parameter budget of uniform --rank")
-    p.add_argument("--rank", type=int, default=8)
-    p.add_argument("--alpha", type=float, default=16.0)
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--lr", type=float, default=None,
+    p.add_argument("--rank", type=positive_int, default=8)
+    p.add_argument("--alpha", type=positive_float, default=16.0)
+    p.add_argument("--steps", type=positive_int, default=100)
+    p.add_argument("--lr", type=positive_float, default=None,
                    help="learning rate (default 1e-3; 1e-4 for balora)")
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--batch-size", type=positive_int, default=4)
+    p.add_argument("--seq-len", type=positive_int, default=64)
     p.add_argument("--targets", default=r"(q|v)_proj",
                    help="regex on module paths such as layers/3/self_attn/q_proj")
-    p.add_argument("--lokra-lambda", type=float, default=1e-3,
+    p.add_argument("--lokra-lambda", type=non_negative_float, default=1e-3,
                    help="weight of the Kruskal-rank penalty (--method lokra)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--out", default="runs/finetune", help="output folder (adapter + metrics)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into an output folder that is not empty or holds another run")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.add_argument("--jobs", default=None, metavar="JOBS.yaml",
                    help="train several LoRA jobs at once on one base (PLoRA packing); see "
@@ -235,12 +244,21 @@ def _load(model_name: str, data: str | None):
 
 
 def run(args) -> int:
+    from lowrank_jax.io.outputs import prepare_output
+    from lowrank_jax.io.validate import check_jobs_file, check_regex, check_text_file
+
     if getattr(args, "jobs", None):
         from lowrank_jax.commands._jobs import run_jobs
+
+        prepare_output(check_jobs_file(args.jobs, args.out)[1], command="finetune",
+                       overwrite=args.overwrite)
 
         return run_jobs(args)
     from lowrank_jax.io.peft import export_peft
     from lowrank_jax.nn.rank_plan import plan_ranks
+
+    check_regex(args.targets, "--targets"), check_text_file(args.data, "--data")
+    prepare_output(args.out, command="finetune", overwrite=args.overwrite)
 
     for name in ("rank", "steps", "batch_size", "seq_len"):
         if getattr(args, name) < 1:
