@@ -68,7 +68,7 @@ def test_finetune_unwritable_out_fails_before_training(faults, tmp_path):
     blocker = tmp_path / "blocker"
     blocker.write_text("a file where a folder should be")
     out = blocker / "x"
-    argv = ["finetune", "--model", "tiny", "--steps", "100000", "--no-progress", "--out", out]
+    argv = ["finetune", "--model", "tiny", "--steps", "3", "--no-progress", "--out", out]
     faults.expect_error(argv, f"--out {out}: {blocker} is a file, so no folder can be made")
 
 

@@ -16,7 +16,8 @@ from lowrank_jax.train import load_config
     ("model.n_heads=0", "model.n_heads=0 must be a positive integer"),
     ("model.d_model=-8", "model.d_model=-8 must be a positive integer"),
     ("model.n_layers=0", "model.n_layers=0 must be a positive integer"),
-    ("model.d_model=30", "model.d_model=30 is not divisible by n_heads=4"),
+    ("model.d_model=15", "model.d_model=15 is not divisible by n_heads=2"),
+    ("model.n_kv_heads=3", "model.n_heads=2 must be a multiple of n_kv_heads=3"),
     ("model.vocab_size=10", "model.vocab_size=10 is too small for the byte-level corpus"),
     ("run_dir=", "run_dir is empty"),
     ("train.seed=-1", "train.seed=-1 must be an integer >= 0"),
@@ -26,8 +27,10 @@ from lowrank_jax.train import load_config
     ("mesh.data=0", "mesh.data=0 must be a positive integer"),
     ("train.val_fraction=1.5", "train.val_fraction=1.5 must be in (0, 1)"),
 ])
-def test_bad_config_values_are_named(faults, override, message):
-    faults.expect_error(["pretrain", "--no-progress", "--set", override], message)
+def test_bad_config_values_are_named(faults, tiny, override, message):
+    argv = ["pretrain", "--no-progress", *[a for s in tiny for a in ("--set", s)],
+            "--set", "train.steps=1", "--set", override]
+    faults.expect_error(argv, message)
 
 
 def test_numeric_run_dir_is_read_as_a_folder_name(faults):
