@@ -37,12 +37,12 @@ def register(subparsers) -> None:
 def run(args) -> int:
     from lowrank_jax.curvature import editing as ed
     from lowrank_jax.io.outputs import prepare_output
-    from lowrank_jax.io.validate import check_regex
+    from lowrank_jax.io.validate import check_regex, check_text_file
     from lowrank_jax.models.hub import load_model
 
     if not 0.0 < args.gamma <= 1.0:
         raise ValueError(f"--gamma {args.gamma} must lie in (0, 1], e.g. 0.9.")
-    check_regex(args.layers, "--layers")
+    check_regex(args.layers, "--layers"), check_text_file(args.edits, "--edits")
     prepare_output(args.out, command="edit", overwrite=args.overwrite)
     edits = ed.load_edits(args.edits)
     model, tokenizer = load_model(args.model)

@@ -75,6 +75,9 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.calib_file is not None and not os.path.isfile(args.calib_file):
         raise FileNotFoundError(f"--calib-file {args.calib_file!r} does not exist.")
+    from lowrank_jax.io.validate import check_text_file
+
+    check_text_file(args.calib_file, "--calib-file")
     if os.path.exists(os.path.join(args.out, "quantization.json")) and not args.overwrite:
         raise FileExistsError(f"--out {args.out!r} already holds a quantized model; pick another.")
     from lowrank_jax.io.outputs import prepare_output

@@ -86,15 +86,20 @@ def _step_dir(manager, step: int) -> pathlib.Path:
 
 @contextlib.contextmanager
 def shield_interrupts():
-    """Ignore SIGINT / SIGTERM inside the block (a second Ctrl-C must not cut a save short)."""
+    """Hold SIGINT / SIGTERM back inside the block (a Ctrl-C must not cut a save short).
+
+    Yields a list that receives the signals that arrived; the caller acts on them once the
+    block is done (:func:`save_checkpoint` then raises ``KeyboardInterrupt``).
+    """
+    pending: list[int] = []
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield pending
         return
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     for s in previous:
-        signal.signal(s, signal.SIG_IGN)
+        signal.signal(s, lambda signum, frame: pending.append(signum))
     try:
-        yield
+        yield pending
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -103,12 +108,17 @@ def shield_interrupts():
 def save_checkpoint(manager, state, cfg=None) -> None:
     """Save ``state`` (params + optimizer state) at ``state.step``, then its integrity file.
 
+    A Ctrl-C / SIGTERM arriving during the save waits until the step is complete on disk,
+    then raises ``KeyboardInterrupt``.
+
     Raises:
         OSError: the disk is full or the folder is not writable; the message names the step
             and the folder and says that older checkpoints are intact.
     """
+    if int(state.step) in manager.all_steps():
+        return  # already on disk (e.g. Ctrl-C during the periodic save of this very step)
     tree = {"params": state.params, "opt_state": state.opt_state}
-    with shield_interrupts():
+    with shield_interrupts() as pending:
         try:
             manager.save(state.step, args=ocp.args.StandardSave(tree))
             manager.wait_until_finished()
@@ -118,6 +128,8 @@ def save_checkpoint(manager, state, cfg=None) -> None:
                               json.dumps(record, indent=1))
         except Exception as error:  # orbax/tensorstore wrap OS errors
             raise _save_error(error, manager, state.step) from error
+    if pending:
+        raise KeyboardInterrupt
 
 
 def _save_error(error: Exception, manager, step: int) -> OSError:

@@ -278,7 +278,10 @@ def train(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None
             metrics_file.write(json.dumps({"kind": "eval", "step": state.step,
                                            "val_loss": val_loss}) + "\n")
     except KeyboardInterrupt:
-        save_checkpoint(manager, state, cfg)
+        try:
+            save_checkpoint(manager, state, cfg)
+        except KeyboardInterrupt:  # pressed again during the save: it completed all the same
+            pass
         bar.close()
         log(f"interrupted at step {state.step}; checkpoint saved — continue with --resume")
         raise

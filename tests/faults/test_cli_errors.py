@@ -56,12 +56,17 @@ def test_bad_targets_regex_names_the_argument(faults):
                          "--no-progress"], "--targets 'q_proj[' is not a valid regular")
 
 
-def test_non_utf8_data_names_the_file(faults, tmp_path):
+@pytest.mark.parametrize("command", [
+    ["finetune", "--model", "tiny", "--no-progress", "--out", "out", "--data"],
+    ["eval", "--model", "no_such_model", "--text"],
+    ["quantize", "--model", "no_such_model", "--out", "q", "--calib-file"],
+    ["edit", "--model", "no_such_model", "--out", "e", "--edits"],
+], ids=["finetune --data", "eval --text", "quantize --calib-file", "edit --edits"])
+def test_non_utf8_input_names_the_file(faults, tmp_path, command):
     data = tmp_path / "latin1.txt"
     data.write_bytes("caf\xe9 au lait ".encode("latin-1") * 50)
-    faults.expect_error(["finetune", "--model", "tiny", "--data", data, "--no-progress",
-                         "--out", tmp_path / "out"],
-                        f"--data {data}: not UTF-8 text (byte 0xe9 at offset 3)")
+    faults.expect_error([*command, data],
+                        f"{command[-1]} {data}: not UTF-8 text (byte 0xe9 at offset 3)")
 
 
 def test_usage_errors_are_one_line(faults):
