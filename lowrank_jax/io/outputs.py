@@ -56,7 +56,8 @@ def check_writable(path: str | os.PathLike, argument: str) -> pathlib.Path:
             nearest existing parent folder cannot be written.
     """
     if path is None or str(path).strip() == "":
-        raise ValueError(f"{argument} is empty; give an output folder, e.g. {argument} runs/my_run.")
+        raise ValueError(f"{argument} is empty; give an output folder, e.g. "
+                         f"{argument} runs/my_run.")
     target = pathlib.Path(path)
     if target.exists() and not target.is_dir():
         raise ValueError(f"{argument} {path}: is a file, not a folder; remove it or choose "

@@ -47,7 +47,8 @@ def _copy(run, tmp_path, name="run"):
 
 
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
-def test_damaged_latest_step_falls_back_to_the_previous_one(faults, tiny_runs, tiny, tmp_path, damage):
+def test_damaged_latest_step_falls_back_to_the_previous_one(faults, tiny_runs, tiny, tmp_path,
+                                                            damage):
     from lowrank_jax.train.checkpoint import checkpoint_manager, restore_checkpoint
 
     run = _copy(tiny_runs["split"], tmp_path)
