@@ -55,9 +55,11 @@ class LlamaConfig:
         for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
                     "max_seq_len"):
             value = getattr(self, key)
+            least = 0 if key == "n_layers" else 1  # n_layers=0: the embedding-only shell
             if not (isinstance(value, numbers.Integral) and not isinstance(value, bool)
-                    and value >= 1):
-                raise ValueError(f"{key}={value!r} must be a positive integer.")
+                    and value >= least):
+                raise ValueError(f"{key}={value!r} must be "
+                                 f"{'an integer >= 0' if least == 0 else 'a positive integer'}.")
         for key in ("rope_theta", "norm_eps"):
             if not getattr(self, key) > 0:
                 raise ValueError(f"{key}={getattr(self, key)!r} must be > 0.")

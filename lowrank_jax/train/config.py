@@ -108,6 +108,9 @@ class RunConfig:
         if not isinstance(self.run_dir, str) or not self.run_dir.strip():
             raise ValueError(f"run_dir={self.run_dir!r} must name a folder, e.g. "
                              "--set run_dir=runs/my_run.")
+        if self.model.n_layers < 1:
+            raise ValueError(f"model.n_layers={self.model.n_layers} must be a positive integer "
+                             "(a model needs at least one layer).")
         if self.model.vocab_size < BYTE_VOCAB:
             raise ValueError(
                 f"model.vocab_size={self.model.vocab_size} is too small for the byte-level "

