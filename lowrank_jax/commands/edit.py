@@ -42,7 +42,8 @@ def run(args) -> int:
 
     if not 0.0 < args.gamma <= 1.0:
         raise ValueError(f"--gamma {args.gamma} must lie in (0, 1], e.g. 0.9.")
-    check_regex(args.layers, "--layers"), check_text_file(args.edits, "--edits")
+    check_regex(args.layers, "--layers")
+    check_text_file(args.edits, "--edits")
     prepare_output(args.out, command="edit", overwrite=args.overwrite)
     edits = ed.load_edits(args.edits)
     model, tokenizer = load_model(args.model)

@@ -257,7 +257,8 @@ def run(args) -> int:
     from lowrank_jax.io.peft import export_peft
     from lowrank_jax.nn.rank_plan import plan_ranks
 
-    check_regex(args.targets, "--targets"), check_text_file(args.data, "--data")
+    check_regex(args.targets, "--targets")
+    check_text_file(args.data, "--data")
     prepare_output(args.out, command="finetune", overwrite=args.overwrite)
 
     for name in ("rank", "steps", "batch_size", "seq_len"):
