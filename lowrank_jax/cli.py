@@ -1,26 +1,41 @@
-"""The ``lowrank-jax`` command: one subcommand per module in ``lowrank_jax/commands/``."""
+"""The ``lowrank-jax`` command: one subcommand per module in ``lowrank_jax/commands/``.
+
+One error boundary: every user mistake (a bad config key or value, a file that is missing, not
+UTF-8 or not writable, a full disk, malformed YAML, a bad regex) exits with status 2 and one
+line ``lowrank-jax <command>: error: ...`` naming the argument / file / key, what was wrong and
+how to fix it. Anything else is a bug: one line asking for ``--debug``, status 1. ``--debug``
+shows the full traceback in both cases.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import pkgutil
+import re
 import sys
 
 import lowrank_jax
 from lowrank_jax import commands
 
-USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, FloatingPointError, KeyError)
+USER_ERRORS = (ValueError, OSError, FloatingPointError, KeyError, re.error)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (the usage itself is in ``--help``)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="lowrank-jax",
         description="Low-rank methods for LLMs in JAX: pretrain, fine-tune, edit, compress.",
     )
     parser.add_argument("--version", action="version", version=lowrank_jax.__version__)
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
         if info.name.startswith("_"):
             continue
@@ -28,6 +43,26 @@ def build_parser() -> argparse.ArgumentParser:
         if hasattr(module, "register"):
             module.register(sub)
     return parser
+
+
+def describe_error(error: BaseException) -> str:
+    """The one-line message of a user error (the first line of it, never a traceback)."""
+    from lowrank_jax.io.outputs import describe_os_error
+
+    if isinstance(error, UnicodeDecodeError):
+        return (f"input is not UTF-8 text (byte {error.object[error.start]:#04x} at offset "
+                f"{error.start}); convert the file to UTF-8.")
+    if isinstance(error, re.error):
+        return (f"invalid regular expression {error.pattern!r} ({error.msg}); escape special "
+                "characters with a backslash.")
+    if isinstance(error, OSError):
+        message = describe_os_error(error)
+    elif isinstance(error, KeyError):
+        message = f"missing key {error.args[0]!r}" if error.args else "missing key"
+    else:
+        message = str(error.args[0]) if error.args else type(error).__name__
+    lines = [line for line in str(message).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,9 +79,15 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as error:
         if args.debug:
             raise
-        message = error.args[0] if error.args else str(error)
-        print(f"lowrank-jax {args.command}: error: {message}", file=sys.stderr)
+        print(f"lowrank-jax {args.command}: error: {describe_error(error)}", file=sys.stderr)
         return 2
+    except Exception as error:  # a bug: one line, the traceback on --debug
+        if args.debug:
+            raise
+        print(f"lowrank-jax {args.command}: internal error ({type(error).__name__}: "
+              f"{describe_error(error)}); rerun with --debug for the traceback and report it.",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

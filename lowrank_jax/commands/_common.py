@@ -3,6 +3,8 @@ they turn them into a model."""
 
 from __future__ import annotations
 
+from lowrank_jax.io.validate import non_negative_int, positive_float, positive_int
+
 
 def add_model_arguments(parser, *, kv_help: str) -> None:
     """``--model --dtype --projection --rank-ratio --attention --kv --kv-ratio --kv-group
@@ -11,14 +13,15 @@ def add_model_arguments(parser, *, kv_help: str) -> None:
                         help="'smollm2', a .gguf file, or a folder with config.json")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--projection", default="dense", choices=("dense", "factorized"))
-    parser.add_argument("--rank-ratio", type=float, default=None,
+    parser.add_argument("--rank-ratio", type=positive_float, default=None,
                         help="rank ratio for --projection factorized (default 0.5)")
     parser.add_argument("--attention", default="reference", choices=("reference", "flash", "sale"),
                         help="attention implementation (Pallas kernels: flash, sale)")
     parser.add_argument("--kv", default="none", choices=("none", "xkv"), help=kv_help)
-    parser.add_argument("--kv-ratio", type=float, default=8.0, help="xKV compression ratio")
-    parser.add_argument("--kv-group", type=int, default=4, help="layers per xKV group")
-    parser.add_argument("--kv-sink", type=int, default=1,
+    parser.add_argument("--kv-ratio", type=positive_float, default=8.0,
+                        help="xKV compression ratio")
+    parser.add_argument("--kv-group", type=positive_int, default=4, help="layers per xKV group")
+    parser.add_argument("--kv-sink", type=non_negative_int, default=1,
                         help="leading prompt tokens kept exact by xKV (0 = the paper's xKV)")
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import time
 
+from lowrank_jax.io.validate import positive_int
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
@@ -28,8 +30,12 @@ def register(subparsers) -> None:
     p.add_argument("--layers", default=None, metavar="REGEX",
                    help="only matrices whose path matches, e.g. 'self_attn' or 'layers/(0|1)/'")
     p.add_argument("--out", default="runs/analyze", help="report folder")
-    p.add_argument("--top-k", type=int, default=8, help="singular vectors in overlaps/rotation")
-    p.add_argument("--max-tokens", type=int, default=128, help="passage tokens for key CKA")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into an output folder that is not empty or holds another run")
+    p.add_argument("--top-k", type=positive_int, default=8,
+                   help="singular vectors in overlaps/rotation")
+    p.add_argument("--max-tokens", type=positive_int, default=128,
+                   help="passage tokens for key CKA")
     p.set_defaults(func=run)
 
 
@@ -58,7 +64,11 @@ def run(args) -> int:
     from lowrank_jax.analysis import checkpoint as ckpt
     from lowrank_jax.analysis import report
     from lowrank_jax.analysis.model_report import model_report
+    from lowrank_jax.io.outputs import prepare_output
+    from lowrank_jax.io.validate import check_regex
 
+    check_regex(args.layers, "--layers")
+    prepare_output(args.out, command="analyze", overwrite=args.overwrite)
     start = time.time()
     model, tokenizer = _load(args.model)
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 
+from lowrank_jax.io.validate import positive_float, positive_int
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
@@ -22,23 +24,30 @@ def register(subparsers) -> None:
                    help="strict: project after Adam (curvature bound); faithful: before")
     p.add_argument("--layers", default=r"layers/(1[6-9])/mlp/down_proj",
                    help="regex over dense layer paths")
-    p.add_argument("--steps", type=int, default=15, help="passes over the edits")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--capability-seqs", type=int, default=16)
-    p.add_argument("--held-seqs", type=int, default=8)
+    p.add_argument("--steps", type=positive_int, default=15, help="passes over the edits")
+    p.add_argument("--lr", type=positive_float, default=1e-3)
+    p.add_argument("--seq-len", type=positive_int, default=64)
+    p.add_argument("--capability-seqs", type=positive_int, default=16)
+    p.add_argument("--held-seqs", type=positive_int, default=8)
     p.add_argument("--out", default="runs/edit",
                    help="folder for the edited model (loadable by eval/generate/--model) and "
                         "edit.json")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into an output folder that is not empty or holds another run")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     from lowrank_jax import editing as ed
+    from lowrank_jax.io.outputs import prepare_output
+    from lowrank_jax.io.validate import check_regex, check_text_file
     from lowrank_jax.models.hub import load_model, save_model
 
     if not 0.0 < args.gamma <= 1.0:
         raise ValueError(f"--gamma {args.gamma} must lie in (0, 1], e.g. 0.9.")
+    check_regex(args.layers, "--layers")
+    check_text_file(args.edits, "--edits")
+    prepare_output(args.out, command="edit", overwrite=args.overwrite)
     edits = ed.load_edits(args.edits)
     model, tokenizer = load_model(args.model)
     if tokenizer is None:

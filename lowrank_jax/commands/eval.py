@@ -6,6 +6,7 @@ import argparse
 import os
 
 from lowrank_jax.commands._common import add_model_arguments, load_model_from_args
+from lowrank_jax.io.validate import check_text_file, positive_int
 
 
 def register(subparsers) -> None:
@@ -17,14 +18,15 @@ def register(subparsers) -> None:
     )
     parser.add_argument("--text", default=None,
                         help="UTF-8 text file (default: the bundled English license texts)")
-    parser.add_argument("--window", type=int, default=1024, help="tokens per forward pass")
-    parser.add_argument("--stride", type=int, default=None,
+    parser.add_argument("--window", type=positive_int, default=1024,
+                        help="tokens per forward pass")
+    parser.add_argument("--stride", type=positive_int, default=None,
                         help="step between windows (default: --window, disjoint windows)")
-    parser.add_argument("--max-tokens", type=int, default=None,
+    parser.add_argument("--max-tokens", type=positive_int, default=None,
                         help="evaluate only the first N tokens")
     add_model_arguments(
         parser, kv_help='score each window from an xKV-compressed cache of its context')
-    parser.add_argument("--kv-eval-tokens", type=int, default=128,
+    parser.add_argument("--kv-eval-tokens", type=positive_int, default=128,
                         help="with --kv: tokens scored per window after the compressed context")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.set_defaults(func=run)
@@ -39,8 +41,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         if not os.path.isfile(args.text):
             raise FileNotFoundError(f"--text {args.text}: no such file.")
-        with open(args.text, encoding="utf-8") as f:
-            text, source = f.read(), args.text
+        text, source = check_text_file(args.text, "--text"), args.text
     model, tokenizer = load_model_from_args(args)
     ids = tokenizer.encode(text)
     if args.max_tokens is not None:

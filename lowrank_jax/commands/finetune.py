@@ -12,6 +12,12 @@ import os
 
 import numpy as np
 
+from lowrank_jax.io.validate import (
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from lowrank_jax.train.finetune import METHODS
 
 
@@ -30,20 +36,22 @@ def register(subparsers) -> None:
     p.add_argument("--rank-plan", action="store_true",
                    help="CSPLoRA: probe the base model and allocate per-module ranks under the "
                         "parameter budget of uniform --rank")
-    p.add_argument("--rank", type=int, default=8)
-    p.add_argument("--alpha", type=float, default=16.0)
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--lr", type=float, default=None,
+    p.add_argument("--rank", type=positive_int, default=8)
+    p.add_argument("--alpha", type=positive_float, default=16.0)
+    p.add_argument("--steps", type=positive_int, default=100)
+    p.add_argument("--lr", type=positive_float, default=None,
                    help="learning rate (default 1e-3; 1e-4 for balora)")
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--batch-size", type=positive_int, default=4)
+    p.add_argument("--seq-len", type=positive_int, default=64)
     p.add_argument("--targets", default=r"(q|v)_proj",
                    help="regex on module paths such as layers/3/self_attn/q_proj")
-    p.add_argument("--lokra-lambda", type=float, default=1e-3,
+    p.add_argument("--lokra-lambda", type=non_negative_float, default=1e-3,
                    help="weight of the Kruskal-rank penalty (--method lokra)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--out", default="runs/finetune", help="output folder (adapter + metrics)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into an output folder that is not empty or holds another run")
     p.add_argument("--jobs", default=None, metavar="JOBS.yaml",
                    help="train several LoRA jobs at once on one base (PLoRA packing); see "
                         "lowrank_jax/train/jobs.py for the file format")
@@ -51,8 +59,14 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
+    from lowrank_jax.io.outputs import atomic_write_text, prepare_output
+    from lowrank_jax.io.validate import check_jobs_file, check_regex, check_text_file
+
     if getattr(args, "jobs", None):
         from lowrank_jax.train.jobs import load_jobs, run_jobs
+
+        prepare_output(check_jobs_file(args.jobs, args.out)[1], command="finetune",
+                       overwrite=args.overwrite)
 
         run_jobs(load_jobs(args.jobs), model=args.model, out=args.out,
                  progress=not args.no_progress, log=print)
@@ -61,9 +75,9 @@ def run(args) -> int:
     from lowrank_jax.nn.rank_plan import plan_ranks
     from lowrank_jax.train.finetune import finetune, load_model_and_tokens, token_batches
 
-    for name in ("rank", "steps", "batch_size", "seq_len"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1.")
+    check_regex(args.targets, "--targets")
+    check_text_file(args.data, "--data")
+    prepare_output(args.out, command="finetune", overwrite=args.overwrite)
     lr = args.lr if args.lr is not None else (1e-4 if args.method == "balora" else 1e-3)
     model, tokens, base_name = load_model_and_tokens(args.model, args.data)
     if len(tokens) < args.seq_len + 2:
@@ -79,7 +93,6 @@ def run(args) -> int:
                       rank=args.rank, alpha=args.alpha, steps=args.steps, lr=lr,
                       seed=args.seed, ranks=ranks, lokra_lambda=args.lokra_lambda,
                       progress=not args.no_progress, description=f"finetune {args.method}")
-    os.makedirs(args.out, exist_ok=True)
     adapter_dir = os.path.join(args.out, "adapter")
     config = export_peft(model, adapter_dir, base_model_name_or_path=base_name,
                          initial_adapters=result.initial_adapters or None)
@@ -90,10 +103,8 @@ def run(args) -> int:
         "seconds": result.seconds, "adapted_modules": len(result.adapted),
         "ranks": result.ranks, "probe_scores": scores, "peft_r": config["r"],
     }
-    with open(os.path.join(args.out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-    with open(os.path.join(args.out, "losses.json"), "w") as f:
-        json.dump(result.losses, f)
+    atomic_write_text(os.path.join(args.out, "summary.json"), json.dumps(summary, indent=2))
+    atomic_write_text(os.path.join(args.out, "losses.json"), json.dumps(result.losses))
     print(f"{args.method}: loss {result.losses[0]:.4f} -> {summary['final_loss']:.4f} "
           f"(mean of the last 10 steps) in {args.steps} steps, {result.seconds:.1f} s; "
           f"{len(result.adapted)} modules adapted")

@@ -6,6 +6,12 @@ import argparse
 import sys
 
 from lowrank_jax.commands._common import add_model_arguments, load_model_from_args
+from lowrank_jax.io.validate import (
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 
 
 def register(subparsers) -> None:
@@ -13,15 +19,21 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "generate",
         help="generate text from a model (greedy or top-p sampling, KV cache, streaming)",
-        description="Continue a prompt (or answer it as a chat with --chat).",
+        description="Answer a prompt as a chat when the model has a chat template (--raw: "
+                    "continue the text instead).",
     )
     parser.add_argument("--prompt", required=True, help="the prompt text")
-    parser.add_argument("--chat", action="store_true",
-                        help="wrap the prompt as a user message in the chat template")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (with T > 0)")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--chat", action="store_true",
+                      help="wrap the prompt as a user message in the chat template (the "
+                           "default when the model has one)")
+    mode.add_argument("--raw", action="store_true",
+                      help="continue the prompt text as is (no chat template)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=128)
+    parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=positive_float, default=1.0,
+                        help="nucleus mass in (0, 1] (with T > 0)")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="sampling seed")
     add_model_arguments(parser, kv_help="compress the prompt's KV cache with xKV (cross-layer SVD)")
     parser.set_defaults(func=run)
 
@@ -37,8 +49,10 @@ def run(args: argparse.Namespace, *, cache_factory=None) -> int:
     from lowrank_jax.models.generate import generate
 
     model, tokenizer = load_model_from_args(args)
+    if args.top_p > 1:
+        raise ValueError(f"--top-p {args.top_p} must lie in (0, 1], e.g. 0.9.")
     prompt = args.prompt
-    if args.chat:
+    if args.chat or (not args.raw and getattr(tokenizer, "chat_template", None)):
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
 
     if getattr(args, "kv", "none") == "xkv":
@@ -50,6 +64,9 @@ def run(args: argparse.Namespace, *, cache_factory=None) -> int:
             raise ValueError("--kv xkv generates greedily; drop --temperature.")
         factory = xkv_cache_factory(args.kv_ratio, args.kv_group, args.kv_sink)
         ids = tokenizer.encode(prompt)
+        if len(ids) + args.max_new_tokens > model.cfg.max_seq_len:
+            raise ValueError(f"--max-new-tokens {args.max_new_tokens} + {len(ids)} prompt tokens "
+                             f"exceed the model's context ({model.cfg.max_seq_len}); lower it.")
         out = [int(t) for t in factory.generate(model, jnp.asarray([ids], jnp.int32),
                                                 max_new_tokens=args.max_new_tokens)[0]]
         if tokenizer.eos_id in out:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from lowrank_jax.io.validate import positive_int
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
@@ -19,17 +21,20 @@ def register(subparsers) -> None:
     p.add_argument("--mesh", default=None,
                    help="device mesh, e.g. data=2,fsdp=2,tensor=2 (default: one device)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    p.add_argument("--stop-after", type=int, default=None,
+    p.add_argument("--overwrite", action="store_true",
+                   help="start afresh in a run_dir holding another run (its checkpoints and "
+                        "metrics are removed) or files of yours")
+    p.add_argument("--stop-after", type=positive_int, default=None,
                    help="stop (with a checkpoint) after this many steps, as if interrupted")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    import signal
+
     from lowrank_jax.train import sharding
     from lowrank_jax.train.config import MeshConfig, load_config
     from lowrank_jax.train.loop import train
-
-    import signal
 
     def _interrupt(signum, frame):  # SIGTERM (a scheduler, a closed session) → checkpoint, exit
         raise KeyboardInterrupt
@@ -40,7 +45,7 @@ def run(args) -> int:
     if args.mesh:
         cfg = dataclasses.replace(cfg, mesh=MeshConfig(**sharding.parse_mesh(args.mesh)))
     result = train(cfg, resume=args.resume, stop_after=args.stop_after,
-                   progress=not args.no_progress)
+                   progress=not args.no_progress, overwrite=args.overwrite)
     ratio = result.val_bits_per_byte / result.unigram_entropy_bits
     print(f"validation loss: {result.val_loss:.4f} nats/byte = "
           f"{result.val_bits_per_byte:.3f} bits/byte")

@@ -16,6 +16,8 @@ import json
 import os
 
 
+from lowrank_jax.io.validate import non_negative_int, positive_int
+
 METHOD_BITS = {"unisvq": (2,), "rtn": (2, 3, 4, 8)}
 
 
@@ -26,18 +28,20 @@ def register(subparsers) -> None:
     parser.add_argument("--model", default="smollm2", help="name, .gguf file or HF folder")
     parser.add_argument("--method", default="unisvq", choices=sorted(METHOD_BITS))
     parser.add_argument("--bits", type=int, default=2, help="2 (unisvq); 2, 3, 4, 8 (rtn)")
-    parser.add_argument("--group-size", type=int, default=64,
+    parser.add_argument("--group-size", type=positive_int, default=64,
                         help="RTN input coordinates per scale/zero (must divide every input dim)")
     parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="write into an output folder that is not empty")
     parser.add_argument("--calib-file", default=None,
                         help="calibration text file (default: the stdlib-docstring corpus)")
-    parser.add_argument("--calib-seqs", type=int, default=32)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--tune-iters", type=int, default=3)
-    parser.add_argument("--finetune-steps", type=int, default=20)
-    parser.add_argument("--layers", type=int, default=None,
+    parser.add_argument("--calib-seqs", type=positive_int, default=32)
+    parser.add_argument("--seq-len", type=positive_int, default=128)
+    parser.add_argument("--tune-iters", type=non_negative_int, default=3)
+    parser.add_argument("--finetune-steps", type=non_negative_int, default=20)
+    parser.add_argument("--layers", type=positive_int, default=None,
                         help="quantize only the first N blocks (quick runs)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.set_defaults(func=run)
 
 
@@ -55,8 +59,14 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.calib_file is not None and not os.path.isfile(args.calib_file):
         raise FileNotFoundError(f"--calib-file {args.calib_file!r} does not exist.")
-    if os.path.exists(os.path.join(args.out, "quantization.json")):
+    from lowrank_jax.io.validate import check_text_file
+
+    check_text_file(args.calib_file, "--calib-file")
+    if os.path.exists(os.path.join(args.out, "quantization.json")) and not args.overwrite:
         raise FileExistsError(f"--out {args.out!r} already holds a quantized model; pick another.")
+    from lowrank_jax.io.outputs import prepare_output
+
+    prepare_output(args.out, command="quantize", overwrite=args.overwrite)
 
     from lowrank_jax.models.hub import load_model
 

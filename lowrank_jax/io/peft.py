@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from lowrank_jax.io.outputs import staged_folder
 from lowrank_jax.nn.inject import LoRARule, apply_lora, linear_paths, lora_layers
 from lowrank_jax.nn.lora import LoRALinear, lora_scaling
 
@@ -190,10 +191,47 @@ def export_peft(
         "layers_to_transform": None,
         "layers_pattern": None,
     }
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, CONFIG_NAME), "w") as f:
-        json.dump(config, f, indent=2, sort_keys=True)
-    save_file(tensors, os.path.join(folder, WEIGHTS_NAME), metadata={"format": "pt"})
+    # written to a temporary folder and renamed: a crash never leaves half an adapter
+    with staged_folder(folder) as tmp:
+        with open(os.path.join(tmp, CONFIG_NAME), "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+        save_file(tensors, os.path.join(tmp, WEIGHTS_NAME), metadata={"format": "pt"})
+    return config
+
+
+def _read_config(path: str) -> dict:
+    """``adapter_config.json``, checked: valid JSON, numeric ``r`` / ``lora_alpha`` (and in
+    their patterns); errors name the file and the key."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ValueError(f"import_peft: {path} is not valid JSON ({error}); export the "
+                         "adapter again or fix the file.") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"import_peft: {path} must hold a JSON object, got "
+                         f"{type(config).__name__}.")
+
+    def check(key, value, positive_int=False):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        ok = ok and math.isfinite(value) and value > 0
+        if positive_int:
+            ok = ok and float(value).is_integer()
+        if not ok:
+            kind = "a positive integer" if positive_int else "a positive number"
+            raise ValueError(f"import_peft: {path}: {key}={value!r} must be {kind}.")
+
+    if "r" in config:
+        check("r", config["r"], positive_int=True)
+    if "lora_alpha" in config:
+        check("lora_alpha", config["lora_alpha"])
+    for pattern, is_int in (("rank_pattern", True), ("alpha_pattern", False)):
+        values = config.get(pattern) or {}
+        if not isinstance(values, dict):
+            raise ValueError(f"import_peft: {path}: {pattern} must be an object "
+                             "{module: value}.")
+        for name, value in values.items():
+            check(f"{pattern}[{name!r}]", value, positive_int=is_int)
     return config
 
 
@@ -247,14 +285,21 @@ def import_peft(model: nnx.Module, folder: str | os.PathLike, *,
         if not os.path.exists(p):
             raise FileNotFoundError(f"import_peft: {p} not found; a PEFT adapter folder holds "
                                     f"{CONFIG_NAME} and {WEIGHTS_NAME}.")
-    with open(config_path) as f:
-        config = json.load(f)
+    config = _read_config(config_path)
     if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"import_peft: peft_type={config.get('peft_type')!r}; only 'LORA' "
                          "adapters can be imported.")
     if config.get("use_dora"):
         raise ValueError("import_peft: use_dora=true adapters are not supported (LoRA only).")
-    tensors = load_file(weights_path)
+    try:
+        tensors = load_file(weights_path)
+    except Exception as error:  # noqa: BLE001 - safetensors raises its own error types
+        raise ValueError(f"import_peft: {weights_path} is not a readable safetensors file "
+                         f"({str(error).splitlines()[0]}); export the adapter again.") from None
+    for key, value in tensors.items():
+        if not np.all(np.isfinite(np.asarray(value, np.float32))):
+            raise ValueError(f"import_peft: {weights_path} tensor {key!r} holds NaN or inf "
+                             "values; the adapter is broken (retrain it with a lower lr).")
     modules: dict[str, dict[str, np.ndarray]] = {}
     for key, value in tensors.items():
         match = re.fullmatch(r"base_model\.model\.(.+)\.(lora_A|lora_B)(?:\.default)?\.weight", key)

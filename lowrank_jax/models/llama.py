@@ -8,6 +8,7 @@ checkpoints load by name and LoRA adapters export to PEFT with the names PEFT ex
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -52,8 +53,26 @@ class LlamaConfig:
     param_dtype: str = "float32"
 
     def __post_init__(self):
+        for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
+                    "max_seq_len"):
+            value = getattr(self, key)
+            least = 0 if key == "n_layers" else 1  # n_layers=0: the embedding-only shell
+            if not (isinstance(value, numbers.Integral) and not isinstance(value, bool)
+                    and value >= least):
+                raise ValueError(f"{key}={value!r} must be "
+                                 f"{'an integer >= 0' if least == 0 else 'a positive integer'}.")
+        for key in ("rope_theta", "norm_eps"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"{key}={getattr(self, key)!r} must be > 0.")
         if self.head_dim is None:
+            if self.d_model % self.n_heads:
+                raise ValueError(
+                    f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; pick "
+                    f"n_heads dividing d_model (or set head_dim explicitly)."
+                )
             self.head_dim = self.d_model // self.n_heads
+        if not (isinstance(self.head_dim, numbers.Integral) and self.head_dim >= 1):
+            raise ValueError(f"head_dim={self.head_dim!r} must be a positive integer.")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}."

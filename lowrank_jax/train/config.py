@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import pathlib
+import re
 from typing import Any
 
 import yaml
@@ -13,6 +15,7 @@ from lowrank_jax.models.llama import LlamaConfig
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
 PACKAGED_CONFIG_DIR = pathlib.Path(__file__).resolve().parent / "presets"
+BYTE_VOCAB = 256  # pretraining reads the embedded corpus byte by byte
 
 
 @dataclasses.dataclass
@@ -41,6 +44,12 @@ class OptimizerConfig:
                     f"optimizer.{key}={value!r} must be a positive number "
                     f"(e.g. --set optimizer.{key}=0.01)."
                 )
+        for key in ("weight_decay", "grad_clip"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"optimizer.{key}={getattr(self, key)} must be >= 0 "
+                                 f"(0 disables it).")
+        if not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"optimizer.momentum={self.momentum} must be in [0, 1), e.g. 0.95.")
         if not 0.0 <= self.warmup_fraction < 1.0:
             raise ValueError(f"optimizer.warmup_fraction={self.warmup_fraction} must be in [0, 1).")
         if self.schedule not in ("cosine", "constant"):
@@ -65,6 +74,12 @@ class TrainConfig:
             value = getattr(self, key)
             if not (isinstance(value, int) and value > 0):
                 raise ValueError(f"train.{key}={value!r} must be a positive integer.")
+        if not (isinstance(self.seed, int) and self.seed >= 0):
+            raise ValueError(f"train.seed={self.seed!r} must be an integer >= 0, e.g. "
+                             "--set train.seed=0.")
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ValueError(f"train.val_fraction={self.val_fraction} must be in (0, 1), "
+                             "e.g. 0.1.")
 
 
 @dataclasses.dataclass
@@ -72,6 +87,12 @@ class MeshConfig:
     data: int = 1
     fsdp: int = 1
     tensor: int = 1
+
+    def __post_init__(self):
+        for key in ("data", "fsdp", "tensor"):
+            value = getattr(self, key)
+            if not (isinstance(value, int) and value > 0):
+                raise ValueError(f"mesh.{key}={value!r} must be a positive integer.")
 
 
 @dataclasses.dataclass
@@ -84,6 +105,17 @@ class RunConfig:
     name: str = "tiny"
 
     def __post_init__(self):
+        if not isinstance(self.run_dir, str) or not self.run_dir.strip():
+            raise ValueError(f"run_dir={self.run_dir!r} must name a folder, e.g. "
+                             "--set run_dir=runs/my_run.")
+        if self.model.n_layers < 1:
+            raise ValueError(f"model.n_layers={self.model.n_layers} must be a positive integer "
+                             "(a model needs at least one layer).")
+        if self.model.vocab_size < BYTE_VOCAB:
+            raise ValueError(
+                f"model.vocab_size={self.model.vocab_size} is too small for the byte-level "
+                f"corpus (token ids 0..{BYTE_VOCAB - 1}); use --set model.vocab_size="
+                f"{BYTE_VOCAB}.")
         if self.train.seq_len > self.model.max_seq_len:
             raise ValueError(
                 f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len="
@@ -107,32 +139,82 @@ def _field_types(cls) -> dict[str, Any]:
     return {f.name: f.type for f in dataclasses.fields(cls)}
 
 
-def _coerce(value: str):
+def _coerce(value: str, key: str = "value"):
     """Parse an override value the way YAML would (numbers, booleans, null, strings)."""
-    return yaml.safe_load(value)
+    try:
+        return yaml.safe_load(value)
+    except yaml.YAMLError as error:
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise ValueError(f"--set {key}={value}: the value is not valid YAML ({problem}); "
+                         "quote it, e.g. --set 'name=\"my run\"'.") from None
+
+
+_FLOAT = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?")
+
+
+def _as_type(name: str, value, annotation: str):
+    """``value`` read as the declared type ``annotation`` (YAML 1.2 numbers: ``1e-3`` is a
+    float), or a ValueError naming ``name``."""
+    kinds = {part.strip() for part in str(annotation).split("|")}
+    if value is None and "None" in kinds:
+        return None
+    if isinstance(value, str) and kinds & {"float", "int"} and _FLOAT.fullmatch(value.strip()):
+        value = float(value)  # YAML 1.1 reads 1e-3 as a string; YAML 1.2 as a number
+    if "int" in kinds and isinstance(value, float) and value.is_integer() and "float" not in kinds:
+        value = int(value)
+    if "float" in kinds and isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise ValueError(f"{name}={value} must be a finite number.")
+        return value  # an int is a valid float (and keeps its spelling in messages)
+    if "int" in kinds and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if "bool" in kinds and isinstance(value, bool):
+        return value
+    if "str" in kinds and isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        return str(value)
+    if "tuple[str, ...]" in kinds and isinstance(value, (list, tuple)):
+        return tuple(str(v) for v in value)
+    wanted = {"int": "an integer", "float": "a number", "bool": "true or false",
+              "str": "a string"}
+    described = " or ".join(wanted.get(k, k) for k in sorted(kinds) if k != "None")
+    if value is None or (isinstance(value, str) and not value.strip()):
+        raise ValueError(f"{name} is empty; give {described} (e.g. --set {name}=...).")
+    raise ValueError(f"{name}={value!r} must be {described}.")
+
+
+def _build(section: str, cls, values: dict):
+    known = _field_types(cls)
+    kwargs = {}
+    for sub, value in values.items():
+        if sub not in known:
+            raise ValueError(f"Unknown config key '{section}.{sub}'.{_did_you_mean(sub, known)}")
+        kwargs[sub] = _as_type(f"{section}.{sub}", value, known[sub])
+    try:
+        return cls(**kwargs)
+    except ValueError as error:
+        message = str(error)
+        first = message.split("=", 1)[0]
+        if first in known:  # LlamaConfig speaks of its own fields: name them as config keys
+            message = f"{section}.{message}"
+        raise ValueError(message) from None
 
 
 def from_dict(raw: dict) -> RunConfig:
-    """Build a :class:`RunConfig`, rejecting unknown keys with a did-you-mean."""
+    """Build a :class:`RunConfig`, rejecting unknown keys with a did-you-mean and reading every
+    value as its field's declared type (YAML 1.2 numbers), validated."""
     raw = dict(raw or {})
-    top = {f.name for f in dataclasses.fields(RunConfig)}
+    top = _field_types(RunConfig)
     kwargs: dict[str, Any] = {}
     for key, value in raw.items():
         if key not in top:
             raise ValueError(f"Unknown config key {key!r}.{_did_you_mean(key, top)}")
         if key in _SECTIONS:
-            cls = _SECTIONS[key]
-            known = _field_types(cls)
             if not isinstance(value, dict):
-                raise ValueError(f"Config section {key!r} must be a mapping, got {value!r}.")
-            for sub in value:
-                if sub not in known:
-                    raise ValueError(
-                        f"Unknown config key '{key}.{sub}'.{_did_you_mean(sub, known)}"
-                    )
-            kwargs[key] = cls(**value)
+                raise ValueError(f"Config section {key!r} must be a mapping (key: value lines), "
+                                 f"got {value!r}.")
+            kwargs[key] = _build(key, _SECTIONS[key], value)
         else:
-            kwargs[key] = value
+            kwargs[key] = _as_type(key, value, top[key])
     return RunConfig(**kwargs)
 
 
@@ -145,15 +227,18 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
         key, value = item.split("=", 1)
         parts = key.strip().split(".")
         if len(parts) == 1:
-            raw[parts[0]] = _coerce(value)
+            raw[parts[0]] = _coerce(value, key)
         elif len(parts) == 2:
             section, sub = parts
             if section not in _SECTIONS:
                 top = {f.name for f in dataclasses.fields(RunConfig)}
                 raise ValueError(f"Unknown config key {key!r}.{_did_you_mean(section, top)}")
             raw.setdefault(section, {})
+            if not isinstance(raw[section], dict):
+                raise ValueError(f"Config section {section!r} must be a mapping, got "
+                                 f"{raw[section]!r}.")
             raw[section] = dict(raw[section])
-            raw[section][sub] = _coerce(value)
+            raw[section][sub] = _coerce(value, key)
         else:
             raise ValueError(f"--set {item!r}: keys have at most one dot (section.key).")
     return raw
@@ -177,6 +262,20 @@ def find_config(path_or_name: str) -> pathlib.Path:
 
 def load_config(path_or_name: str = "tiny", overrides: list[str] | None = None) -> RunConfig:
     """Read a YAML preset or file, apply ``--set`` overrides, and validate everything."""
-    with open(find_config(path_or_name)) as f:
-        raw = yaml.safe_load(f) or {}
+    path = find_config(path_or_name)
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = yaml.safe_load(f) or {}
+    except UnicodeDecodeError as error:
+        raise ValueError(f"--config {path}: not UTF-8 text (byte {error.object[error.start]:#x} "
+                         f"at offset {error.start}); save the file as UTF-8.") from None
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise ValueError(f"--config {path}: invalid YAML{where} ({problem}); fix the file "
+                         "(see configs/tiny.yaml for the layout).") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"--config {path}: expected a mapping of sections (model:, optimizer:, "
+                         f"train:, run_dir:), got a {type(raw).__name__}.")
     return from_dict(apply_overrides(raw, overrides or []))

@@ -12,13 +12,12 @@ import json
 import math
 import pathlib
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 import yaml
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -31,8 +30,15 @@ from lowrank_jax.data import (
     train_val_split,
     unigram_entropy_bits,
 )
+from lowrank_jax.io.outputs import atomic_write_text, prepare_output
 from lowrank_jax.models.llama import Llama, count_params
 from lowrank_jax.train import sharding as shard_lib
+from lowrank_jax.train.checkpoint import (  # re-exported for existing callers
+    checkpoint_manager,
+    restore_checkpoint,
+    save_checkpoint,
+    truncate_metrics,
+)
 from lowrank_jax.train.config import RunConfig
 from lowrank_jax.train.losses import cross_entropy
 from lowrank_jax.train.optimizers import build_optimizer
@@ -117,33 +123,6 @@ def evaluate(eval_fn, params, tokens, batch_size, seq_len, max_batches) -> float
     return float(np.mean(losses))
 
 
-def checkpoint_manager(run_dir: pathlib.Path, *, create: bool = True):
-    options = ocp.CheckpointManagerOptions(max_to_keep=2, create=create)
-    return ocp.CheckpointManager((run_dir / "checkpoints").absolute(), options=options)
-
-
-def save_checkpoint(manager, state: TrainState) -> None:
-    manager.save(state.step, args=ocp.args.StandardSave(
-        {"params": state.params, "opt_state": state.opt_state}))
-    manager.wait_until_finished()
-
-
-def restore_checkpoint(manager, state: TrainState, step: int | None = None) -> TrainState:
-    """Restore onto ``state``'s structure and shardings (so a different mesh reshards on load)."""
-    step = manager.latest_step() if step is None else step
-    if step is None:
-        raise FileNotFoundError(
-            f"--resume: no checkpoint in {manager.directory}; run without --resume first."
-        )
-    abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
-        {"params": state.params, "opt_state": state.opt_state},
-    )
-    restored = manager.restore(step, args=ocp.args.StandardRestore(abstract))
-    return dataclasses.replace(state, params=restored["params"],
-                               opt_state=restored["opt_state"], step=int(step))
-
-
 def plot_losses(metrics_path: pathlib.Path, out_png: pathlib.Path, entropy_bits: float) -> None:
     import matplotlib
 
@@ -179,8 +158,11 @@ class TrainResult:
     losses: list[float]
 
 
+RUN_FILES = ("checkpoints", "metrics.jsonl", "config.yaml", "summary.json", "loss.png")
+
+
 def train(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None,
-          progress: bool = True, mesh=None, log=print) -> TrainResult:
+          progress: bool = True, mesh=None, log=print, overwrite: bool = False) -> TrainResult:
     """Pretrain ``cfg.model`` on the embedded corpus; checkpoints, metrics and plot in ``run_dir``.
 
     Args:
@@ -190,6 +172,10 @@ def train(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None
         progress: show a tqdm progress bar.
         mesh: a ``(data, fsdp, tensor)`` mesh; by default one is built from ``cfg.mesh`` when it
             has more than one device.
+        overwrite: start afresh in a ``run_dir`` that holds another run or files of the user
+            (its previous checkpoints and metrics are removed; other files are kept).
+            Without it such a folder is refused before any work (see
+            :func:`lowrank_jax.io.outputs.prepare_output`).
     """
     from tqdm.auto import tqdm
 
@@ -203,25 +189,31 @@ def train(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None
                 f"train.batch_size={cfg.train.batch_size} is not divisible by data x fsdp = "
                 f"{split}; use a multiple of {split}."
             )
-    run_dir.mkdir(parents=True, exist_ok=True)
+    checkpoints = run_dir / "checkpoints"
+    has_steps = checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())
+    if resume and not has_steps:
+        raise FileNotFoundError(
+            f"--resume: no checkpoint in {checkpoints}; run without --resume first."
+        )
+    prepare_output(run_dir, command="pretrain", argument="run_dir", overwrite=overwrite,
+                   resume=resume, owned_names=RUN_FILES)
     tokens = corpus_bytes()
     train_tokens, val_tokens = train_val_split(tokens, cfg.train.val_fraction)
     entropy = unigram_entropy_bits(train_tokens)
     manager = checkpoint_manager(run_dir)
-    if resume and manager.latest_step() is None:
-        raise FileNotFoundError(
-            f"--resume: no checkpoint in {run_dir / 'checkpoints'}; run without --resume first."
-        )
     if not resume and manager.latest_step() is not None:
         raise FileExistsError(
             f"{run_dir} already holds a checkpoint (step {manager.latest_step()}); pass --resume "
             f"to continue it or choose another run_dir (--set run_dir=runs/new)."
         )
     state, tx = init_state(cfg, mesh)
+    metrics_path = run_dir / "metrics.jsonl"
     if resume:
-        state = restore_checkpoint(manager, state)
-        log(f"resumed from step {state.step}")
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        state, manager = restore_checkpoint(manager, state, cfg, log=log)
+        dropped = truncate_metrics(metrics_path, state.step)
+        log(f"resumed from step {state.step}"
+            + (f" ({dropped} metrics rows after it dropped)" if dropped else ""))
+    atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     batch_spec = shard_lib.batch_sharding(mesh) if mesh is not None else None
     if mesh is None:
         step_fn = make_train_step(state.graphdef, tx)
@@ -229,9 +221,8 @@ def train(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None
         step_fn = make_train_step(state.graphdef, tx, params=state.params,
                                   opt_state=state.opt_state, batch_sharding=batch_spec)
     eval_fn = make_eval_fn(state.graphdef)
-    metrics_path = run_dir / "metrics.jsonl"
     if not resume and metrics_path.exists():
-        metrics_path.unlink()
+        metrics_path.unlink()  # a stale file of ours (prepare_output refused anyone else's)
     n_params = count_params(nnx.merge(state.graphdef, state.params))
     log(f"model: {n_params:,} parameters ({cfg.model.projection}); optimizer: "
         f"{cfg.optimizer.name}; {cfg.train.steps} steps of {cfg.train.batch_size}x"
@@ -253,7 +244,7 @@ def train(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None
                                             step=state.step + 1)
                 loss = float(m["loss"])
                 if not bool(m["finite"]):
-                    save_checkpoint(manager, state)
+                    save_checkpoint(manager, state, cfg)
                     raise FloatingPointError(
                         f"non-finite loss/update at step {state.step} (loss={loss}); the update "
                         f"was not applied and a checkpoint was saved in {run_dir}. Lower "
@@ -276,21 +267,24 @@ def train(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None
                     metrics_file.write(json.dumps({"kind": "eval", "step": state.step,
                                                    "val_loss": vl}) + "\n")
                 if state.step % cfg.train.checkpoint_every == 0 and state.step < last:
-                    save_checkpoint(manager, state)
+                    save_checkpoint(manager, state, cfg)
             val_loss = evaluate(eval_fn, state.params, val_tokens, cfg.train.batch_size,
                                 cfg.train.seq_len, cfg.train.eval_batches)
             metrics_file.write(json.dumps({"kind": "eval", "step": state.step,
                                            "val_loss": val_loss}) + "\n")
     except KeyboardInterrupt:
-        save_checkpoint(manager, state)
+        try:
+            save_checkpoint(manager, state, cfg)
+        except KeyboardInterrupt:  # pressed again during the save: it completed all the same
+            pass
         bar.close()
         log(f"interrupted at step {state.step}; checkpoint saved — continue with --resume")
         raise
     bar.close()
-    save_checkpoint(manager, state)
+    save_checkpoint(manager, state, cfg)
     plot_losses(metrics_path, run_dir / "loss.png", entropy)
     bpb = nats_to_bits(val_loss)
     summary = {"step": state.step, "val_loss": val_loss, "val_bits_per_byte": bpb,
                "unigram_entropy_bits_per_byte": entropy, "params": n_params}
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
     return TrainResult(state, val_loss, bpb, entropy, run_dir, losses)

@@ -1,0 +1,215 @@
+"""Output folders that never lose a user's work: checked before any work, written atomically.
+
+Every command that writes calls :func:`prepare_output` at its start, before loading a model or
+training, so a bad target fails in a second instead of after an hour:
+
+- the target must be (or become) a folder we can write (its parent exists or can be made, a
+  file is not in the way, a probe file can be created);
+- a folder that is not empty and was not created by ``lowrank-jax`` is refused, and so is one
+  holding another run, unless ``overwrite`` (replace) or ``resume`` (continue) says otherwise;
+- the folder gets a small marker file (:data:`MARKER`) naming the command that owns it.
+
+Files are written with :func:`atomic_write_text` / :func:`staged_folder` (temporary name, then a
+rename), and paths built from user-given names go through :func:`inside`, which refuses
+anything that would land outside the output folder (``../x``, absolute names).
+
+Example::
+
+    >>> import tempfile, os
+    >>> out = prepare_output(os.path.join(tempfile.mkdtemp(), "run"), command="finetune")
+    >>> atomic_write_text(inside(out, "summary.json"), "{}")
+    >>> sorted(os.listdir(out))
+    ['.lowrank-jax.json', 'summary.json']
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+
+MARKER = ".lowrank-jax.json"
+
+
+def _listing(folder: pathlib.Path, limit: int = 4) -> str:
+    names = sorted(p.name for p in folder.iterdir() if p.name != MARKER)
+    shown = ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")
+    return shown
+
+
+def _owner(folder: pathlib.Path) -> dict | None:
+    try:
+        return json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def check_writable(path: str | os.PathLike, argument: str) -> pathlib.Path:
+    """Check (without creating anything) that ``path`` can become a folder we write into.
+
+    Raises:
+        ValueError: naming ``argument`` when a file is in the way, the path is empty, or the
+            nearest existing parent folder cannot be written.
+    """
+    if path is None or str(path).strip() == "":
+        raise ValueError(f"{argument} is empty; give an output folder, e.g. "
+                         f"{argument} runs/my_run.")
+    target = pathlib.Path(path)
+    if target.exists() and not target.is_dir():
+        raise ValueError(f"{argument} {path}: is a file, not a folder; remove it or choose "
+                         "another folder.")
+    probe_dir = target
+    while not probe_dir.exists():
+        if probe_dir.parent == probe_dir:
+            break
+        probe_dir = probe_dir.parent
+    if not probe_dir.is_dir():
+        raise ValueError(f"{argument} {path}: {probe_dir} is a file, so no folder can be made "
+                         "under it; choose another path.")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=probe_dir)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as error:
+        reason = os.strerror(error.errno) if error.errno else str(error)
+        raise ValueError(f"{argument} {path}: cannot write in {probe_dir} ({reason.lower()}); "
+                         "choose a folder you can write to.") from None
+    return target
+
+
+def prepare_output(path: str | os.PathLike, *, command: str, argument: str = "--out",
+                   overwrite: bool = False, resume: bool = False,
+                   owned_names: tuple[str, ...] = ()) -> pathlib.Path:
+    """Check and claim the output folder ``path`` before any work starts.
+
+    Args:
+        path: the output folder.
+        command: the command that owns it (``"pretrain"``, ``"finetune"``, ...), recorded in
+            the marker file.
+        argument: how the user gave the path (``"--out"``, ``"run_dir"``), for messages.
+        overwrite: write into the folder even though it is not empty or holds another run
+            (``--overwrite``); the names in ``owned_names`` are removed first, every other
+            file is kept (files of the same name are replaced when written).
+        resume: continue a run of the same command in this folder (``--resume``).
+        owned_names: stale outputs of ``command`` removed by ``overwrite`` (e.g. the
+            checkpoints of a previous run, which would otherwise be resumed).
+
+    Returns:
+        The folder, created, with its marker.
+
+    Raises:
+        ValueError: the folder is not writable, not empty and not ours, or holds another run.
+    """
+    target = check_writable(path, argument)
+    if target.is_dir() and any(p.name != MARKER for p in target.iterdir()):
+        owner = _owner(target)
+        contents = _listing(target)
+        if overwrite:
+            for name in owned_names:
+                victim = target / name
+                if victim.is_dir() and not victim.is_symlink():
+                    shutil.rmtree(victim)
+                elif victim.exists() or victim.is_symlink():
+                    victim.unlink()
+        elif owner is None and not (resume and (target / "checkpoints").is_dir()):
+            raise ValueError(
+                f"{argument} {path}: the folder is not empty ({contents}) and was not created "
+                f"by lowrank-jax; choose an empty or new folder, or pass --overwrite to "
+                "write into it anyway.")
+        elif owner is not None and owner.get("command") != command:
+            raise ValueError(
+                f"{argument} {path}: the folder holds a {owner.get('command')} run; choose "
+                f"another folder for {command}, or pass --overwrite to replace it.")
+        elif not resume:
+            hint = "pass --resume to continue it, " if command == "pretrain" else ""
+            raise ValueError(
+                f"{argument} {path}: the folder already holds a {command} run ({contents}); "
+                f"{hint}pass --overwrite to replace it, or choose another folder.")
+    target.mkdir(parents=True, exist_ok=True)
+    if _owner(target) is None or overwrite:
+        atomic_write_text(target / MARKER, json.dumps({"command": command}) + "\n")
+    return target
+
+
+def inside(folder: str | os.PathLike, name: str, *, argument: str = "name") -> pathlib.Path:
+    """``folder / name``, refusing a ``name`` that would leave ``folder`` (``../x``, ``/x``).
+
+    Example::
+
+        >>> inside("runs/jobs", "small").as_posix()
+        'runs/jobs/small'
+    """
+    text = str(name)
+    parts = pathlib.PurePath(text).parts
+    if (not text.strip() or pathlib.PurePath(text).is_absolute() or ".." in parts
+            or text.startswith("~")):
+        raise ValueError(f"{argument}={text!r} would write outside {folder}; use a plain name "
+                         "such as 'small' (letters, digits, '-', '_').")
+    return pathlib.Path(folder) / text
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename (never half a file)."""
+    path = pathlib.Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def staged_folder(path: str | os.PathLike):
+    """Yield a temporary folder next to ``path``; on success it becomes ``path`` by a rename.
+
+    When ``path`` already exists, each staged file replaces its namesake by a rename and any
+    other file in ``path`` is kept. On an error the temporary folder is removed and ``path`` is
+    left as it was.
+    """
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    try:
+        if path.is_dir():
+            for entry in tmp.iterdir():
+                os.replace(entry, path / entry.name)
+        else:
+            os.replace(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def describe_os_error(error: OSError) -> str:
+    """One line for an ``OSError`` (naming the file, the reason and a fix)."""
+    if error.errno is None or not error.strerror:
+        return str(error.args[0]) if error.args else type(error).__name__
+    where = f"{error.filename}: " if error.filename else ""
+    fixes = {
+        errno.ENOSPC: "free disk space or choose a folder on another disk",
+        errno.EACCES: "choose a path you can write to or fix its permissions",
+        errno.EPERM: "choose a path you can write to or fix its permissions",
+        errno.EROFS: "the file system is read-only; choose a writable folder",
+        errno.EISDIR: "give a file, not a folder",
+        errno.ENOTDIR: "a file is in the way of that folder path; choose another path",
+        errno.ENOENT: "check the path",
+        errno.EEXIST: "remove it or choose another name",
+    }
+    fix = fixes.get(error.errno, "check the path and try again")
+    return f"{where}{error.strerror.lower()}; {fix}."
+
+
+__all__ = ["MARKER", "atomic_write_text", "check_writable", "describe_os_error", "inside",
+           "prepare_output", "staged_folder"]
