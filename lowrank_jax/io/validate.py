@@ -110,9 +110,10 @@ def read_yaml_mapping(path: str, argument: str) -> dict:
         raise ValueError(f"{argument} {path}: invalid YAML{where} ({problem}).") from None
     if data is None:
         return {}
-    if not isinstance(data, dict):
+    if not isinstance(data, dict):  # a user's file, not a programming error: ValueError
+        kind = type(data).__name__
         raise ValueError(f"{argument} {path}: expected a mapping (key: value lines), got a "
-                         f"{type(data).__name__}.")
+                         f"{kind}.")
     return data
 
 

@@ -140,7 +140,7 @@ def _save_error(error: Exception, manager, step: int) -> OSError:
     reason = os.strerror(code).lower()
     try:
         older = [s for s in manager.all_steps() if s < step]
-    except Exception:  # the listing may fail on the same broken disk
+    except Exception:  # noqa: BLE001 - the listing may fail on the same broken disk
         older = []
     kept = (f"step {max(older)} is intact; continue with --resume" if older
             else "no older checkpoint exists")
@@ -204,7 +204,7 @@ def _restore_step(manager, step: int, abstract, cfg, run_dir) -> Any:
         _check_compatible(record, step, cfg, run_dir)
     try:
         restored = manager.restore(step, args=ocp.args.StandardRestore(abstract))
-    except Exception as error:  # any orbax/tensorstore failure = damaged step
+    except Exception as error:  # noqa: BLE001 - any orbax/tensorstore failure = damaged step
         raise _CorruptStep(_short(error)) from None
     if record is not None:
         saved = record["checksums"]
