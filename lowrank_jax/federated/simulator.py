@@ -360,6 +360,12 @@ def simulate(model: nnx.Module, clients: Sequence[Client], strategy, *, rounds: 
                            np.stack([o[0][k][1] for o in outs])) for k in ctx.layers}
             losses = np.array([o[1] for o in outs])
         uploads = {k: (np.asarray(a), np.asarray(b)) for k, (a, b) in uploads.items()}
+        finite = np.all([np.isfinite(x).reshape(len(participants), -1).all(1)
+                         for pair in uploads.values() for x in pair], axis=0)
+        if not finite.all():
+            raise FloatingPointError(
+                f"round {t}: clients {participants[~finite].tolist()} returned non-finite "
+                "adapters (local training diverged); lower learning_rate or local_steps.")
         state = strategy.aggregate(ctx, state, t, participants, uploads)
         g_loss, g_acc = eval_global(strategy.global_adapters(ctx, state), test_x, test_y, test_w)
         p_loss, p_acc = eval_personal(strategy.personal_adapters(ctx, state), test_x, test_y,

@@ -308,21 +308,32 @@ class FedTreeLoRA(LocalOnly):
         return {**state, "tree": np.zeros((max(n - 1, 1), 4)), "built": np.full((), -1, np.int32),
                 "members": np.zeros(n, np.int32), "depths": np.zeros(n_layers, np.int32)}
 
+    def dispatch(self, ctx, state, round_index, participants):
+        sent, masks, _, state = super().dispatch(ctx, state, round_index, participants)
+        shared = round_index > self.warmup_rounds  # after the first aggregation
+        per_layer = {k: np.full(len(participants), ctx.stored_rank * shared) for k in ctx.layers}
+        return sent, masks, _bytes(ctx, per_layer), state
+
     def aggregate(self, ctx, state, round_index, participants, uploads):
+        received = _take(state["clients"], participants)
         state = self._store(state, participants, uploads)
         if round_index < self.warmup_rounds:
             return state
+        # DERIVED: similarity of this round's local B updates (upload − received). During the
+        # warm-up the received B is the zero init, so this is B itself (FedLEASE); afterwards
+        # it avoids the artefact that already-averaged layers look identical forever.
+        updates = {k: (uploads[k][0], uploads[k][1] - received[k][1]) for k in ctx.layers}
         members = np.zeros(ctx.n_clients, np.int32)
         members[participants] = 1
         stale = (int(state["built"]) < 0 or round_index - int(state["built"]) >= self.rebuild_every
                  or not np.array_equal(members, state["members"]))
         if stale:
-            tree = tree_rules.build_tree(tree_rules.client_distance(uploads, ctx.layers))
+            tree = tree_rules.build_tree(tree_rules.client_distance(updates, ctx.layers))
             if self.flat_groups is not None:
                 k = min(self.flat_groups, len(participants))
                 depths = {layer: k for layer in ctx.layers}
             else:
-                sims = {layer: tree_rules.layer_similarity(uploads, layer) for layer in ctx.layers}
+                sims = {layer: tree_rules.layer_similarity(updates, layer) for layer in ctx.layers}
                 depths = tree_rules.choose_depths(tree, sims, self.tau, monotone=self.monotone)
             padded = np.zeros_like(state["tree"])
             padded[: len(tree)] = tree

@@ -1,5 +1,7 @@
 """FedHera rules: the push, water-filling, prefix gating, unbiased aggregation, ATW, alignment."""
 
+import itertools
+
 import numpy as np
 import optax
 import pytest
@@ -142,9 +144,9 @@ def test_tail_warmup_lambda():
     for s, t, seen in grid:
         assert 0.0 <= float(hera.atw_lambda(s, t, seen)) <= 1.0
     series = [float(hera.atw_lambda(0.0, t, -1)) for t in range(10)]
-    assert all(x < y for x, y in zip(series, series[1:]))  # s = 0: increasing in t
+    assert all(x < y for x, y in itertools.pairwise(series))  # s = 0: increasing in t
     by_s = [float(hera.atw_lambda(s, 2, 1)) for s in (-0.5, 0.0, 0.5, 1.0)]
-    assert all(x < y for x, y in zip(by_s, by_s[1:]))  # increasing in s
+    assert all(x < y for x, y in itertools.pairwise(by_s))  # increasing in s
     a, b = np.ones((5, 4)), np.ones((4, 3))
     a2, b2 = hera.apply_tail_warmup(a, b, 2, 0.25)
     np.testing.assert_allclose(a2 @ b2, 2 * 1.0 + 2 * 0.25 * np.ones((5, 3)))

@@ -110,7 +110,7 @@ def test_choose_depths():
 
 def test_distance_uses_b_cosine():
     adapters = _adapters(n=3)
-    for k, (a, b) in adapters.items():
+    for a, b in adapters.values():
         b[1] = 2.5 * b[0]  # same direction as client 0
         a[1] = -a[0]  # A is ignored
     d = tree.client_distance(adapters)

@@ -131,7 +131,7 @@ def test_coupled_mode_sends_only_trained_ranks():
 def test_checkpoint_resume_continues_the_same_run(tmp_path):
     clients, _ = make_topic_clients(3, seed=0, train_per_client=20, test_per_client=10,
                                     features=8)
-    kwargs = dict(rounds=4, local_steps=2, batch_size=8, progress=False)
+    kwargs = {"rounds": 4, "local_steps": 2, "batch_size": 8, "progress": False}
     straight = fed.simulate(_model(6), clients, fed.FedHera(), **kwargs)
     fed.simulate(_model(6), clients, fed.FedHera(), **{**kwargs, "rounds": 2},
                  checkpoint_dir=str(tmp_path / "ckpt"))
@@ -155,6 +155,9 @@ def test_clear_errors():
                      progress=False)
     with pytest.raises(ValueError, match="labels span"):
         fed.simulate(_model(2), [client], fed.FedAvgLoRA(), rounds=1, progress=False)
+    with pytest.raises(FloatingPointError, match="non-finite"):
+        fed.simulate(_model(), [client], fed.FedAvgLoRA(), rounds=2, local_steps=20,
+                     optimizer=optax.sgd(1e6), progress=False)
     with pytest.raises(ValueError, match="train_x"):
         fed.Client(np.zeros((3, 2)), np.zeros(2), np.zeros((1, 2)), np.zeros(1))
     with pytest.raises(ValueError, match="budget"):
