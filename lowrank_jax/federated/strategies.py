@@ -121,6 +121,13 @@ class FedHera:
         tail_warmup: Adaptive Tail Warm-up on the frozen tail.
         coupled: ``r_tot = r_main`` (classic truncation: FlexLoRA-style SVD redistribution).
         safety: budget factor over the tier's target ranks (code: 1.1).
+
+    Budgets come from the client's tier: ``download_rank · Σ_l bytes_l · safety`` bytes, and
+    ``train_rank · Σ_l cost_l · safety`` of memory and of time; water-filling then spends them
+    per layer by spectral energy. Round 0 sends everyone the model's initial adapter, truncated
+    to its tier. For the unbiased rule the server remembers, per client, exactly what it sent
+    last (after the tail warm-up scaling), so ``D_i − D_i^{init}`` is the local training delta
+    alone; a client that skipped rounds is compared with its own last push.
     """
 
     unbiased: bool = True
