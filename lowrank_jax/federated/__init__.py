@@ -8,6 +8,9 @@
   FedAvg-LoRA, FedSA, FedTreeLoRA, local-only) for :func:`simulate`.
 * :mod:`~lowrank_jax.federated.tasks` — heterogeneous clients on real text (topic
   classification of standard-library docstring sentences).
+* :mod:`~lowrank_jax.federated.synthetic` — the FedTreeLoRA spec's deep-linear study.
+* :mod:`~lowrank_jax.federated.experiment` — YAML-configured runs, summaries and plots
+  (``lowrank-jax federate``).
 """
 
 from lowrank_jax.federated import fedhera, fedtreelora

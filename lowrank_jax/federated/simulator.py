@@ -155,13 +155,23 @@ def cross_entropy_and_accuracy(logits, labels, weights):
     return (nll * weights).sum() / total, (correct * weights).sum() / total
 
 
+def squared_error(outputs, targets, weights):
+    """Weighted mean (over examples) of the squared error summed over outputs; accuracy NaN."""
+    err = jnp.sum((outputs.astype(jnp.float32) - targets) ** 2, axis=-1)
+    total = jnp.maximum(weights.sum(), 1e-12)
+    return (err * weights).sum() / total, jnp.full((), jnp.nan)
+
+
+OBJECTIVES = {"cross_entropy": cross_entropy_and_accuracy, "mse": squared_error}
+
+
 def client_batches(client: Client, *, seed: int, round_index: int, client_index: int,
                    steps: int, batch_size: int):
     """The local batches of one client in one round: ``(x [steps, b, ...], y [steps, b])``,
     drawn with replacement by a generator seeded by ``(seed, round, client)``."""
     rng = np.random.default_rng([seed, round_index, client_index])
     idx = rng.integers(0, len(client.train_y), size=(steps, batch_size))
-    return client.train_x[idx], client.train_y[idx].astype(np.int32)
+    return client.train_x[idx], client.train_y[idx]
 
 
 def select_clients(n_clients: int, participation: float, seed: int, round_index: int):
@@ -175,15 +185,19 @@ def select_clients(n_clients: int, participation: float, seed: int, round_index:
     return np.sort(rng.choice(n_clients, m, replace=False))
 
 
-def make_local_train(adapter_model: AdapterModel, optimizer: optax.GradientTransformation):
-    """``(adapters, masks, xs [E, b, ...], ys [E, b]) -> (adapters, mean loss)`` for one client.
+def make_local_train(adapter_model: AdapterModel, optimizer: optax.GradientTransformation,
+                     loss: str = "cross_entropy"):
+    """``(adapters, masks, xs [E, b, ...], ys [E, b, ...]) -> (adapters, mean loss)`` for one
+    client (``loss``: ``"cross_entropy"`` on integer labels or ``"mse"`` on float targets).
 
     Gradients and updates are multiplied by the masks (``[r]`` per layer: 1 trains, 0 freezes),
     so a frozen component never moves, even under decoupled weight decay.
     """
+    objective = OBJECTIVES[loss]
+
     def loss_fn(adapters, x, y):
         logits = adapter_model.logits(adapters, x)
-        return cross_entropy_and_accuracy(logits, y, jnp.ones(y.shape, jnp.float32))[0]
+        return objective(logits, y, jnp.ones(y.shape[:1], jnp.float32))[0]
 
     def apply_mask(tree, masks):
         return {k: (ga * masks[k][None, :], gb * masks[k][:, None]) for k, (ga, gb) in tree.items()}
@@ -208,7 +222,7 @@ def _pad_tests(clients):
     for c in clients:
         pad = size - len(c.test_y)
         xs.append(np.concatenate([c.test_x, np.zeros((pad,) + c.test_x.shape[1:], c.test_x.dtype)]))
-        ys.append(np.concatenate([c.test_y, np.zeros(pad, c.test_y.dtype)]).astype(np.int32))
+        ys.append(np.concatenate([c.test_y, np.zeros((pad,) + c.test_y.shape[1:], c.test_y.dtype)]))
         ws.append(np.concatenate([np.ones(len(c.test_y)), np.zeros(pad)]).astype(np.float32))
     return np.stack(xs), np.stack(ys), np.stack(ws)
 
@@ -232,21 +246,22 @@ def _checkpoint_manager(directory):
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _compiled(model, optimizer, execution):
+def _compiled(model, optimizer, execution, loss="cross_entropy"):
     """Jitted train / eval functions, cached per model (its frozen base never changes here), so
     simulating several strategies on one model compiles once."""
     cache = _COMPILED.setdefault(model, {})
     default = not isinstance(optimizer, optax.GradientTransformation)  # ("adam", lr)
-    key = (optimizer if default else id(optimizer), execution)
+    key = (optimizer if default else id(optimizer), execution, loss)
     if key not in cache:
         adapter_model = AdapterModel(model)
         tx = optax.adam(optimizer[1]) if default else optimizer
-        local_train = make_local_train(adapter_model, tx)
+        local_train = make_local_train(adapter_model, tx, loss)
+        objective = OBJECTIVES[loss]
 
         def evaluate(adapters, x, y, w):
             logits = adapter_model.logits(adapters, x)
-            loss, acc = cross_entropy_and_accuracy(logits, y, w)
-            return loss * w.sum(), acc * w.sum()
+            value, acc = objective(logits, y, w)
+            return value * w.sum(), acc * w.sum()
 
         cache[key] = (adapter_model,
                       jax.jit(jax.vmap(local_train) if execution == "vmap" else local_train),
@@ -259,7 +274,7 @@ def simulate(model: nnx.Module, clients: Sequence[Client], strategy, *, rounds: 
              local_steps: int = 5, batch_size: int = 32, learning_rate: float = 1e-2,
              optimizer: optax.GradientTransformation | None = None, participation: float = 1.0,
              seed: int = 0, execution: str = "vmap", checkpoint_dir: str | None = None,
-             bytes_per_element: float = 2.0, progress: bool = True,
+             bytes_per_element: float = 2.0, loss: str = "cross_entropy", progress: bool = True,
              description: str | None = None) -> FederatedResult:
     """Run a federated LoRA simulation and return its per-round history.
 
@@ -293,6 +308,8 @@ def simulate(model: nnx.Module, clients: Sequence[Client], strategy, *, rounds: 
         execution: ``"vmap"`` (all participants as one batched job) or ``"sequential"``.
         checkpoint_dir: save an orbax checkpoint every round there, and resume from the latest.
         bytes_per_element: for the download accounting (fp16 = 2).
+        loss: ``"cross_entropy"`` (integer labels; accuracy reported) or ``"mse"`` (float
+            targets ``[n, outputs]``; the *_loss metrics are squared errors, accuracies NaN).
         progress: show a tqdm bar over the rounds.
 
     Returns:
@@ -300,6 +317,8 @@ def simulate(model: nnx.Module, clients: Sequence[Client], strategy, *, rounds: 
     """
     from tqdm.auto import tqdm
 
+    if loss not in OBJECTIVES:
+        raise ValueError(f"loss={loss!r}: use one of {sorted(OBJECTIVES)}.")
     if execution not in ("vmap", "sequential"):
         raise ValueError(f"execution={execution!r}: use 'vmap' or 'sequential'.")
     for key, value in (("rounds", rounds), ("local_steps", local_steps),
@@ -309,11 +328,19 @@ def simulate(model: nnx.Module, clients: Sequence[Client], strategy, *, rounds: 
     if not clients:
         raise ValueError("clients is empty; give at least one Client.")
     adapter_model, train_fn, eval_global, eval_personal = _compiled(
-        model, ("adam", float(learning_rate)) if optimizer is None else optimizer, execution)
+        model, ("adam", float(learning_rate)) if optimizer is None else optimizer, execution, loss)
     ctx = _context(adapter_model, clients, bytes_per_element)
     classes = int(jax.eval_shape(adapter_model.logits, adapter_model.initial_adapters(),
                                  clients[0].test_x[:1]).shape[-1])
     for i, c in enumerate(clients):
+        if loss == "mse":
+            if c.train_y.shape[1:] != (classes,) or c.test_y.shape[1:] != (classes,):
+                raise ValueError(f"client {i}: mse targets must be [n, {classes}] (the model's "
+                                 f"outputs); got {c.train_y.shape} / {c.test_y.shape}.")
+            continue
+        if not np.issubdtype(c.train_y.dtype, np.integer):
+            raise ValueError(f"client {i}: cross_entropy needs integer labels (got "
+                             f"{c.train_y.dtype}); use loss='mse' for float targets.")
         low, high = min(c.train_y.min(), c.test_y.min()), max(c.train_y.max(), c.test_y.max())
         if low < 0 or high >= classes:
             raise ValueError(f"client {i}: labels span [{low}, {high}] but the model has "

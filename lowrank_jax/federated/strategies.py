@@ -313,7 +313,8 @@ class FedTreeLoRA(LocalOnly):
         state = super().init(ctx, init)
         n, n_layers = ctx.n_clients, len(ctx.layers)
         return {**state, "tree": np.zeros((max(n - 1, 1), 4)), "built": np.full((), -1, np.int32),
-                "members": np.zeros(n, np.int32), "depths": np.zeros(n_layers, np.int32)}
+                "members": np.zeros(n, np.int32), "depths": np.zeros(n_layers, np.int32),
+                "anchor": {k: np.array(b) for k, (_, b) in state["clients"].items()}}
 
     def dispatch(self, ctx, state, round_index, participants):
         sent, masks, _, state = super().dispatch(ctx, state, round_index, participants)
@@ -322,14 +323,14 @@ class FedTreeLoRA(LocalOnly):
         return sent, masks, _bytes(ctx, per_layer), state
 
     def aggregate(self, ctx, state, round_index, participants, uploads):
-        received = _take(state["clients"], participants)
         state = self._store(state, participants, uploads)
         if round_index < self.warmup_rounds:
             return state
-        # DERIVED: similarity of this round's local B updates (upload − received). During the
-        # warm-up the received B is the zero init, so this is B itself (FedLEASE); afterwards
-        # it avoids the artefact that already-averaged layers look identical forever.
-        updates = {k: (uploads[k][0], uploads[k][1] - received[k][1]) for k in ctx.layers}
+        # DERIVED: similarity of the B change since the last aggregation (the "anchor"). At the
+        # end of the warm-up the anchor is the zero init, so this is B itself (FedLEASE);
+        # afterwards it avoids the artefact that already-averaged layers look identical forever.
+        updates = {k: (uploads[k][0], uploads[k][1] - state["anchor"][k][participants])
+                   for k in ctx.layers}
         members = np.zeros(ctx.n_clients, np.int32)
         members[participants] = 1
         stale = (int(state["built"]) < 0 or round_index - int(state["built"]) >= self.rebuild_every
@@ -350,4 +351,8 @@ class FedTreeLoRA(LocalOnly):
         depths = {k: int(d) for k, d in zip(ctx.layers, state["depths"])}
         tree = state["tree"][: len(participants) - 1]
         merged = tree_rules.aggregate(uploads, ctx.weights[participants], depths, tree)
-        return self._store(state, participants, merged)
+        state = self._store(state, participants, merged)
+        anchor = {k: np.array(b) for k, b in state["anchor"].items()}
+        for k in ctx.layers:
+            anchor[k][participants] = merged[k][1]
+        return {**state, "anchor": anchor}
