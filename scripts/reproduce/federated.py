@@ -66,6 +66,8 @@ def run_synthetic(quick: bool, progress: bool) -> dict:
         "fedtreelora (spec: warm-up 3, tau 0.5, rebuild 5)": fed.FedTreeLoRA(),
         "fedtreelora (warm-up 1, one build)": fed.FedTreeLoRA(warmup_rounds=1,
                                                               rebuild_every=10**6),
+        "fedtreelora (warm-up 1, one build, tau 0.7)": fed.FedTreeLoRA(
+            warmup_rounds=1, rebuild_every=10**6, tau=0.7),
         "flat clustering k=4 (same tree)": fed.FedTreeLoRA(flat_groups=4, warmup_rounds=1,
                                                            rebuild_every=10**6),
         "fedsa": fed.FedSA(),
