@@ -40,6 +40,15 @@ STRATEGIES = {
 }
 
 
+ALLOWED_KEYS = {
+    "task": {"clients", "dirichlet_alpha", "train_per_client", "test_per_client", "label_groups",
+             "features", "tiers"},
+    "model": {"hidden", "depth", "rank", "alpha"},
+    "schedule": {"rounds", "local_steps", "batch_size", "learning_rate", "participation",
+                 "execution"},
+}
+
+
 @dataclasses.dataclass
 class FederatedConfig:
     name: str = "federated"
@@ -52,6 +61,10 @@ class FederatedConfig:
     strategies: list = dataclasses.field(default_factory=lambda: [{"name": "fedhera"}])
 
     def __post_init__(self):
+        for section, allowed in ALLOWED_KEYS.items():
+            unknown = sorted(set(getattr(self, section) or {}) - allowed)
+            if unknown:
+                raise ValueError(f"{section}: unknown keys {unknown}; known: {sorted(allowed)}.")
         for i, spec in enumerate(self.strategies):
             if not isinstance(spec, dict) or spec.get("name") not in STRATEGIES:
                 raise ValueError(f"strategies[{i}]={spec!r}: give a mapping whose 'name' is one "

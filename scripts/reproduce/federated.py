@@ -4,8 +4,10 @@ Runs configs/fed_hera.yaml and configs/fed_tree.yaml (topic classification of st
 docstring sentences by heterogeneous clients; frozen MLP + rank-16 LoRA), 3 seeds each, prints
 one table per method family (global and personalised accuracy, mean ± std over seeds), and saves
 the accuracy-per-round plots to docs/img/ (--quick: to runs/) and the histories to runs/.
+Then the FedTreeLoRA spec's synthetic deep-linear study (held-out MSE and the chosen k_l).
+Full runs keep per-round checkpoints under runs/: delete them to measure afresh.
 
-    python scripts/reproduce/federated.py            # the full runs (~6 min on 2 busy cores)
+    python scripts/reproduce/federated.py            # the full runs (~7 min on 2 busy cores)
     python scripts/reproduce/federated.py --quick    # 1 seed, 8 rounds (~1 min)
 """
 

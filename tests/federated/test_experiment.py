@@ -35,6 +35,9 @@ def test_bad_configs_are_clear(tmp_path):
     bad.write_text(yaml.safe_dump({"round": 3}))
     with pytest.raises(ValueError, match="unknown keys"):
         experiment.load_config(str(bad))
+    bad.write_text(yaml.safe_dump({"schedule": {"epochs": 3}}))
+    with pytest.raises(ValueError, match="schedule: unknown keys"):
+        experiment.load_config(str(bad))
     with pytest.raises(ValueError, match="bad options"):
         experiment.build_strategy({"name": "fedhera", "rank": 3})
 
