@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float

@@ -26,8 +26,8 @@ def build_config() -> VideoDiTConfig:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="60 steps (a smoke run)")
-    parser.add_argument("--steps", type=int, default=700)
-    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=1600)
+    parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=os.path.join("runs", "video_dit"))
