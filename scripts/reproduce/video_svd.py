@@ -13,7 +13,7 @@
    (analytic), CPU wall-clock ratio of the attention op and of one DiT forward (XLA paths), with
    the residual stream (exact same-frame blocks) and without it (subspace stream only).
    Sample frames go to ``docs/img/video_svd_samples.png``; numbers to
-   ``docs/results/video_svd.json``.
+   ``docs/results/video_svd.json`` (``--quick``: everything under ``runs/video_svd_quick/``).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from lowrank_jax.models import video_dit
 
 IMG = os.path.join("docs", "img")
 RESULTS = os.path.join("docs", "results", "video_svd.json")
+QUICK_DIR = os.path.join("runs", "video_svd_quick")  # --quick never overwrites the docs
 
 
 def load_or_train(path: str, quick: bool):
@@ -71,7 +72,7 @@ def calibrate(model, noise, steps):
     return stats
 
 
-def spectrum_plot(model, noise, steps):
+def spectrum_plot(model, noise, steps, img_dir):
     """σ_i/σ_1 of QKᵀ per layer/head (mid-trajectory, first clip) and a random baseline."""
     cfg = model.config
     qkv_steps = list(sampling_qkv(model, noise, steps))
@@ -99,7 +100,7 @@ def spectrum_plot(model, noise, steps):
     ax.set_title(f"Video DiT QKᵀ spectrum (N={cfg.tokens}, d={cfg.head_dim}, step {mid}/{steps})")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(os.path.join(IMG, "video_svd_spectrum.png"), dpi=110)
+    fig.savefig(os.path.join(img_dir, "video_svd_spectrum.png"), dpi=110)
     plt.close(fig)
     return ranks, qkv_steps
 
@@ -172,8 +173,10 @@ def main(argv=None) -> None:
     parser.add_argument("--clips", type=int, default=8, help="evaluation clips")
     args = parser.parse_args(argv)
     steps, clips = (6, 2) if args.quick else (args.steps, args.clips)
-    os.makedirs(IMG, exist_ok=True)
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
+    img_dir = QUICK_DIR if args.quick else IMG
+    results = os.path.join(QUICK_DIR, "video_svd.json") if args.quick else RESULTS
+    os.makedirs(img_dir, exist_ok=True)
+    os.makedirs(os.path.dirname(results), exist_ok=True)
     model, source = load_or_train(args.checkpoint, args.quick)
     cfg = model.config
     gt, gy, gx = cfg.grid
@@ -183,7 +186,7 @@ def main(argv=None) -> None:
     eval_noise = jax.random.normal(jax.random.key(200), (clips, *shape))
 
     stats = calibrate(model, calib_noise, steps)
-    ranks, held_out = spectrum_plot(model, eval_noise, steps)
+    ranks, held_out = spectrum_plot(model, eval_noise, steps, img_dir)
     print("energy ranks (90%, 99%) of QKᵀ:", ranks)
 
     dense_forward = nnx.jit(lambda m, x, s: m(x, s))
@@ -243,7 +246,7 @@ def main(argv=None) -> None:
                 samples.append(clips_out)
                 labels.append(f"r={rank} {residual}")
 
-    save_samples(samples, labels, os.path.join(IMG, "video_svd_samples.png"))
+    save_samples(samples, labels, os.path.join(img_dir, "video_svd_samples.png"))
     synthetic = synthetic_timing(args.quick)
     header = ("| rank | residual | near % | attn rel. err | PSNR dB (min) | SSIM (min) | "
               "attn FLOPs saved | CPU attn speedup | CPU forward speedup |")
@@ -265,14 +268,14 @@ def main(argv=None) -> None:
     for r in synthetic:
         print(f"| {r['tokens']} | {r['head_dim']} | {r['rank']} | {r['residual']} | "
               f"{100 * r['flops_saved']:.0f}% | {r['cpu_attention_speedup']:.2f}x |")
-    with open(RESULTS, "w") as f:
+    with open(results, "w") as f:
         json.dump({"model": source, "config": {"grid": cfg.grid, "tokens": cfg.tokens,
                                                "heads": cfg.heads, "head_dim": cfg.head_dim,
                                                "layers": cfg.layers},
                    "sampling_steps": steps, "clips": clips, "energy_ranks": ranks,
                    "rows": rows, "synthetic_timing": synthetic, "quick": args.quick}, f,
                   indent=1)
-    print(f"wrote {RESULTS}, {IMG}/video_svd_samples.png, {IMG}/video_svd_spectrum.png")
+    print(f"wrote {results}, {img_dir}/video_svd_samples.png, {img_dir}/video_svd_spectrum.png")
 
 
 if __name__ == "__main__":
