@@ -238,15 +238,19 @@ def sample(model: VideoDiT, noise: Float[Array, "b f h w c"], *, steps: int = 16
 
 def train_video_dit(config: VideoDiTConfig, data_fn: Callable, *, steps: int = 2000,
                     batch: int = 32, learning_rate: float = 2e-3, seed: int = 0,
-                    log_every: int = 0):
+                    log_every: int = 0, model: VideoDiT | None = None):
     """Train a :class:`VideoDiT` on clips from ``data_fn(key, batch)``; returns ``(model, losses)``.
 
     AdamW with warm-up and cosine decay, gradient clipping at 1. ``log_every > 0`` prints the mean
-    loss of the last ``log_every`` steps.
+    loss of the last ``log_every`` steps. Pass ``model`` to continue training it (fresh optimizer).
     """
     if steps < 1 or batch < 1:
         raise ValueError(f"train_video_dit: steps={steps} and batch={batch} must be >= 1.")
-    model = VideoDiT(config, rngs=nnx.Rngs(seed))
+    if model is None:
+        model = VideoDiT(config, rngs=nnx.Rngs(seed))
+    elif model.config != config:
+        raise ValueError(f"train_video_dit: model.config {model.config} differs from config "
+                         f"{config}; pass the model's own config to continue training.")
     schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, min(100, steps // 10 + 1),
                                                   steps, learning_rate * 0.05)
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))

@@ -14,7 +14,12 @@ import os
 import time
 
 from lowrank_jax.data.video import procedural_videos
-from lowrank_jax.models.video_dit import VideoDiTConfig, save_video_dit, train_video_dit
+from lowrank_jax.models.video_dit import (
+    VideoDiTConfig,
+    load_video_dit,
+    save_video_dit,
+    train_video_dit,
+)
 
 
 def build_config() -> VideoDiTConfig:
@@ -31,20 +36,24 @@ def main(argv=None) -> None:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=os.path.join("runs", "video_dit"))
+    parser.add_argument("--resume", default=None, help="continue training a saved model")
     args = parser.parse_args(argv)
     steps = 60 if args.quick else args.steps
-    config = build_config()
+    model = load_video_dit(args.resume) if args.resume else None
+    config = model.config if model is not None else build_config()
 
     def data(key, batch):
         return procedural_videos(key, batch, frames=config.frames, size=config.height)
 
     start = time.time()
     model, losses = train_video_dit(config, data, steps=steps, batch=args.batch,
-                                    learning_rate=args.lr, seed=args.seed, log_every=50)
+                                    learning_rate=args.lr, seed=args.seed, log_every=50,
+                                    model=model)
     seconds = time.time() - start
     save_video_dit(args.out, model)
     with open(os.path.join(args.out, "losses.json"), "w") as f:
-        json.dump({"steps": steps, "batch": args.batch, "seconds": seconds, "losses": losses}, f)
+        json.dump({"steps": steps, "batch": args.batch, "seconds": seconds, "resumed_from":
+                   args.resume, "losses": losses}, f)
     print(f"trained {steps} steps in {seconds:.0f}s, final loss "
           f"{sum(losses[-20:]) / min(20, len(losses)):.4f}; saved to {args.out}")
 
