@@ -108,3 +108,15 @@ def test_training_lowers_loss_saves_and_qk_spectrum_decays(tmp_path):
         for h in range(TINY.heads):
             s = vsvd.qk_singular_values(q[0, :, h], k[0, :, h])
             assert int(energy_rank(s, 0.9)) < random_rank
+
+
+def test_config_and_resume_errors():
+    with pytest.raises(ValueError, match="patch"):
+        vd.VideoDiTConfig(frames=4, height=10, width=8, patch=(1, 4, 4))
+    with pytest.raises(ValueError, match="heads"):
+        vd.VideoDiTConfig(dim=30, heads=4)
+    model = vd.VideoDiT(TINY, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="config"):
+        vd.train_video_dit(vd.VideoDiTConfig(), _data, steps=1, model=model)
+    with pytest.raises(ValueError, match="video"):
+        model(jnp.zeros((1, 2, 8, 8, 3)), jnp.ones((1,)))
