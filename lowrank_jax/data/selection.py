@@ -39,6 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from lowrank_jax.data.embed import chunk_tokens, text_embeddings
+from lowrank_jax.data.kmeans import kmeans
 from lowrank_jax.optim.linalg import randomized_svd
 
 LossOracle = Callable[[jax.Array], jax.Array]
@@ -377,45 +379,6 @@ def uniform_coreset(key: jax.Array, n: int, num_samples: int) -> Coreset:
                    jnp.asarray(0.0))
 
 
-def kmeans(
-    key: jax.Array, A: Float[Array, "n d"], num_clusters: int, *, iterations: int = 25
-) -> tuple[Float[Array, "k d"], Int[Array, " n"]]:
-    """k-means++ seeding then Lloyd iterations (in-house; jit-able with static sizes).
-
-    Returns ``(centroids [k, d], labels [n])``; an empty cluster keeps its previous centroid.
-    """
-    _check_matrix(A)
-    n = A.shape[0]
-    if not isinstance(num_clusters, int) or not 1 <= num_clusters <= n:
-        raise ValueError(f"num_clusters={num_clusters!r} must be an int in [1, n={n}].")
-    A = jnp.asarray(A, jnp.float32)
-    sq = jnp.sum(A * A, axis=1)
-    dist2 = lambda C: jnp.maximum(sq[:, None] - 2 * A @ C.T + jnp.sum(C * C, 1)[None], 0.0)
-    keys = jax.random.split(key, num_clusters)
-    first = A[jax.random.randint(keys[0], (), 0, n)]
-
-    def seed(carry, k):
-        centers, closest, i = carry
-        j = jax.random.choice(k, n, p=closest / jnp.maximum(jnp.sum(closest), 1e-30))
-        centers = centers.at[i].set(A[j])
-        closest = jnp.minimum(closest, jnp.sum((A - A[j]) ** 2, axis=1))
-        return (centers, closest, i + 1), None
-
-    centers = jnp.zeros((num_clusters, A.shape[1]), jnp.float32).at[0].set(first)
-    (centers, _, _), _ = jax.lax.scan(
-        seed, (centers, jnp.sum((A - first) ** 2, axis=1), 1), keys[1:])
-
-    def lloyd(centers, _):
-        labels = jnp.argmin(dist2(centers), axis=1)
-        onehot = jax.nn.one_hot(labels, num_clusters, dtype=jnp.float32)
-        counts = onehot.sum(0)
-        new = (onehot.T @ A) / jnp.maximum(counts, 1.0)[:, None]
-        return jnp.where(counts[:, None] > 0, new, centers), None
-
-    centers, _ = jax.lax.scan(lloyd, centers, None, length=iterations)
-    return centers, jnp.argmin(dist2(centers), axis=1)
-
-
 def kmeans_sensitivity_coreset(
     key: jax.Array,
     A: Float[Array, "n d"],
@@ -448,6 +411,61 @@ def kmeans_sensitivity_coreset(
     return Coreset(idx, weights, rep_idx, probs, jnp.sum(dist), jnp.asarray(float(lipschitz)))
 
 
+def select_subset(
+    key: jax.Array,
+    A,
+    budget: int,
+    *,
+    losses=None,
+    method: str = "lowrank",
+    rank: int = 32,
+    angular: bool = False,
+    num_clusters: int | None = None,
+    chunk_rows: int | None = None,
+) -> Coreset:
+    """One call behind ``lowrank-jax select``: a weighted subset of ``budget`` draws.
+
+    ``method="lowrank"`` (:func:`lowrank_coreset`), ``"kmeans"`` (k-means sensitivity, λ from
+    the low-rank fit so both use the same units) or ``"uniform"``. ``losses[n]`` act as the
+    oracle; without them (label-free) the loss is taken constant and the rows are drawn
+    ∝ ``mean(r) + r_i`` (mixed with uniform): off-subspace rows are over-sampled and the weights
+    still give an unbiased average. ``chunk_rows`` streams ``A`` (e.g. a memmap) in blocks.
+    """
+    _check_matrix(A)
+    n, d = A.shape
+    if method not in ("lowrank", "kmeans", "uniform"):
+        raise ValueError(f"method={method!r} must be 'lowrank', 'kmeans' or 'uniform'.")
+    if losses is not None:
+        losses = jnp.asarray(losses, jnp.float32)
+        if losses.shape != (n,):
+            raise ValueError(f"losses has shape {losses.shape}; give one loss per row, ({n},).")
+    if method == "uniform":
+        return uniform_coreset(key, n, budget)
+    rank = min(rank, n, d)
+    k_fit, k_sel = jax.random.split(key)
+    fit = (lowrank_residuals_chunked(A, rank, chunk_rows=chunk_rows, normalize_rows=angular)
+           if chunk_rows else lowrank_residuals(k_fit, jnp.asarray(A), rank,
+                                                normalize_rows=angular))
+    if losses is None:
+        if method == "kmeans":
+            raise ValueError("method='kmeans' needs losses (one per row); pass --losses, or use "
+                             "method='lowrank' for label-free selection.")
+        mean_r = jnp.maximum(jnp.mean(fit.resid), 1e-30)
+        probs = sensitivity_probs(jnp.full((n,), mean_r), fit.resid, 1.0)
+        idx, weights = sample_coreset(k_sel, probs, budget)
+        return Coreset(idx, weights, jnp.zeros((0,), jnp.int32), probs, fit.phi,
+                       1.0 / mean_r)
+    oracle = lambda i: losses[i]
+    cs = lowrank_coreset(k_sel, None, oracle, num_samples=budget, rank=rank, fit=fit)
+    if method == "lowrank":
+        return cs
+    points = jnp.asarray(A, jnp.float32)
+    if angular:
+        points = _normalize(points)
+    return kmeans_sensitivity_coreset(k_sel, points, oracle, num_clusters=num_clusters or 4 * rank,
+                                      num_samples=budget, lipschitz=float(cs.lipschitz))
+
+
 def weighted_mean(losses: Float[Array, " m"], weights: Float[Array, " m"]) -> Float[Array, ""]:
     """``Σ_t w_t ℓ_t`` (weights from a coreset already include the 1/n normalisation)."""
     return jnp.sum(jnp.asarray(weights) * jnp.asarray(losses))
@@ -456,66 +474,6 @@ def weighted_mean(losses: Float[Array, " m"], weights: Float[Array, " m"]) -> Fl
 def relative_error(estimate, full) -> Float[Array, ""]:
     """``|estimate − full| / |full|``."""
     return jnp.abs(estimate - full) / jnp.abs(full)
-
-
-def text_embeddings(
-    model, token_chunks, *, batch_size: int = 8, with_loss: bool = False
-) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
-    """Mean-pooled final hidden states ``[n, d]`` of token chunks (and, with ``with_loss``, each
-    chunk's mean next-token NLL from the same forward pass).
-
-    The one place this package turns text into embeddings for selection. Chunks are
-    right-padded to a common length; padding is masked out of the pool and the loss (causal
-    attention keeps real positions unaffected by it).
-
-    Args:
-        model: a :class:`lowrank_jax.models.Llama` (e.g. from ``load_model("smollm2")``).
-        token_chunks: sequence of token-id lists, each of length ≥ 2 when ``with_loss``.
-        batch_size: chunks per forward pass.
-    """
-    from flax import nnx
-
-    if len(token_chunks) == 0:
-        raise ValueError("token_chunks is empty; give at least one chunk of token ids.")
-    length = max(len(c) for c in token_chunks)
-    graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def forward(state, tokens, mask):
-        m = nnx.merge(graphdef, state)
-        hidden, _ = m.hidden_states(tokens)
-        hidden = hidden.astype(jnp.float32)
-        pooled = jnp.sum(hidden * mask[..., None], 1) / jnp.maximum(mask.sum(1, keepdims=True), 1)
-        logp = jax.nn.log_softmax(m.logits_from_hidden(hidden[:, :-1]), axis=-1)
-        nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
-        valid = mask[:, 1:]
-        return pooled, jnp.sum(nll * valid, 1) / jnp.maximum(valid.sum(1), 1)
-
-    embeds, losses = [], []
-    for lo in range(0, len(token_chunks), batch_size):
-        batch = list(token_chunks[lo:lo + batch_size])
-        real = len(batch)
-        batch += [batch[0]] * (batch_size - real)  # fixed batch shape: one compile
-        tokens = np.zeros((batch_size, length), np.int32)
-        mask = np.zeros((batch_size, length), np.float32)
-        for i, chunk in enumerate(batch):
-            tokens[i, :len(chunk)] = chunk
-            mask[i, :len(chunk)] = 1.0
-        pooled, nll = forward(state, jnp.asarray(tokens), jnp.asarray(mask))
-        embeds.append(np.asarray(pooled)[:real])
-        losses.append(np.asarray(nll)[:real])
-    embeds = np.concatenate(embeds)
-    return (embeds, np.concatenate(losses)) if with_loss else embeds
-
-
-def chunk_tokens(ids, max_tokens: int, *, min_tokens: int = 8) -> list[list[int]]:
-    """Split one token sequence into consecutive chunks of ``max_tokens`` (a last chunk shorter
-    than ``min_tokens`` is dropped)."""
-    if not isinstance(max_tokens, int) or max_tokens < 2:
-        raise ValueError(f"max_tokens={max_tokens!r} must be an int >= 2.")
-    ids = list(ids)
-    chunks = [ids[i:i + max_tokens] for i in range(0, len(ids), max_tokens)]
-    return [c for c in chunks if len(c) >= min(min_tokens, max_tokens)]
 
 
 def synthetic_lowrank_losses(
@@ -560,6 +518,6 @@ __all__ = [
     "Coreset", "LowRankFit", "chunk_tokens", "compact", "fit_proxy", "kmeans",
     "kmeans_sensitivity_coreset", "lowrank_coreset", "lowrank_residuals",
     "lowrank_residuals_chunked", "relative_error", "sample_coreset", "select_representatives",
-    "sensitivity_probs", "synthetic_lowrank_losses", "text_embeddings", "uniform_coreset",
+    "select_subset", "sensitivity_probs", "synthetic_lowrank_losses", "text_embeddings", "uniform_coreset",
     "weighted_mean",
 ]

@@ -37,7 +37,7 @@ import numpy as np
 import optax
 from jaxtyping import Array, Float, Int
 
-from lowrank_jax.data.selection import kmeans
+from lowrank_jax.data.kmeans import kmeans
 
 
 class LowRankPlan(NamedTuple):

@@ -25,7 +25,7 @@ from lowrank_jax.ot.transport_clustering import (
 
 
 def _blobs(key, n=200, shift=(1.0, -0.5), k=4, sigma=0.5):
-    kc, kl, kx, ky = jax.random.split(key, 4)
+    kc, kx, ky = jax.random.split(key, 3)
     centers = 4.0 * jax.random.normal(kc, (k, 2))
     labels = jnp.arange(n) % k
     x = centers[labels] + sigma * jax.random.normal(kx, (n, 2))
@@ -100,7 +100,7 @@ def test_hungarian_matches_scipy_and_lp():
     np.testing.assert_allclose(float(jnp.sum(P * C)) * 9, best, rtol=1e-5)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _subsets(n):
     """Indicator rows of every 2-labelling's first cluster (label 0 holds element 0)."""
     return np.array([(1,) + bits for bits in itertools.product((0, 1), repeat=n - 1)], float)
