@@ -282,26 +282,25 @@ def transport_clustering(
     gamma0: float = 2.0,
     factored: bool = False,
     epsilon_rel: float = 1e-3,
+    sinkhorn_iterations: int = 2000,
 ) -> LowRankPlan:
     """Low-rank OT by transport registration + generalised K-means (both sides, restarts).
 
     Give a cost ``C`` or point clouds ``x, y`` (``cost``). ``registration``: ``"hungarian"``,
     ``"sinkhorn"``, ``"lp"`` (see :func:`full_rank_plan`) or a precomputed ``perm[n]`` / ``P[n, m]``
-    (e.g. from any large-scale OT solver). ``factored=True`` (squared Euclidean
-    points, permutation registration) runs the clustering on ``C̃ = A B[σ]ᵀ`` without any
-    ``n × n`` matrix in the clustering step. ``init="kmeans_mid"``: K-means on the registered
-    midpoints ``(x_i + y_σ(i))/2`` mixed 50/50 with random rows (needs points and a permutation;
-    otherwise ``"random"``). The best of ``restarts × sides`` by true transport cost is returned.
+    (e.g. from any large-scale OT solver). ``factored=True`` (squared-Euclidean points) runs the
+    clustering on ``C̃ = A B_rotᵀ`` (``B_rot = B[σ]`` or ``diag(1/a) P B``) in ``O(n K r)`` per
+    step; no ``n × n`` cost is formed except for a Hungarian/Sinkhorn registration itself.
+    ``init="kmeans_mid"``: K-means on the registered midpoints ``(x_i + ȳ_i)/2`` (``ȳ = y[σ]`` or
+    the barycentric ``diag(1/a) P y``) mixed 50/50 with random rows (``"random"`` for a cost). The best of ``restarts × sides`` by true transport cost is returned.
     """
     if C is None:
         if x is None or y is None:
             raise ValueError("transport_clustering needs a cost C or both point clouds x and y.")
         x, y = jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32)
     given = not isinstance(registration, str)
-    if factored and (x is None or cost != "sqeuclidean" or
-                     (registration != "hungarian" and not (given and registration.ndim == 1))):
-        raise ValueError("factored=True needs point clouds x, y with cost='sqeuclidean' and a "
-                         "permutation registration ('hungarian' or a perm[n] array).")
+    if factored and (x is None or cost != "sqeuclidean"):
+        raise ValueError("factored=True needs point clouds x, y with cost='sqeuclidean'.")
     if not isinstance(restarts, int) or restarts < 1:
         raise ValueError(f"restarts={restarts!r} must be a positive int.")
     if init not in ("kmeans_mid", "random"):
@@ -318,9 +317,11 @@ def transport_clustering(
             raise ValueError(f"registration array has shape {P.shape}; give perm[{n}] or "
                              f"P[{n}, {m}].")
     elif factored:
-        P = full_rank_plan(point_cost(x, y, cost), method="hungarian")
+        P = full_rank_plan(point_cost(x, y, cost), a, b, method=registration,
+                           epsilon_rel=epsilon_rel, iterations=sinkhorn_iterations)
     else:
-        P = full_rank_plan(C, a, b, method=registration, epsilon_rel=epsilon_rel)
+        P = full_rank_plan(C, a, b, method=registration, epsilon_rel=epsilon_rel,
+                           iterations=sinkhorn_iterations)
     perm = P.ndim == 1
     keys = jax.random.split(key, 2 * restarts)
 
@@ -337,19 +338,21 @@ def transport_clustering(
     def solve_side(side_keys, side):
         # side "x": cluster Q on C̃ = C Pᵀ diag(1/a); side "y": the same on the transposed problem.
         inv = jnp.argsort(P) if perm else None
+        Pt = inv if perm else P.T
         if side == "x":
             ac, size = a_, n
-            mid = None if x is None or not perm else (x + y[P]) / 2
+            mid = None if x is None else (x + register_factors(x, y, P, a_)[1]) / 2
         else:
             ac, size = b_, m
-            mid = None if x is None or not perm else (y + x[inv]) / 2
+            mid = None if x is None else (y + register_factors(y, x, Pt, b_)[1]) / 2
         if factored:
             A, B = sqeuclidean_factors(x, y)
-            fa, fb = (A, B[P]) if side == "x" else (B, A[inv])
+            fa, fb = ((A, register_factors(A, B, P, a_)[1]) if side == "x"
+                      else (B, register_factors(B, A, Pt, b_)[1]))
             cluster = lambda k, Q0: gkmeans_factored(k, fa, fb, ac, rank, init=Q0,
                                                      iterations=iterations, gamma0=gamma0)[0]
         else:
-            Ct, Pt = (C, P) if side == "x" else (C.T, (inv if perm else P.T))
+            Ct, Pt = (C, P) if side == "x" else (C.T, Pt)
             C_reg = register_cost(Ct, Pt, ac)
             cluster = lambda k, Q0: gkmeans(k, C_reg, ac, rank, init=Q0, iterations=iterations,
                                             gamma0=gamma0)[0]

@@ -230,3 +230,14 @@ def test_bad_inputs_raise():
         gkmeans(jax.random.key(0), C, None, 2)
     with pytest.raises(ValueError, match="factored"):
         transport_clustering(jax.random.key(0), jnp.ones((4, 4)), rank=2, factored=True)
+
+
+def test_factored_transport_clustering_matches_dense_for_hard_and_soft_registration():
+    x, y, _ = _blobs(jax.random.key(12), n=32)
+    soft = full_rank_plan(point_cost(x, y), method="sinkhorn", epsilon_rel=1e-2, iterations=200)
+    for registration in ("hungarian", soft):
+        kw = {"x": x, "y": y, "rank": 3, "iterations": 150, "restarts": 1,
+              "registration": registration}
+        dense = transport_clustering(jax.random.key(3), **kw)
+        fact = transport_clustering(jax.random.key(3), factored=True, **kw)
+        np.testing.assert_allclose(float(fact.cost), float(dense.cost), rtol=1e-4)
