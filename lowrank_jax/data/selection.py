@@ -354,8 +354,8 @@ def lowrank_coreset(
 ) -> Coreset:
     """The low-rank residual coreset: fit, ``k' = 4·rank`` representatives, proxy, sample.
 
-    ``loss_oracle(indices) -> losses`` is called twice: once on the representatives, and the
-    caller evaluates the sampled rows itself (``idx``). Pass a precomputed ``fit`` (e.g. from
+    ``loss_oracle(indices) -> losses`` is called once, on the ``k'`` representatives; the caller
+    then evaluates the sampled rows ``idx`` itself (``weighted_mean(losses[idx], weights)``). Pass a precomputed ``fit`` (e.g. from
     :func:`lowrank_residuals_chunked`) to skip step 1. Deterministic given ``key``.
     """
     k_fit, k_rep, k_samp = jax.random.split(key, 3)
