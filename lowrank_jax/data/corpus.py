@@ -52,7 +52,7 @@ def _docstrings(module) -> list[str]:
     return texts
 
 
-@functools.cache
+@functools.lru_cache(maxsize=None)
 def corpus_text(modules: tuple[str, ...] = STDLIB_MODULES) -> str:
     """The corpus as one string (docstrings joined by blank lines), deterministic per Python."""
     parts = []
@@ -65,7 +65,7 @@ def corpus_text(modules: tuple[str, ...] = STDLIB_MODULES) -> str:
     return "\n\n".join(parts)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=None)
 def corpus_bytes(modules: tuple[str, ...] = STDLIB_MODULES) -> np.ndarray:
     """The corpus as a ``uint8`` array of UTF-8 bytes (the byte-level token ids)."""
     return np.frombuffer(corpus_text(modules).encode("utf-8"), dtype=np.uint8).copy()
