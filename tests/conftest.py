@@ -9,6 +9,17 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
+# jaxtyping run-time checks of the public API's shape/dtype annotations (design.md rule 5): every
+# annotated function of these packages is wrapped in jaxtyped(typechecker=beartype.beartype)
+# when it is imported (typeguard 4 cannot parse jaxtyping shape strings, so beartype checks).
+# Set LOWRANK_JAX_TYPECHECK=0 to switch it off while debugging.
+from jaxtyping import install_import_hook  # noqa: E402
+
+TYPECHECKED = ("lowrank_jax.optim", "lowrank_jax.nn", "lowrank_jax.analysis",
+               "lowrank_jax.attention", "pallas_kernels")
+if os.environ.get("LOWRANK_JAX_TYPECHECK", "1") != "0":
+    install_import_hook(list(TYPECHECKED), "beartype.beartype")
+
 import pytest  # noqa: E402
 
 
@@ -21,3 +32,44 @@ def _attention_registry_is_restored():
     yield
     attention._IMPLEMENTATIONS.clear()
     attention._IMPLEMENTATIONS.update(before)
+
+
+@pytest.fixture(autouse=True)
+def _typecheck_switch(request):
+    """``@pytest.mark.no_typecheck``: a test of our own clear ``ValueError`` on bad input (a
+    run-time type check would raise its ``TypeCheckError`` first)."""
+    if request.node.get_closest_marker("no_typecheck") is None:
+        yield
+        return
+    import jaxtyping
+
+    jaxtyping.config.update("jaxtyping_disable", True)
+    try:
+        yield
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", False)
+
+
+_DOCTEST_EXAMPLES = [0]
+
+
+def pytest_runtest_logreport(report):
+    # runs on the controller under xdist too: user_properties travel with the report
+    if report.when == "call":
+        _DOCTEST_EXAMPLES[0] += sum(v for k, v in report.user_properties
+                                    if k == "doctest_examples")
+
+
+def pytest_report_header(config):
+    state = "off" if os.environ.get("LOWRANK_JAX_TYPECHECK", "1") == "0" else "on"
+    return f"jaxtyping run-time checks ({state}): {', '.join(TYPECHECKED)}"
+
+
+def pytest_terminal_summary(terminalreporter):
+    if os.environ.get("LOWRANK_JAX_TYPECHECK", "1") != "0":
+        terminalreporter.write_line(
+            f"jaxtyping run-time checks active (beartype) on: {', '.join(TYPECHECKED)}")
+    if _DOCTEST_EXAMPLES[0]:
+        terminalreporter.write_line(
+            f"docstring examples (doctest): {_DOCTEST_EXAMPLES[0]} ran in lowrank_jax and "
+            "pallas_kernels")

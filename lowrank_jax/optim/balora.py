@@ -26,6 +26,7 @@ from lowrank_jax.optim.factors import (
     path_str,
     unflatten_by_path,
 )
+from lowrank_jax.optim.linalg import Numeric
 from lowrank_jax.optim.linalg import gathered as _gathered
 from lowrank_jax.optim.linalg import polar
 
@@ -53,7 +54,7 @@ def balance_pair(
     right: Float[Array, "r q"],
     *,
     mode: BalanceMode = "procrustes",
-    min_product_norm: float = 0.0,
+    min_product_norm: Numeric = 0.0,
 ) -> tuple[Float[Array, "p r"], Float[Array, "r q"]]:
     """Project a factor pair onto the balanced manifold, keeping the product ``L R``.
 
@@ -155,7 +156,7 @@ def _balance_any(left, right, **kwargs):
 
 
 def balance_lora_params(params: Any, *, mode: BalanceMode = "procrustes",
-                        min_product_norm: float = 0.0) -> Any:
+                        min_product_norm: Numeric = 0.0) -> Any:
     """Apply :func:`balance_pair` to every ``(lora_a, lora_b)`` pair of a parameter tree.
 
     Use it right after ``optax.apply_updates`` in a loop you control (no rounding from the
@@ -185,7 +186,7 @@ def scale_by_balora(
     mode: BalanceMode = "procrustes",
     every: int = 1,
     start_step: int = 0,
-    min_product_norm: float = 0.0,
+    min_product_norm: Numeric = 0.0,
     pair_fn: PairFn = lora_pairs,
 ) -> optax.GradientTransformation:
     """The BaLoRA projection as the last element of an optax chain.
@@ -282,7 +283,7 @@ def balora(
     mode: BalanceMode = "procrustes",
     every: int = 1,
     start_step: int = 0,
-    min_product_norm: float = 0.0,
+    min_product_norm: Numeric = 0.0,
     pair_fn: PairFn = lora_pairs,
 ) -> optax.GradientTransformation:
     """``optax.chain(base_optimizer, scale_by_balora(...))``: any optimizer, then the projection.

@@ -38,6 +38,7 @@ from jaxtyping import Array, Float
 
 from lowrank_jax.curvature.kfac import KFACEigenbasis, KFACFactor, eigenbasis
 from lowrank_jax.optim.factors import normalize_path, path_str
+from lowrank_jax.optim.linalg import Numeric
 from lowrank_jax.optim.linalg import with_sharding_of
 
 
@@ -63,7 +64,7 @@ class CrispEditState(NamedTuple):
 # -------------------------------------------------------------------------------- the threshold
 
 
-def _check_energy(energy: float) -> None:
+def _check_energy(energy: Numeric) -> None:
     if not (0.0 < float(energy) <= 1.0):
         raise ValueError(
             f"energy (gamma)={energy} must lie in (0, 1]: it is the fraction of curvature energy "
@@ -72,7 +73,7 @@ def _check_energy(energy: float) -> None:
 
 
 def energy_threshold_sorted(
-    lam_A: Float[Array, " d_in"], lam_G: Float[Array, " d_out"], energy: float
+    lam_A: Float[Array, " d_in"], lam_G: Float[Array, " d_out"], energy: Numeric
 ) -> Float[Array, ""]:
     """Reference τ by sorting all ``d_in·d_out`` products (memory ``d_in·d_out``).
 
@@ -97,7 +98,7 @@ def _threshold_sorted(lam_A, lam_G, energy):
 def energy_threshold(
     lam_A: Float[Array, " d_in"],
     lam_G: Float[Array, " d_out"],
-    energy: float,
+    energy: Numeric,
     *,
     iterations: int = 64,
 ) -> Float[Array, ""]:
@@ -170,7 +171,7 @@ def _threshold_bisect(lam_A, lam_G, energy, iterations):
     return jnp.where(total > 0, tau, jnp.inf)
 
 
-def projector_from_eigenbasis(basis: KFACEigenbasis, energy: float = 0.9) -> LayerProjector:
+def projector_from_eigenbasis(basis: KFACEigenbasis, energy: Numeric = 0.9) -> LayerProjector:
     """Threshold an existing eigenbasis (reuse one ``eigh`` for several γ)."""
     _check_energy(energy)
     tau = energy_threshold(basis.lam_A, basis.lam_G, energy)
@@ -178,7 +179,7 @@ def projector_from_eigenbasis(basis: KFACEigenbasis, energy: float = 0.9) -> Lay
 
 
 def layer_projector(
-    factor: KFACFactor, energy: float = 0.9, *, eig_floor: float = 0.0
+    factor: KFACFactor, energy: Numeric = 0.9, *, eig_floor: Numeric = 0.0
 ) -> LayerProjector:
     """Eigenbases of one layer's factors and the threshold τ for ``energy``."""
     _check_energy(energy)
@@ -188,7 +189,7 @@ def layer_projector(
 
 
 def build_projector(
-    factors: Mapping[str, KFACFactor], energy: float = 0.9, *, eig_floor: float = 0.0
+    factors: Mapping[str, KFACFactor], energy: Numeric = 0.9, *, eig_floor: Numeric = 0.0
 ) -> CrispProjector:
     """:class:`LayerProjector` for every layer of a K-FAC factor set.
 
@@ -331,9 +332,9 @@ def crispedit(
     *,
     order: Literal["strict", "faithful"] = "strict",
     unmatched: Literal["pass", "zero"] = "pass",
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
+    b1: Numeric = 0.9,
+    b2: Numeric = 0.999,
+    eps: Numeric = 1e-8,
     mu_dtype: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Adam with CrispEdit projection; ``order="strict"`` (default) projects after Adam.
@@ -375,7 +376,7 @@ def crispedit(
 
 def crispedit_adam(
     projector: CrispProjector,
-    learning_rate: float = 5e-4,
+    learning_rate: Numeric = 5e-4,
     *,
     order: Literal["strict", "faithful"] = "strict",
     unmatched: Literal["pass", "zero"] = "pass",
@@ -420,7 +421,7 @@ def relative_weight_change(params, reference_params, projector: Mapping[str, Any
     return worst[0]
 
 
-def needs_refresh(params, reference_params, projector, *, threshold: float = 0.25) -> bool:
+def needs_refresh(params, reference_params, projector, *, threshold: Numeric = 0.25) -> bool:
     """Recompute policy: refresh factors when a kernel moved more than ``threshold`` (0.25)."""
     return relative_weight_change(params, reference_params, projector) > threshold
 

@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Float
 
+from lowrank_jax.optim.linalg import Numeric
 from lowrank_jax.optim.linalg import gathered, with_sharding_of
 from lowrank_jax.optim.factors import (
     PairFn,
@@ -85,7 +86,7 @@ def _check_basis(parent: str, basis, d_in: int):
 # ---------------------------------------------------------------------------------------------
 
 
-def _range_projector(m: Float[Array, "r k"], tol: float) -> Float[Array, "r r"]:
+def _range_projector(m: Float[Array, "r k"], tol: Numeric) -> Float[Array, "r r"]:
     """``Π = I − Q Qᵀ`` with ``Q`` an orthonormal basis of ``range(m)``."""
     r = m.shape[0]
     if m.shape[1] == 0:
@@ -102,10 +103,10 @@ def rectify_pair(
     b: Float[Array, "r o"],
     basis: Float[Array, "d k"],
     *,
-    scale: float = 1.0,
+    scale: Numeric = 1.0,
     precondition: bool = True,
-    eps_rel: float = 1e-3,
-    tol: float = 1e-6,
+    eps_rel: Numeric = 1e-3,
+    tol: Numeric = 1e-6,
 ):
     """Rectified ``(Δa, Δb)`` for one LoRA pair (same sign convention as gradients)."""
     f32 = jnp.float32
@@ -153,11 +154,11 @@ def _map_pairs(fn, updates, params, subspaces, pair_fn: PairFn = lora_pairs):
 
 
 def scale_by_janus(
-    scale: float = 1.0,
+    scale: Numeric = 1.0,
     *,
     precondition: bool = True,
-    eps_rel: float = 1e-3,
-    tol: float = 1e-6,
+    eps_rel: Numeric = 1e-3,
+    tol: Numeric = 1e-6,
     pair_fn: PairFn = lora_pairs,
 ) -> optax.GradientTransformationExtraArgs:
     """Gradient Rectification: make each LoRA pair's composite update orthogonal to ``V``.
@@ -215,15 +216,15 @@ janus_rectify = scale_by_janus  # the name used before the optax two-level API
 
 def janus(
     learning_rate: optax.ScalarOrSchedule,
-    scale: float = 1.0,
+    scale: Numeric = 1.0,
     *,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
+    b1: Numeric = 0.9,
+    b2: Numeric = 0.999,
+    eps: Numeric = 1e-8,
     mu_dtype: Any = None,
     precondition: bool = True,
-    eps_rel: float = 1e-3,
-    tol: float = 1e-6,
+    eps_rel: Numeric = 1e-3,
+    tol: Numeric = 1e-6,
     pair_fn: PairFn = lora_pairs,
 ) -> optax.GradientTransformationExtraArgs:
     """Janus-LoRA's optimizer for LoRA leaves: rectify, Adam, step, clamp.
@@ -263,7 +264,7 @@ def janus(
 
 
 def orthogonality_clamp(
-    *, tol: float = 1e-6, pair_fn: PairFn = lora_pairs
+    *, tol: Numeric = 1e-6, pair_fn: PairFn = lora_pairs
 ) -> optax.GradientTransformationExtraArgs:
     """Re-impose ``Vᵀ δa = 0`` and ``(Vᵀ a) δb = 0`` on the final deltas (``δa ← P δa``,
     ``δb ← Π δb``), using the pre-update ``params``. Put it last in the chain.
@@ -333,7 +334,7 @@ def oe_accumulate(memory: SubspaceMemory, inputs: Float[Array, "... d"]) -> Subs
                            count=memory.count + x.shape[0])
 
 
-def oe_finalize(memory: SubspaceMemory, threshold: float) -> SubspaceMemory:
+def oe_finalize(memory: SubspaceMemory, threshold: Numeric) -> SubspaceMemory:
     """Task end: grow the basis until it holds ``threshold`` of the task's input energy (GPM).
 
     With ``C`` the task's second moment and ``P = I − V Vᵀ``: ``E = tr C``, already captured
@@ -365,7 +366,7 @@ def oe_finalize(memory: SubspaceMemory, threshold: float) -> SubspaceMemory:
                           jnp.zeros_like(memory.count))
 
 
-def orthonormalize_basis(basis: Float[Array, "d k"], *, atol: float = 1e-4):
+def orthonormalize_basis(basis: Float[Array, "d k"], *, atol: Numeric = 1e-4):
     """Return ``basis`` if it is orthonormal; otherwise its QR orthonormalisation, with a
     warning."""
     import warnings
@@ -403,7 +404,7 @@ def decoupled_margin_loss(
     prototypes: Float[Array, "c_old f"],
     anchors: Float[Array, "classes f"],
     *,
-    margin: float = 0.2,
+    margin: Numeric = 0.2,
 ) -> Float[Array, ""]:
     """``mean_i [max_c f_i·p_c − f_i·w_{y_i} + m]₊`` on unit-normalised features ([DERIVED]).
 

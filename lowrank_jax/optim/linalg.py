@@ -30,6 +30,9 @@ from jaxtyping import Array, Float
 
 MUON_COEFFS = (3.4445, -4.7750, 2.0315)
 
+#: a numeric hyperparameter: a Python number, or the array ``optax.inject_hyperparams`` passes
+Numeric = float | jax.Array
+
 CoeffSpec = tuple[float, float, float] | Sequence[tuple[float, float, float]] | Literal["exact"]
 
 
@@ -101,7 +104,7 @@ def _normalize_coeffs(coeffs) -> tuple[tuple[float, float, float], ...] | str:
 
 
 def polar(
-    x: Float[Array, "*batch m n"], *, eps: float = 1e-7, drop_null: bool = True
+    x: Float[Array, "*batch m n"], *, eps: Numeric = 1e-7, drop_null: bool = True
 ) -> Float[Array, "*batch m n"]:
     """Exact polar factor ``U Vᵀ`` of ``x = U Σ Vᵀ`` (via SVD), zero on the null space.
 
@@ -139,7 +142,7 @@ def polar(
     return ((u * keep[..., None, :]) @ vt).astype(x.dtype)
 
 
-def _ns_2d_sharded(x, coeffs, steps: int, eps: float):
+def _ns_2d_sharded(x, coeffs, steps: int, eps: Numeric):
     """Our loop for a factor sharded on an Explicit mesh: the Gram's sharding is requested."""
     transposed = x.shape[0] > x.shape[1]
     if transposed:
@@ -153,7 +156,7 @@ def _ns_2d_sharded(x, coeffs, steps: int, eps: float):
     return x.T if transposed else x
 
 
-def _ns_2d(x, coeffs, steps: int, eps: float):
+def _ns_2d(x, coeffs, steps: int, eps: Numeric):
     """optax's Newton–Schulz (``optax.contrib``'s Muon), unless the input is Explicit-sharded."""
     if _replicated_out(x, ndim=2) is not None:
         return _ns_2d_sharded(x, coeffs, steps, eps)
@@ -169,7 +172,7 @@ def newton_schulz(
     *,
     steps: int = 5,
     coeffs: CoeffSpec = MUON_COEFFS,
-    eps: float = 1e-7,
+    eps: Numeric = 1e-7,
 ) -> Float[Array, "*batch m n"]:
     """Approximate orthogonalization ``NS(X) ≈ polar(X)`` by a quintic Newton–Schulz iteration.
 
@@ -226,7 +229,7 @@ def newton_schulz(
     return fn(x)
 
 
-def _unit(x, eps: float = 1e-30):
+def _unit(x, eps: Numeric = 1e-30):
     norm = jnp.sqrt(jnp.sum(jnp.square(x)))
     return x / jnp.maximum(norm, eps), norm
 

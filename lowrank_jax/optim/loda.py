@@ -41,6 +41,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+
+from lowrank_jax.optim.linalg import Numeric
 from jaxtyping import Array, Bool, Float, Int
 
 __all__ = [
@@ -176,7 +178,7 @@ def _sym_eigh_desc(c):
 
 
 def old_principal_mask(
-    c_old: Float[Array, "d d"], old_energy: float = 0.97
+    c_old: Float[Array, "d d"], old_energy: Numeric = 0.97
 ) -> tuple[Float[Array, "d d"], Bool[Array, " d"]]:
     """Eigenbasis of ``C_old`` and the mask of its smallest top set holding ``old_energy``.
 
@@ -230,9 +232,9 @@ def decompose(
     *,
     k_g: int,
     k_i: int,
-    old_energy: float = 0.97,
+    old_energy: Numeric = 0.97,
     isolated_objective: str = "hard",
-    eta: float = 1.0,
+    eta: Numeric = 1.0,
 ) -> LoDASubspaces:
     """LoDA's two energy objectives: a shared subspace ``U_G`` and an isolated one ``U_I``.
 
@@ -305,9 +307,9 @@ def _concrete(x) -> float | None:
 
 
 def scale_by_gao(
-    momentum: float = 0.9,
+    momentum: Numeric = 0.9,
     *,
-    max_norm: float | None = 1.0,
+    max_norm: Numeric | None = 1.0,
     adam: bool = False,
     mu_dtype=None,
 ) -> optax.GradientTransformation:
@@ -359,10 +361,10 @@ def scale_by_gao(
 
 
 def gao(
-    learning_rate: float | optax.ScalarOrSchedule,
-    momentum: float = 0.9,
+    learning_rate: Numeric | optax.ScalarOrSchedule,
+    momentum: Numeric = 0.9,
     *,
-    max_norm: float | None = 1.0,
+    max_norm: Numeric | None = 1.0,
     adam: bool = False,
     mu_dtype=None,
 ) -> optax.GradientTransformation:
@@ -398,8 +400,8 @@ def recalibrate(
     c_new: Float[Array, "d d"],
     c_old: Float[Array, "d d"],
     *,
-    lam: float = 1.0,
-    ridge: float = 1e-6,
+    lam: Numeric = 1.0,
+    ridge: Numeric = 1e-6,
 ) -> Float[Array, "kg o"]:
     """Closed-form recalibration of the shared up-projection before merging.
 
@@ -457,7 +459,7 @@ def loda_delta(
     b_g: Float[Array, "kg o"],
     a_i: Float[Array, "ki d"],
     b_i: Float[Array, "ki o"],
-    scale: float = 1.0,
+    scale: Numeric = 1.0,
 ) -> Float[Array, "d o"]:
     """The adapter's weight update ``ΔW = s (A_Gᵀ B_G + A_Iᵀ B_I)`` in Flax layout.
 
@@ -487,7 +489,7 @@ def merge(
     b_g_star: Float[Array, "kg o"],
     a_i: Float[Array, "ki d"],
     b_i: Float[Array, "ki o"],
-    scale: float = 1.0,
+    scale: Numeric = 1.0,
 ) -> Float[Array, "d o"]:
     """Fold the (recalibrated) adapter into the backbone: ``W ← W + s (A_Gᵀ B* + A_Iᵀ B_I)``.
 

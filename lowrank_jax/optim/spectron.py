@@ -36,6 +36,7 @@ from lowrank_jax.optim.factors import (
     path_str,
     unflatten_by_path,
 )
+from lowrank_jax.optim.linalg import Numeric
 from lowrank_jax.optim.linalg import (
     MUON_COEFFS,
     newton_schulz,
@@ -43,7 +44,7 @@ from lowrank_jax.optim.linalg import (
     spectral_norm_exact,
 )
 
-ScalarOrSchedule = float | optax.Schedule
+ScalarOrSchedule = optax.ScalarOrSchedule  # float, array (inject_hyperparams) or schedule
 
 
 class SpectronState(NamedTuple):
@@ -130,15 +131,15 @@ _flat, _unflat = flatten_by_path, unflatten_by_path
 
 def scale_by_spectron(
     *,
-    momentum: float = 0.95,
+    momentum: Numeric = 0.95,
     nesterov: bool = False,
     ns_steps: int = 5,
     ns_coeffs=MUON_COEFFS,
     power_iters: int = 1,
-    weight_decay: float = 0.0,
+    weight_decay: Numeric = 0.0,
     wd_scale: Literal["eta", "rho"] = "eta",
     exact_norm: bool = False,
-    eps: float = 1e-7,
+    eps: Numeric = 1e-7,
     pair_fn: PairFn = default_pair_fn,
     mu_dtype: Any = jnp.float32,
 ) -> optax.GradientTransformation:
@@ -285,15 +286,15 @@ def scale_by_spectron(
 def spectron(
     learning_rate: ScalarOrSchedule,
     *,
-    momentum: float = 0.95,
+    momentum: Numeric = 0.95,
     nesterov: bool = False,
     ns_steps: int = 5,
     ns_coeffs=MUON_COEFFS,
     power_iters: int = 1,
-    weight_decay: float = 0.0,
+    weight_decay: Numeric = 0.0,
     wd_scale: Literal["eta", "rho"] = "eta",
     exact_norm: bool = False,
-    eps: float = 1e-7,
+    eps: Numeric = 1e-7,
     pair_fn: PairFn = default_pair_fn,
     mu_dtype: Any = jnp.float32,
 ) -> optax.GradientTransformation:
@@ -346,19 +347,19 @@ def spectron_with_adamw(
     eta: ScalarOrSchedule,
     adamw_lr: ScalarOrSchedule,
     *,
-    weight_decay: float = 0.0,
-    spectron_weight_decay: float = 0.0,
-    b1: float = 0.9,
-    b2: float = 0.95,
-    clip_norm: float | None = None,
-    momentum: float = 0.95,
+    weight_decay: Numeric = 0.0,
+    spectron_weight_decay: Numeric = 0.0,
+    b1: Numeric = 0.9,
+    b2: Numeric = 0.95,
+    clip_norm: Numeric | None = None,
+    momentum: Numeric = 0.95,
     nesterov: bool = False,
     ns_steps: int = 5,
     ns_coeffs=MUON_COEFFS,
     power_iters: int = 1,
     wd_scale: Literal["eta", "rho"] = "eta",
     exact_norm: bool = False,
-    eps: float = 1e-7,
+    eps: Numeric = 1e-7,
     pair_fn: PairFn = default_pair_fn,
     mu_dtype: Any = None,
 ) -> optax.GradientTransformation:

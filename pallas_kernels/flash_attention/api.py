@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from pallas_kernels import _dispatch
 from pallas_kernels.flash_attention import kernel as _kernel
 from pallas_kernels.flash_attention.reference import (
     check_attention_shapes,
@@ -75,15 +76,13 @@ def _backend_platform() -> str:
     return "interpret"
 
 
-def resolve_implementation(implementation: str) -> str:
-    """``"pallas"`` or ``"xla"`` for ``implementation`` (``"auto"``: pallas on GPU/TPU only)."""
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"implementation={implementation!r} is unknown; choose one of {IMPLEMENTATIONS}."
-        )
-    if implementation == "auto":
-        return "pallas" if _backend_platform() != "interpret" else "xla"
-    return implementation
+def resolve_implementation(implementation: str, interpret: Any = None) -> str:
+    """``"pallas"`` or ``"xla"``: the one meaning of :mod:`pallas_kernels._dispatch` (``"auto"``:
+    the kernel on GPU/TPU or when ``interpret`` is set, the reference elsewhere)."""
+    asked = interpret if interpret in (None, True, False) else True  # InterpretParams: kernel
+    if implementation == "pallas":  # the platform check below gives the precise message
+        return "pallas"
+    return _dispatch.resolve(implementation, asked, op="flash_attention")[0]
 
 
 def _round_up(x: int, m: int) -> int:
@@ -160,7 +159,7 @@ def flash_attention(
       scale: logit scale ``c`` (default ``head_dim ** -0.5``).
       block_sizes: tiles; default :meth:`BlockSizes.get_default`.
       implementation: ``"pallas"``, ``"xla"`` (the jnp reference) or ``"auto"`` (pallas on GPU
-        and TPU, xla on CPU).
+        and TPU or when ``interpret`` is set, xla elsewhere; see :mod:`pallas_kernels._dispatch`).
       interpret: passed to ``pallas_call``; ``None`` means ``True`` on CPU, ``False`` elsewhere.
       platform: lowering to target: ``"gpu"`` (Triton), ``"tpu"`` (Mosaic) or ``"interpret"``;
         default from ``jax.default_backend()``. Set it to export for another platform.
@@ -189,7 +188,7 @@ def flash_attention(
             "with no key; pass equal lengths (prefill) or causal=False."
         )
     scale = d ** -0.5 if scale is None else float(scale)
-    if resolve_implementation(implementation) == "xla":
+    if resolve_implementation(implementation, interpret) == "xla":
         return flash_attention_reference(q, k, v, causal=causal, scale=scale)
     if block_sizes is None:
         block_sizes = BlockSizes.get_default()

@@ -27,7 +27,7 @@ from pallas_kernels.grouped_lora import kernel as _kernel
 from pallas_kernels.grouped_lora import reference
 from pallas_kernels._dispatch import IMPLEMENTATIONS  # noqa: F401 (re-export)
 from pallas_kernels._dispatch import next_pow2 as _next_pow2
-from pallas_kernels._dispatch import resolve_implementation as _resolve
+from pallas_kernels._dispatch import check_block, resolve
 
 
 def _meta(group_sizes, ranks, scale, k: int):
@@ -47,8 +47,22 @@ def _check(name: str, group_sizes, ranks, k: int, r_max: int, block_r: int) -> N
             f"{name}: group_sizes {jnp.shape(group_sizes)} and ranks {jnp.shape(ranks)} must both "
             f"have shape ({k},), one entry per adapter."
         )
-    if r_max % block_r:
-        raise ValueError(f"{name}: block_r={block_r} must divide the padded rank R={r_max}.")
+    check_block(name, "block_r", block_r, r_max, "the padded rank R")
+
+
+def _default_block(dim: int, cap: int, op: str, name: str, dim_name: str) -> int:
+    """The largest power of two ``<= cap`` (``>= 8``) dividing ``dim``; ``dim`` if ``<= cap``."""
+    block = cap
+    while block >= 8:
+        if dim % block == 0:
+            return block
+        block //= 2
+    if dim <= cap:
+        return dim
+    raise ValueError(
+        f"{op}: {dim_name}={dim} has no power-of-two tile <= {cap}; pass {name} (a divisor of "
+        f"{dim}) explicitly or pad {dim_name} to a multiple of 8."
+    )
 
 
 def _pad_rows(x, block_m):
@@ -116,7 +130,7 @@ def lora_shrink(
     ranks: Int[Array, " k"],
     *,
     implementation: Literal["auto", "pallas", "xla"] = "auto",
-    interpret: bool = False,
+    interpret: bool | None = None,
     block_m: int = 64,
     block_r: int | None = None,
     block_k: int | None = None,
@@ -127,13 +141,15 @@ def lora_shrink(
         x: ``[N, d_in]`` rows sorted by group; a: ``[K, d_in, R]`` (R = padded rank).
         group_sizes: int32 ``[K]`` rows per group, ``sum ≤ N`` (a 0 is an empty slot).
         scale: ``[K]`` (``alpha_k / r_k``); ranks: int ``[K]`` true ranks, ``0 ≤ r_k ≤ R``.
-        implementation: ``"pallas"`` (kernel), ``"xla"`` (``ragged_dot``), ``"auto"`` (kernel on
-            GPU/TPU or when ``interpret``, XLA otherwise).
-        interpret: run the kernel in Pallas interpret mode (CPU tests).
+        implementation, interpret: as every op (:mod:`pallas_kernels._dispatch`): ``"pallas"``
+            (kernel), ``"xla"`` (``ragged_dot``), ``"auto"`` (kernel on GPU/TPU or with
+            ``interpret=True``, XLA otherwise).
         block_m: token tile; block_r: rank chunk that is skipped when ``≥ r_k``
-            (default ``min(16, R)``; DERIVED: bf16 MMA granularity).
-        block_k: ``d_in`` chunk of the contraction (default 512, or ``d_in`` when it does not
-            divide ``d_in``).
+            (default ``min(16, R)``; DERIVED: bf16 MMA granularity); it must divide ``R``.
+        block_k: ``d_in`` chunk of the contraction; it must divide ``d_in`` (a ``ValueError``
+            otherwise). Default: the largest power of two ``≤ 512`` dividing ``d_in``, or
+            ``d_in`` itself when ``d_in ≤ 512``; a larger ``d_in`` with no such divisor is an
+            error (pad it), never a silent whole-dimension tile.
 
     Returns:
         ``[N, R]`` fp32; padded columns are exactly 0.
@@ -149,11 +165,13 @@ def lora_shrink(
     k, _, r_max = a.shape
     block_r = min(16, r_max) if block_r is None else block_r
     _check("lora_shrink", group_sizes, ranks, k, r_max, block_r)
-    if _resolve(implementation, interpret) == "xla":
+    implementation, interpret = resolve(implementation, interpret, op="lora_shrink")
+    if implementation == "xla":
         return reference.lora_shrink_reference(x, a, group_sizes, scale, ranks)
     d_in = x.shape[1]
-    block_k = block_k or min(512, d_in)
-    block_k = block_k if d_in % block_k == 0 else d_in
+    block_k = _default_block(d_in, 512, "lora_shrink", "block_k", "d_in") if block_k is None \
+        else block_k
+    check_block("lora_shrink", "block_k", block_k, d_in, "d_in")
     return _shrink_pallas(x, a, group_sizes, jnp.asarray(scale, jnp.float32), ranks, block_m,
                           block_r, block_k, interpret)
 
@@ -166,9 +184,9 @@ def lora_expand(
     acc: Float[Array, "n d_out"] | None = None,
     *,
     implementation: Literal["auto", "pallas", "xla"] = "auto",
-    interpret: bool = False,
+    interpret: bool | None = None,
     block_m: int = 64,
-    block_n: int = 128,
+    block_n: int | None = None,
     block_r: int | None = None,
 ) -> Float[Array, "n d_out"]:
     """Grouped LoRA up-projection ``y = acc + (h ⊙ m_k) B_k`` for tokens sorted by adapter.
@@ -177,7 +195,8 @@ def lora_expand(
         h: ``[N, R]``; b: ``[K, R, d_out]``; group_sizes, ranks: int ``[K]``.
         acc: optional ``[N, d_out]`` added in the kernel (the base output; saves a pass).
         implementation, interpret, block_m, block_r: as :func:`lora_shrink`.
-        block_n: output-column tile (uses ``d_out`` when it does not divide ``d_out``).
+        block_n: output-column tile; it must divide ``d_out`` (default: the largest power of
+            two ``≤ 128`` dividing it, or ``d_out`` when ``d_out ≤ 128``; else an error).
 
     Returns:
         ``[N, d_out]`` fp32.
@@ -195,7 +214,10 @@ def lora_expand(
     _check("lora_expand", group_sizes, ranks, k, r_max, block_r)
     if acc is not None and acc.shape != (h.shape[0], d_out):
         raise ValueError(f"lora_expand: acc shape {acc.shape} must be {(h.shape[0], d_out)}.")
-    if _resolve(implementation, interpret) == "xla":
+    implementation, interpret = resolve(implementation, interpret, op="lora_expand")
+    if implementation == "xla":
         return reference.lora_expand_reference(h, b, group_sizes, ranks, acc)
-    block_n = block_n if d_out % block_n == 0 else d_out
+    block_n = _default_block(d_out, 128, "lora_expand", "block_n", "d_out") if block_n is None \
+        else block_n
+    check_block("lora_expand", "block_n", block_n, d_out, "d_out")
     return _expand_pallas(h, b, group_sizes, ranks, acc, block_m, block_n, block_r, interpret)

@@ -14,6 +14,7 @@ References:
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import jax
@@ -24,7 +25,7 @@ from pallas_kernels.lattice_matmul import reference
 from pallas_kernels.lattice_matmul.kernel import lattice_planes_matmul
 from pallas_kernels._dispatch import IMPLEMENTATIONS  # noqa: F401 (re-export)
 from pallas_kernels._dispatch import next_pow2 as _next_pow2
-from pallas_kernels._dispatch import resolve_implementation as _resolve
+from pallas_kernels._dispatch import inference_only, resolve
 
 MODES = ("fold", "dequant")
 
@@ -41,7 +42,7 @@ def code_matmul(
     *,
     mode: Literal["fold", "dequant"] = "fold",
     implementation: Literal["auto", "pallas", "xla"] = "auto",
-    interpret: bool = False,
+    interpret: bool | None = None,
     block_t: int | None = None,
     block_m: int = 64,
     block_k: int = 128,
@@ -54,9 +55,9 @@ def code_matmul(
         affine: ``A [4, 4]``; offset: ``b [4]``.
         mode: ``"fold"`` (A onto the activations, integer-weight GEMM + rank-1 correction) or
             ``"dequant"`` (decode ``A z + b`` inside the kernel, float GEMM).
-        implementation: ``"pallas"`` (kernel), ``"xla"`` (reference), or ``"auto"`` (kernel on
-            GPU/TPU or when ``interpret`` is set, reference otherwise).
-        interpret: run the Pallas kernel in interpret mode (CPU tests).
+        implementation, interpret: as every op (:mod:`pallas_kernels._dispatch`): ``"auto"`` is
+            the kernel on GPU/TPU (or with ``interpret=True``), the reference elsewhere. The
+            kernel is inference-only: differentiate ``implementation="xla"``.
         block_t, block_m, block_k: tile sizes (tokens, output rows, packed K chunk).
 
     Returns:
@@ -83,7 +84,7 @@ def code_matmul(
         raise ValueError(
             f"codes must be uint8 (got {codes.dtype}); pack them with 4 digits a byte."
         )
-    impl = _resolve(implementation, interpret)
+    impl, interpret = resolve(implementation, interpret, op="code_matmul")
     if impl == "xla":
         if mode == "fold":
             planes, correction = reference.fold_activations(x_rot, affine, offset)
@@ -108,10 +109,9 @@ def code_matmul(
     codes_p = jnp.pad(codes, ((0, m_pad - m), (0, q_pad - q)))
     ab = jnp.zeros((8, 4), jnp.float32)
     ab = ab.at[:4].set(affine.astype(jnp.float32)).at[4].set(offset.astype(jnp.float32))
-    out = lattice_planes_matmul(
-        planes, codes_p, ab, mode=mode, block_t=block_t, block_m=block_m, block_k=block_k,
-        interpret=interpret,
-    )[:t, :m]
+    kernel = functools.partial(lattice_planes_matmul, mode=mode, block_t=block_t,
+                               block_m=block_m, block_k=block_k, interpret=interpret)
+    out = inference_only("code_matmul", kernel, planes, codes_p, ab)[:t, :m]
     # Padded codes decode to b in "dequant" mode, but their activations are 0: no effect.
     if correction is not None:
         out = out + correction[:, None]
@@ -130,7 +130,7 @@ def lattice_matmul(
     block_out: int,
     mode: Literal["fold", "dequant"] = "fold",
     implementation: Literal["auto", "pallas", "xla"] = "auto",
-    interpret: bool = False,
+    interpret: bool | None = None,
 ) -> Float[Array, "... m"]:
     """``y = x @ Wᵀ`` for a UniSVQ weight, without ever forming ``W``.
 

@@ -20,6 +20,7 @@ from pallas_kernels.flash_attention.api import (
     padded_head_dim,
     resolve_implementation,
 )
+from pallas_kernels._dispatch import inference_only
 from pallas_kernels.flash_attention.reference import check_attention_shapes
 from pallas_kernels.sparse_attention import kernel as _kernel
 from pallas_kernels.sparse_attention.reference import (
@@ -165,7 +166,7 @@ def sale_prefill_attention(
         )
     tau = _tau_vector(tau, h)
     scale = d ** -0.5 if scale is None else float(scale)
-    impl = resolve_implementation(implementation)
+    impl = resolve_implementation(implementation, interpret)
     if n <= cfg.dense_below:
         out = flash_attention(q, k, v, causal=True, scale=scale, implementation=impl,
                               interpret=interpret, platform=platform)
@@ -187,8 +188,9 @@ def sale_prefill_attention(
     if platform == "interpret" and not interpret:
         raise ValueError("sale_prefill_attention: on CPU pass interpret=True or "
                          "implementation='xla'.")
-    out, mask = _sale_pallas(qh, kh, vh, tau, cfg=cfg, scale=scale, platform=platform,
-                             interpret=interpret)
+    kernel = functools.partial(_sale_pallas, cfg=cfg, scale=scale, platform=platform,
+                               interpret=interpret)
+    out, mask = inference_only("sale_prefill_attention", kernel, qh, kh, vh, tau)
     return (out, mask) if return_mask else out
 
 

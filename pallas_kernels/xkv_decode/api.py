@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from pallas_kernels._dispatch import inference_only, resolve
 from pallas_kernels.xkv_decode.kernel import xkv_decode_partials
 from pallas_kernels.xkv_decode.reference import NEG_INF, xkv_decode_reference
 
@@ -49,14 +50,7 @@ def _check(q, key_factor, key_basis, value_factor, value_basis, tail_keys, tail_
 
 
 def _resolve(implementation: str, interpret):
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation={implementation!r}; choose from {IMPLEMENTATIONS}.")
-    on_cpu = jax.default_backend() == "cpu"
-    if implementation == "auto":
-        implementation = "xla" if on_cpu else "pallas"
-    if interpret is None:
-        interpret = on_cpu
-    return implementation, interpret
+    return resolve(implementation, interpret, op="xkv_decode_attention")
 
 
 def xkv_decode_attention(
@@ -148,10 +142,10 @@ def _attention(q, key_factor, key_basis, value_factor, value_basis, tail_keys, t
             tail_keys=tail_keys, tail_values=tail_values, tail_length=tail_length, scale=scale,
             value_path="latent",
         )
-    o_lat, m, l = xkv_decode_partials(
-        q, key_factor, key_basis, value_factor, rope_theta=float(rope_theta), scale=scale,
-        block_k=block_k, num_splits=num_splits, interpret=interpret,
-    )
+    kernel = functools.partial(xkv_decode_partials, rope_theta=float(rope_theta), scale=scale,
+                               block_k=block_k, num_splits=num_splits, interpret=interpret)
+    o_lat, m, l = inference_only("xkv_decode_attention", kernel, q, key_factor, key_basis,
+                                 value_factor)
     o = jnp.einsum("bhgr,bhrd->bhgd", o_lat, value_basis.astype(jnp.float32))
     if tail_keys is not None:
         t = tail_keys.shape[1]
