@@ -20,7 +20,7 @@ import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray
 
 
-def _normalised_columns(matrix) -> np.ndarray:
+def _normalised_columns(matrix) -> tuple[np.ndarray, np.ndarray]:
     m = np.asarray(matrix, dtype=np.float64)
     if m.ndim != 2:
         raise ValueError(f"matrix must be 2-D [p, n] (n columns in R^p), got shape {m.shape}.")
@@ -37,7 +37,7 @@ def _subsets_independent(cols: np.ndarray, subsets: np.ndarray, rtol: float) -> 
 
 
 def kruskal_rank_exact(
-    matrix: Float[Array, "p n"], *, rtol: float = 1e-6, max_subsets: int = 2**20
+    matrix: Float[Array | np.ndarray, "p n"], *, rtol: float = 1e-6, max_subsets: int = 2**20
 ) -> int:
     """Exact Kruskal rank by exhaustive search over column subsets (host-side).
 
@@ -91,7 +91,11 @@ def kruskal_rank_exact(
 
 
 def numerical_krank(
-    key: PRNGKeyArray, matrix: Float[Array, "p n"], *, rtol: float = 1e-6, trials: int = 256
+    key: PRNGKeyArray,
+    matrix: Float[Array | np.ndarray, "p n"],
+    *,
+    rtol: float = 1e-6,
+    trials: int = 256,
 ) -> int:
     """Kruskal rank estimated by random probing of k-subsets: a certified *upper* bound.
 
@@ -125,7 +129,7 @@ def _unit_columns(m, eps):
     return m / norms
 
 
-def coherence(matrix: Float[Array, "p n"], eps: float = 1e-12) -> Float[Array, ""]:
+def coherence(matrix: Float[Array | np.ndarray, "p n"], eps: float = 1e-12) -> Float[Array, ""]:
     """Mutual coherence ``μ(M) = max_{i≠j} |cos(m_i, m_j)|`` of the columns (``k(M) ≥ 1/μ``).
 
     Differentiable (``eps`` guards zero columns); 0 for a single column.
@@ -150,7 +154,7 @@ PenaltyKind = Literal["frame", "coherence"]
 
 
 def kruskal_penalty(
-    m: Float[Array, "p n"],
+    m: Float[Array | np.ndarray, "p n"],
     *,
     kind: PenaltyKind = "frame",
     eps: float = 1e-6,
@@ -205,7 +209,9 @@ def kruskal_penalty(
     return jnp.where(jnp.max(jnp.abs(m)) > skip_below, value, 0.0)
 
 
-def kruskal_rank_bounds(matrix: Float[Array, "p n"], *, rtol: float = 1e-6) -> tuple[int, int]:
+def kruskal_rank_bounds(
+    matrix: Float[Array | np.ndarray, "p n"], *, rtol: float = 1e-6
+) -> tuple[int, int]:
     """Cheap bounds ``min(⌈1/μ⌉, rank) ≤ krank ≤ rank`` (Donoho–Elad coherence bound).
 
     ``μ = 0`` (orthogonal columns) gives ``krank = rank``.
@@ -231,7 +237,7 @@ def kruskal_rank_bounds(matrix: Float[Array, "p n"], *, rtol: float = 1e-6) -> t
     return lower, rank
 
 
-def khatri_rao(a: Float[Array, "p n"], b: Float[Array, "q n"]) -> Float[Array, "pq n"]:
+def khatri_rao(a: Float[Array | np.ndarray, "p n"], b: Float[Array, "q n"]) -> Float[Array, "pq n"]:
     """Column-wise Kronecker product ``A ⊙ B`` with ``(A ⊙ B)[:, j] = a_j ⊗ b_j``.
 
     ``krank(A ⊙ B) ≥ min(krank A + krank B − 1, n)`` (Sidiropoulos & Bro 2000).

@@ -15,7 +15,7 @@ rest of a preallocated KV cache is ignored).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from pallas_kernels.flash_attention.reference import attention_mask
 from pallas_kernels.flash_attention.reference import attention_reference as reference_attention

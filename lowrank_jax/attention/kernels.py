@@ -8,7 +8,8 @@ the dispatcher signature ``fn(q, k, v, *, causal, q_offset, kv_length, scale)`` 
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 

@@ -38,7 +38,7 @@ def test_kernel_matches_reference(sizes, ranks, r_max, n):
     h = lora_shrink(x, a, gs, scale, rk, block_k=8, **kw)  # 3 chunks of the d_in contraction
     np.testing.assert_allclose(h, h_ref, rtol=1e-5, atol=1e-5)
     y_ref = lora_expand_reference(h_ref, b, gs, rk, acc)
-    y = lora_expand(h_ref, b, gs, rk, acc, block_n=128, **kw)
+    y = lora_expand(h_ref, b, gs, rk, acc, **kw)  # default block_n tiles d_out
     np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-4)
     # ragged_dot reference == slice-per-group loop; padded rank columns exactly zero
     loop = grouped_lora_loop_reference(x, a, b, sizes, scale, ranks)
