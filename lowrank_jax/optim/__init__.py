@@ -101,3 +101,30 @@ __all__ = [
     "spectron",
     "spectron_with_adamw",
 ]
+
+# LoRDO and SALAAD (issue 25)
+from lowrank_jax.optim.lordo import (  # noqa: E402
+    ScaleByLordoState,
+    SyncResult,
+    communication_per_sync,
+    find_lordo_state,
+    lordo,
+    lordo_sync,
+    outer_average,
+    outer_nesterov,
+    scale_by_lordo,
+    set_projection,
+)
+
+__all__ += [
+    "ScaleByLordoState",
+    "SyncResult",
+    "communication_per_sync",
+    "find_lordo_state",
+    "lordo",
+    "lordo_sync",
+    "outer_average",
+    "outer_nesterov",
+    "scale_by_lordo",
+    "set_projection",
+]
