@@ -115,6 +115,29 @@ from lowrank_jax.optim.lordo import (  # noqa: E402
     scale_by_lordo,
     set_projection,
 )
+from lowrank_jax.optim.salaad import (  # noqa: E402
+    SalaadConfig,
+    SalaadState,
+    ScaleBySalaadState,
+    energy_rank,
+    find_salaad_state,
+    penalty_gradient,
+    salaad,
+    salaad_admm_step,
+    salaad_init,
+    salaad_penalty,
+    salaad_stats,
+    scale_by_salaad,
+    soft_threshold,
+    svt,
+)
+from lowrank_jax.optim.salaad_deploy import (  # noqa: E402
+    HpaAllocation,
+    apply_surrogate,
+    hpa_allocate,
+    hpa_materialize,
+    surrogate_counts,
+)
 
 __all__ += [
     "ScaleByLordoState",
@@ -127,4 +150,23 @@ __all__ += [
     "outer_nesterov",
     "scale_by_lordo",
     "set_projection",
+    "HpaAllocation",
+    "SalaadConfig",
+    "SalaadState",
+    "ScaleBySalaadState",
+    "apply_surrogate",
+    "energy_rank",
+    "find_salaad_state",
+    "hpa_allocate",
+    "hpa_materialize",
+    "penalty_gradient",
+    "salaad",
+    "salaad_admm_step",
+    "salaad_init",
+    "salaad_penalty",
+    "salaad_stats",
+    "scale_by_salaad",
+    "soft_threshold",
+    "surrogate_counts",
+    "svt",
 ]
