@@ -103,19 +103,21 @@ __all__ = [
 ]
 
 # LoRDO and SALAAD (issue 25)
-from lowrank_jax.optim.lordo import (  # noqa: E402
+from lowrank_jax.optim.lordo import (
     ScaleByLordoState,
-    SyncResult,
-    communication_per_sync,
     find_lordo_state,
     lordo,
+    scale_by_lordo,
+)
+from lowrank_jax.optim.lordo_distributed import (
+    SyncResult,
+    communication_per_sync,
     lordo_sync,
     outer_average,
     outer_nesterov,
-    scale_by_lordo,
     set_projection,
 )
-from lowrank_jax.optim.salaad import (  # noqa: E402
+from lowrank_jax.optim.salaad import (
     SalaadConfig,
     SalaadState,
     ScaleBySalaadState,
@@ -131,7 +133,7 @@ from lowrank_jax.optim.salaad import (  # noqa: E402
     soft_threshold,
     svt,
 )
-from lowrank_jax.optim.salaad_deploy import (  # noqa: E402
+from lowrank_jax.optim.salaad_deploy import (
     HpaAllocation,
     apply_surrogate,
     hpa_allocate,

@@ -271,7 +271,7 @@ def salaad_stats(params, state: SalaadState) -> dict[str, dict[str, float]]:
     for path, low in fields["low_rank"].items():
         if jnp.ndim(low) != 2:
             continue
-        get = lambda name: fields[name][path]
+        get = lambda name, path=path: fields[name][path]
         x = jnp.asarray(xs[path], jnp.float32)
         rel = jnp.linalg.norm(x - low - get("sparse")) / jnp.maximum(jnp.linalg.norm(x), 1e-12)
         stats["/".join(map(str, path))] = {
