@@ -178,6 +178,7 @@ def scale_by_lordo(
     min_dim_for_lowrank: int = 16,
     refresh_every: int = 0,
     refresh_from: Literal["gradient", "displacement"] = "displacement",
+    first_projection: Literal["gradient", "set"] = "gradient",
     mu_dtype: Any = None,
 ) -> optax.GradientTransformation:
     """One worker's LoRDO direction (low-rank Adam with error feedback + full-rank QH term).
@@ -212,6 +213,11 @@ def scale_by_lordo(
         min_dim_for_lowrank: smallest ``min(p, q)`` that gets the low-rank treatment.
         refresh_every: refresh ``Q`` inside the transform every this many steps (0: never).
         refresh_from: ``"gradient"`` or ``"displacement"``.
+        first_projection: ``"gradient"``: the first update takes ``Q`` from its own gradient
+            (a ``lax.cond`` on the state); ``"set"``: no such branch, ``Q`` comes from
+            :func:`~lowrank_jax.optim.set_projection` (LoRDO's step-0 global SVD) or a sync.
+            Use ``"set"`` when the update is ``vmap``-ed over workers: a batched ``cond``
+            runs both branches, i.e. an SVD at every step.
         mu_dtype: dtype of the first moment (default: fp32).
 
     Returns:
@@ -239,6 +245,10 @@ def scale_by_lordo(
     if refresh_from not in ("gradient", "displacement"):
         raise ValueError(
             f"lordo: refresh_from={refresh_from!r} must be 'gradient' or 'displacement'."
+        )
+    if first_projection not in ("gradient", "set"):
+        raise ValueError(
+            f"lordo: first_projection={first_projection!r} must be 'gradient' or 'set'."
         )
     mdt = jnp.float32 if mu_dtype is None else jnp.dtype(mu_dtype)
 
@@ -295,8 +305,9 @@ def scale_by_lordo(
             gc = _canon(g32, plan)
             z = gc + e
             u32 = u.astype(jnp.float32)
-            q = jax.lax.cond(state.needs_projection,
-                             lambda: _like(top_subspace(z, plan.rank), q), lambda: q)
+            if first_projection == "gradient":
+                q = jax.lax.cond(state.needs_projection,
+                                 lambda: _like(top_subspace(z, plan.rank), q), lambda: q)
             if refresh_static is None or refresh_static > 0:
                 source = disp if keep_displacement else z
 
@@ -355,6 +366,7 @@ def lordo(
     min_dim_for_lowrank: int = 16,
     refresh_every: int = 0,
     refresh_from: Literal["gradient", "displacement"] = "displacement",
+    first_projection: Literal["gradient", "set"] = "gradient",
     mu_dtype: Any = None,
 ) -> optax.GradientTransformation:
     """LoRDO's local optimiser: global-norm clip, :func:`scale_by_lordo`, decay, ``−η``.
@@ -366,7 +378,7 @@ def lordo(
             or 0 disables it).
         weight_decay: decoupled weight decay (default 0).
         omega, mu, b1, b2, eps, fr_norm, min_dim_for_lowrank, refresh_every, refresh_from,
-            mu_dtype: as in :func:`scale_by_lordo`.
+            first_projection, mu_dtype: as in :func:`scale_by_lordo`.
 
     Returns:
         A :class:`optax.GradientTransformation`.
@@ -386,7 +398,7 @@ def lordo(
     parts.append(scale_by_lordo(
         rank, omega=omega, mu=mu, b1=b1, b2=b2, eps=eps, fr_norm=fr_norm,
         min_dim_for_lowrank=min_dim_for_lowrank, refresh_every=refresh_every,
-        refresh_from=refresh_from, mu_dtype=mu_dtype))
+        refresh_from=refresh_from, first_projection=first_projection, mu_dtype=mu_dtype))
     if isinstance(weight_decay, jax.Array) or weight_decay:
         parts.append(optax.add_decayed_weights(weight_decay))
     parts.append(optax.scale_by_learning_rate(learning_rate))

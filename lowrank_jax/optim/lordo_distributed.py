@@ -190,8 +190,6 @@ def set_projection(opt_state, grads, *, axis_name: str | None = None, stacked: b
     flat = _flat_by_path(grads)
     low = {p: flat[p] for p in found}
     mean, floats = _all_reduce_mean(low, axis_name)
-    if stacked:
-        mean = {p: jnp.broadcast_to(m[None], flat[p].shape) for p, m in mean.items()}
 
     def apply(state):
         new = _reproject(state, mean, "reset", stacked=stacked)

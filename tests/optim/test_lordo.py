@@ -83,7 +83,7 @@ def _problem(seed=0, shape=(16, 24)):
 
 def _run(omega, rounds, *, seed=0, transport="rotate"):
     params, target = _problem(seed)
-    tx = lordo(0.05, rank=RANK, omega=omega, clip_norm=None)
+    tx = lordo(0.05, rank=RANK, omega=omega, clip_norm=None, first_projection="set")
     anchor = params
     workers = jax.tree.map(lambda x: jnp.stack([x] * M), params)
     states = jax.vmap(tx.init)(workers)
