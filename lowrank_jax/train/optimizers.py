@@ -47,6 +47,12 @@ def build_optimizer(cfg: OptimizerConfig, steps: int) -> optax.GradientTransform
                 label_factors,
             )
         )
+    elif cfg.name == "lordo":  # one process = one worker: the sync is a displacement refresh
+        from lowrank_jax.optim import lordo
+
+        parts = [lordo(lr, cfg.rank, omega=cfg.omega, clip_norm=cfg.grad_clip or None,
+                       weight_decay=cfg.weight_decay, refresh_every=cfg.sync_every,
+                       refresh_from="displacement")]
     elif cfg.name == "adamw":
         parts.append(optax.adamw(lr, weight_decay=cfg.weight_decay))
     else:

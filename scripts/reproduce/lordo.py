@@ -39,23 +39,23 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)  # before any device is touched
 
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.sharding import AxisType, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from lowrank_jax.data import batch_at, corpus_bytes, eval_batches, train_val_split  # noqa: E402
-from lowrank_jax.models import Llama, LlamaConfig  # noqa: E402
-from lowrank_jax.optim import (  # noqa: E402
+from lowrank_jax.data import batch_at, corpus_bytes, eval_batches, train_val_split
+from lowrank_jax.models import Llama, LlamaConfig
+from lowrank_jax.optim import (
     communication_per_sync,
     find_lordo_state,
     lordo,
     lordo_sync,
     set_projection,
 )
-from lowrank_jax.train.loop import cross_entropy  # noqa: E402
+from lowrank_jax.train.loop import cross_entropy
 
 WORKERS = 8
 
@@ -71,6 +71,10 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=4, help="local batch per worker")
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--devices", type=int, default=8, choices=(1, 8),
+                   help="8: one worker per simulated device, sync under shard_map (the real "
+                        "layout); 1: the 8 workers vmapped on one device, same math (faster "
+                        "on an oversubscribed CPU: no cross-device collectives)")
     return p.parse_args(argv)
 
 
@@ -117,12 +121,15 @@ def run_ddp(tx, params, loss_fn, train_tokens, args, *, steps):
 
 
 def run_lordo(tx, params, loss_fn, train_tokens, args, *, steps, period, mesh):
-    """K local steps per worker (sharded over ``data``), then ``lordo_sync`` under shard_map."""
-    on_workers = NamedSharding(mesh, P("data"))
+    """K local steps per worker (sharded over ``data``), then ``lordo_sync`` under shard_map.
+
+    With ``mesh=None`` the workers stay on one device and the sync averages the worker axis.
+    """
+    on_workers = NamedSharding(mesh, P("data")) if mesh is not None else jax.devices()[0]
     stack = lambda t: jax.device_put(jax.tree.map(lambda x: jnp.stack([x] * WORKERS), t),
                                      on_workers)
     workers = stack(params)
-    anchor = jax.device_put(params, NamedSharding(mesh, P()))  # as the sync returns it
+    anchor = params if mesh is None else jax.device_put(params, NamedSharding(mesh, P()))
     states = jax.jit(jax.vmap(tx.init))(workers)
     grad_fn = jax.vmap(jax.grad(loss_fn))
 
@@ -139,16 +146,19 @@ def run_lordo(tx, params, loss_fn, train_tokens, args, *, steps, period, mesh):
         updates, states = jax.vmap(tx.update)(grad_fn(workers, x, y), states, workers)
         return optax.apply_updates(workers, updates), states
 
-    def sync_body(w, a, s):
-        res = lordo_sync(w, a, s, axis_name="data")
+    def sync_body(w, a, s, axis_name="data"):
+        res = lordo_sync(w, a, s, axis_name=axis_name)
         return res.anchor, res.worker_params, res.worker_opt_states, res.floats_sent
 
     specs = lambda tree, spec: jax.tree.map(lambda _: spec, tree)
-    sync = jax.jit(jax.shard_map(
-        sync_body, mesh=mesh,
-        in_specs=(specs(workers, P("data")), specs(anchor, P()), specs(states, P("data"))),
-        out_specs=(specs(anchor, P()), specs(workers, P("data")), specs(states, P("data")),
-                   P())))
+    sync = jax.jit(lambda w, a, s: sync_body(w, a, s, axis_name=None))
+    if mesh is not None:
+        sync = jax.jit(jax.shard_map(
+            sync_body, mesh=mesh,
+            in_specs=(specs(workers, P("data")), specs(anchor, P()),
+                      specs(states, P("data"))),
+            out_specs=(specs(anchor, P()), specs(workers, P("data")),
+                       specs(states, P("data")), P())))
     angles, syncs = [], 0
     for t in range(steps):
         workers, states = local(workers, states, *batches(t))
@@ -176,16 +186,18 @@ def main(argv=None):
     if len(jax.devices()) < WORKERS:
         raise SystemExit(f"need {WORKERS} devices, found {len(jax.devices())}; run on a CPU host "
                          "(JAX_PLATFORMS=cpu) so that 8 devices are simulated.")
-    mesh = jax.make_mesh((WORKERS,), ("data",), axis_types=(AxisType.Explicit,),
-                         devices=jax.devices()[:WORKERS])
+    mesh = None
+    if args.devices == WORKERS:
+        mesh = jax.make_mesh((WORKERS,), ("data",), axis_types=(AxisType.Explicit,),
+                             devices=jax.devices()[:WORKERS])
     train_tokens, val_tokens = train_val_split(corpus_bytes(), 0.1)
     cfg = model_config(args.quick)
     graphdef, params = nnx.split(Llama(cfg, rngs=nnx.Rngs(args.seed)), nnx.Param)
     params = jax.tree.map(jnp.asarray, params)
     loss_fn = make_loss(graphdef)
     n_params = communication_per_sync(params)
-    common = dict(rank=args.rank, clip_norm=1.0)
-    workers = dict(common, first_projection="set")  # Q_0 from set_projection (global SVD)
+    common = {"rank": args.rank, "clip_norm": 1.0}
+    workers = {**common, "first_projection": "set"}  # Q_0 from set_projection (global SVD)
     arms = [
         ("DDP AdamW", "ddp", optax.chain(optax.clip_by_global_norm(1.0), optax.adam(args.lr)),
          None),
@@ -201,16 +213,20 @@ def main(argv=None):
         if kind == "ddp":
             final, info = run_ddp(tx, params, loss_fn, train_tokens, args, steps=steps)
         else:
-            with jax.set_mesh(mesh):
+            if mesh is None:
                 final, info = run_lordo(tx, params, loss_fn, train_tokens, args, steps=steps,
-                                        period=period, mesh=mesh)
+                                        period=period, mesh=None)
+            else:
+                with jax.set_mesh(mesh):
+                    final, info = run_lordo(tx, params, loss_fn, train_tokens, args,
+                                            steps=steps, period=period, mesh=mesh)
         final = jax.tree.map(lambda x: jax.device_put(x, jax.devices()[0]), final)
         val = evaluate(loss_fn, final, val_tokens, args)
         rows.append({"arm": name, "val_loss": val, **info,
                      "seconds": round(time.perf_counter() - t0, 1)})
         print(f"{name:32s} val {val:.4f}  floats/worker {info['floats_per_worker']:,}", flush=True)
     base = rows[1]["floats_per_worker"]
-    print(f"\n{WORKERS} workers x {steps} local steps, local batch {args.batch}x{args.seq} bytes, "
+    print(f"\n{WORKERS} workers on {args.devices} device(s) x {steps} local steps, local batch {args.batch}x{args.seq} bytes, "
           f"rank {args.rank}, omega {args.omega}, |theta| = {n_params:,}")
     print("| arm | val loss (nats/byte) | floats sent per worker | vs low-rank DDP | "
           "max sin(angle) Q_old→Q_new, last sync |")

@@ -39,7 +39,6 @@ from flax import nnx
 
 from lowrank_jax.data import batch_at, corpus_bytes, eval_batches, train_val_split
 from lowrank_jax.models import Llama, LlamaConfig
-from lowrank_jax.models.llama import count_params
 from lowrank_jax.optim import (
     SalaadConfig,
     apply_surrogate,
@@ -101,8 +100,14 @@ def train(tx, graphdef, params, tokens, args, steps):
     return params, state
 
 
+_EVAL = {}
+
+
 def evaluate(graphdef, params, tokens, args) -> float:
-    f = jax.jit(make_loss(graphdef))
+    key = id(graphdef)  # one compiled loss per architecture
+    if key not in _EVAL:
+        _EVAL[key] = (graphdef, jax.jit(make_loss(graphdef)))
+    f = _EVAL[key][1]
     return float(np.mean([float(f(params, x, y))
                           for x, y in eval_batches(tokens, 16, args.seq, max_batches=8)]))
 
@@ -112,7 +117,8 @@ def factorized_for_budget(target: int):
     best = None
     for ratio in np.linspace(0.02, 1.0, 50):
         cfg = model_config("factorized", float(ratio))
-        n = count_params(Llama(cfg, rngs=nnx.Rngs(0)))
+        abstract = nnx.eval_shape(lambda cfg=cfg: Llama(cfg, rngs=nnx.Rngs(0)))
+        n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
         if n <= target:
             best = (cfg, n)
     return best

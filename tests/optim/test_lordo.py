@@ -233,3 +233,23 @@ def test_optax_composition_and_sharded_state():
         scale_by_lordo(rank=0)
     with pytest.raises(ValueError, match="omega"):
         lordo(1e-3, omega=1.5)
+
+
+def test_cli_optimizer_is_the_public_constructor():
+    from lowrank_jax.train.config import OptimizerConfig
+    from lowrank_jax.train.optimizers import build_optimizer, schedule
+
+    cfg = OptimizerConfig(name="lordo", learning_rate=1e-3, rank=3, sync_every=2, omega=0.8)
+    built = build_optimizer(cfg, steps=10)
+    direct = lordo(schedule(1e-3, 10, cfg.warmup_fraction, cfg.schedule), 3, omega=0.8,
+                   clip_norm=cfg.grad_clip, refresh_every=2, refresh_from="displacement")
+    params = {"w": jnp.ones((16, 24)), "b": jnp.zeros((24,))}
+    s_built, s_direct = built.init(params), direct.init(params)
+    for step in range(3):
+        grads = _grads(jax.random.key(step), params)
+        u_built, s_built = built.update(grads, s_built, params)
+        u_direct, s_direct = direct.update(grads, s_direct, params)
+        for a, b in zip(jax.tree.leaves(u_built), jax.tree.leaves(u_direct)):
+            np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="lordo"):
+        OptimizerConfig(name="lordoo")
