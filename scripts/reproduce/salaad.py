@@ -126,7 +126,7 @@ def factorized_for_budget(target: int):
 
 def main(argv=None):
     args = parse_args(argv)
-    steps = args.steps or (40 if args.quick else 400)
+    steps = args.steps or (40 if args.quick else 200)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     train_tokens, val_tokens = train_val_split(corpus_bytes(), 0.1)
@@ -135,7 +135,7 @@ def main(argv=None):
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(steps // 20, 1), steps,
                                                   end_value=0.1 * args.lr)
     config = SalaadConfig(rate_rank=args.rate_rank, rate_sparsity=args.rate_sparsity,
-                          rho=args.rho, kI_alpha=0.02, kD_alpha=0.001, kI_beta=0.0005,
+                          rho=args.rho, kI_alpha=0.02, kD_alpha=0.001, kI_beta=0.002,
                           kD_beta=0.001, pd_start=max(steps // 4, 1), every=2)
 
     t0 = time.perf_counter()
