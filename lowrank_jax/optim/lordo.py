@@ -43,12 +43,12 @@ class ScaleByLordoState(NamedTuple):
         count: local steps taken; shape=(), int32 (drives ``refresh_every``).
         moment_count: steps since the moments were last reset (bias correction); int32.
         needs_projection: ``True`` until ``Q`` is set (first step or :func:`set_projection`).
-        projection: ``Q`` ``[s, r]`` per low-rank leaf (``s`` = the smaller side), ``[0]`` else.
+        projection: ``Q`` ``[s, r]`` per low-rank leaf (``s`` = the smaller side), ``[1]`` else.
         mu: first moment, ``[r, l]`` per low-rank leaf, the leaf's shape otherwise.
         nu: second moment, same shapes as ``mu``.
-        error: error-feedback residual ``[s, l]`` per low-rank leaf, ``[0]`` otherwise.
+        error: error-feedback residual ``[s, l]`` per low-rank leaf, ``[1]`` otherwise.
         displacement: summed directions since the last refresh ``[s, l]`` (only with
-            ``refresh_every > 0`` and ``refresh_from="displacement"``), ``[0]`` otherwise.
+            ``refresh_every > 0`` and ``refresh_from="displacement"``), ``[1]`` otherwise.
     """
 
     count: jax.Array
@@ -264,7 +264,7 @@ def scale_by_lordo(
     def init_fn(params):
         def one(x):
             plan = plan_of(x)
-            empty = _replicated_like(jnp.zeros((0,), jnp.float32), x)
+            empty = _replicated_like(jnp.zeros((1,), jnp.float32), x)  # orbax: no 0-size
             if plan is None:
                 zeros = jnp.zeros_like(x, dtype=jnp.float32)
                 return empty, zeros.astype(mdt), zeros, empty, empty

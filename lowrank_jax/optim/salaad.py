@@ -84,7 +84,7 @@ class SalaadConfig:
 
 
 class SalaadState(NamedTuple):
-    """Per selected leaf (trees mirror the params; unselected leaves hold ``[0]`` placeholders).
+    """Per selected leaf (trees mirror the params; unselected leaves hold ``[1]`` zero placeholders).
 
     Attributes:
         low_rank: ``L`` (fp32, the leaf's shape).
@@ -168,7 +168,7 @@ def salaad_init(params, config: SalaadConfig = SalaadConfig(),
     def big(path, x):
         if path in chosen:
             return jnp.zeros_like(x, dtype=jnp.float32)
-        return _replicated_like(jnp.zeros((0,), jnp.float32), x)
+        return _replicated_like(jnp.zeros((1,), jnp.float32), x)  # orbax: no 0-size
 
     def scalar(value):
         return lambda path, x: _replicated_like(
@@ -317,7 +317,7 @@ def scale_by_salaad(config: SalaadConfig = SalaadConfig(), *,
         >>> tx = optax.chain(scale_by_salaad(), optax.adam(1e-3))
         >>> updates, state = tx.update(params, tx.init(params), params)
         >>> state[0].salaad.low_rank["w"].shape, state[0].salaad.low_rank["b"].shape
-        ((6, 4), (0,))
+        ((6, 4), (1,))
     """
 
     def init_fn(params):

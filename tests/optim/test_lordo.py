@@ -39,7 +39,7 @@ def test_shapes_sides_and_adam_fallback():
     assert state.projection["wide"].shape == (16, 3) and state.mu["wide"].shape == (3, 40)
     assert state.projection["tall"].shape == (16, 3) and state.mu["tall"].shape == (3, 40)
     assert state.error["tall"].shape == (16, 40)
-    assert state.projection["bias"].shape == (0,) and state.mu["small"].shape == (8, 8)
+    assert state.projection["bias"].shape == (1,) and state.mu["small"].shape == (8, 8)
     grads = _grads(jax.random.key(0), params)
     out, state = jax.jit(tx.update)(grads, state)
     assert jax.tree.map(jnp.shape, out) == jax.tree.map(jnp.shape, params)

@@ -124,7 +124,7 @@ def test_controllers_steer_rank_and_density_to_targets():
     first, last = np.asarray(history[:5]), np.asarray(history[-50:]).mean(axis=0)
     assert abs(first[:, 0].mean() - 0.25) > 0.3  # starts far: α = 0 keeps every direction
     assert abs(last[0] - 0.25) < 0.04 and abs(last[1] - 0.1) < 0.03
-    assert state.low_rank["b"].shape == (0,)  # only selected leaves are touched
+    assert state.low_rank["b"].shape == (1,)  # only selected leaves are touched
     stats = salaad_stats(params, state)
     assert set(stats) == {"w"} and stats["w"]["rank_threshold"] > 0
     frozen = SalaadConfig(rate_rank=0.25, rho=1e-3, kI_alpha=0.0, kD_alpha=0.0, kI_beta=0.0,
