@@ -120,3 +120,74 @@ __all__ = [
     "spectron",
     "spectron_with_adamw",
 ]
+
+# LoRDO and SALAAD (issue 25)
+from lowrank_jax.optim.lordo import (
+    ScaleByLordoState,
+    find_lordo_state,
+    lordo,
+    scale_by_lordo,
+)
+from lowrank_jax.optim.lordo_distributed import (
+    SyncResult,
+    communication_per_sync,
+    lordo_sync,
+    outer_average,
+    outer_nesterov,
+    set_projection,
+)
+from lowrank_jax.optim.salaad import (
+    SalaadConfig,
+    SalaadState,
+    ScaleBySalaadState,
+    energy_rank,
+    find_salaad_state,
+    penalty_gradient,
+    salaad,
+    salaad_admm_step,
+    salaad_init,
+    salaad_penalty,
+    salaad_stats,
+    scale_by_salaad,
+    soft_threshold,
+    svt,
+)
+from lowrank_jax.optim.salaad_deploy import (
+    HpaAllocation,
+    apply_surrogate,
+    hpa_allocate,
+    hpa_materialize,
+    surrogate_counts,
+)
+
+__all__ += [
+    "HpaAllocation",
+    "SalaadConfig",
+    "SalaadState",
+    "ScaleByLordoState",
+    "ScaleBySalaadState",
+    "SyncResult",
+    "apply_surrogate",
+    "communication_per_sync",
+    "energy_rank",
+    "find_lordo_state",
+    "find_salaad_state",
+    "hpa_allocate",
+    "hpa_materialize",
+    "lordo",
+    "lordo_sync",
+    "outer_average",
+    "outer_nesterov",
+    "penalty_gradient",
+    "salaad",
+    "salaad_admm_step",
+    "salaad_init",
+    "salaad_penalty",
+    "salaad_stats",
+    "scale_by_lordo",
+    "scale_by_salaad",
+    "set_projection",
+    "soft_threshold",
+    "surrogate_counts",
+    "svt",
+]

@@ -31,11 +31,14 @@ class OptimizerConfig:
     schedule: str = "cosine"  # cosine | constant
     grad_clip: float = 1.0  # global-norm clip before the optimizer; 0 disables
     momentum: float = 0.95
+    rank: int = 8  # lordo: subspace rank
+    sync_every: int = 16  # lordo: steps between projection syncs (single process: M = 1)
+    omega: float = 0.9  # lordo: quasi-hyperbolic weight (1 = no full-rank term)
 
     def __post_init__(self):
-        if self.name not in ("spectron", "adamw", "sgd"):
+        if self.name not in ("spectron", "adamw", "sgd", "lordo"):
             raise ValueError(
-                f"optimizer.name={self.name!r} is unknown; use spectron, adamw or sgd."
+                f"optimizer.name={self.name!r} is unknown; use spectron, adamw, sgd or lordo."
             )
         for key in ("learning_rate", "adamw_learning_rate"):
             value = getattr(self, key)

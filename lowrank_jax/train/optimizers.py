@@ -48,6 +48,12 @@ def build_optimizer(cfg: OptimizerConfig, steps: int) -> optax.GradientTransform
             momentum=cfg.momentum,
             clip_norm=clip_norm,
         )
+    if cfg.name == "lordo":  # one process = one worker: the sync is a displacement refresh
+        from lowrank_jax.optim import lordo
+
+        return lordo(learning_rate, cfg.rank, omega=cfg.omega, clip_norm=clip_norm,
+                     weight_decay=cfg.weight_decay, refresh_every=cfg.sync_every,
+                     refresh_from="displacement")
     if cfg.name == "adamw":
         tx = optax.adamw(learning_rate, weight_decay=cfg.weight_decay)
     else:

@@ -1,0 +1,234 @@
+"""Reproduce SALAAD's claim at CPU scale: one run yields models at any parameter budget.
+
+One SALAAD run trains a tiny dense byte-level Llama on the embedded corpus with every 2-D weight
+(embedding and all projections) coupled to a sparse + low-rank surrogate ``L + S``
+(:func:`lowrank_jax.optim.salaad`). From that single run, :func:`lowrank_jax.optim.hpa_allocate`
+materialises models at 30 / 50 / 70 / 100 % of the dense parameter count. Baselines:
+
+* **separately trained** — a natively factorized Llama per budget (rank ratio chosen so its
+  parameter count fits the budget; the dense model at 100 %), trained with the *same total
+  compute* as the one SALAAD run: the four runs share its steps (``steps / 4`` each);
+* **vanilla + post-hoc** — plain AdamW for the same steps as SALAAD, then the same allocator on
+  its weights (``L = W``, ``S = 0``: truncated SVD only).
+
+Usage::
+
+    python scripts/reproduce/salaad.py            # ~5 min on 2 shared CPU cores
+    python scripts/reproduce/salaad.py --quick    # ~1 min smoke run
+
+Writes ``<out>/results.json`` (default ``runs/reproduce_salaad``) and ``--plot``
+(default ``docs/img/salaad_budgets.png``).
+
+References:
+    Ma et al., `SALAAD: Sparse And Low-Rank Adaptation via ADMM for Large Language Model
+    Inference <https://arxiv.org/abs/2602.00942>`_, ICML 2026.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from lowrank_jax.data import batch_at, corpus_bytes, eval_batches, train_val_split
+from lowrank_jax.models import Llama, LlamaConfig
+from lowrank_jax.optim import (
+    SalaadConfig,
+    apply_surrogate,
+    find_salaad_state,
+    hpa_allocate,
+    salaad,
+    salaad_init,
+    salaad_stats,
+)
+from lowrank_jax.train.loop import cross_entropy
+
+BUDGETS = (0.3, 0.5, 0.7, 1.0)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="runs/reproduce_salaad")
+    p.add_argument("--plot", default="docs/img/salaad_budgets.png")
+    p.add_argument("--quick", action="store_true", help="smoke run (~1 minute)")
+    p.add_argument("--steps", type=int, default=None, help="steps of the SALAAD run")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    # DERIVED for this scale (the reference's rho=1e-6 and gains are tuned for 60M+ models
+    # and thousands of steps): a stronger pull and gains sized to singular values ~0.1-1.
+    p.add_argument("--rho", type=float, default=0.005)
+    p.add_argument("--rate-rank", type=float, default=0.15)
+    p.add_argument("--rate-sparsity", type=float, default=0.05)
+    return p.parse_args(argv)
+
+
+def model_config(projection="dense", rank_ratio=0.25) -> LlamaConfig:
+    return LlamaConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4,
+                       d_ff=128, max_seq_len=64, projection=projection, rank_ratio=rank_ratio)
+
+
+def make_loss(graphdef):
+    def loss_fn(params, x, y):
+        logits, _ = nnx.merge(graphdef, params)(x)
+        return cross_entropy(logits, y)
+
+    return loss_fn
+
+
+def train(tx, graphdef, params, tokens, args, steps):
+    loss_fn = make_loss(graphdef)
+
+    @jax.jit
+    def step(params, state, x, y):
+        grads = jax.grad(loss_fn)(params, x, y)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    state = tx.init(params)
+    for t in range(steps):
+        x, y = batch_at(tokens, t, args.batch, args.seq, args.seed)
+        params, state = step(params, state, x, y)
+    return params, state
+
+
+_EVAL = {}
+
+
+def evaluate(graphdef, params, tokens, args) -> float:
+    key = id(graphdef)  # one compiled loss per architecture
+    if key not in _EVAL:
+        _EVAL[key] = (graphdef, jax.jit(make_loss(graphdef)))
+    f = _EVAL[key][1]
+    return float(np.mean([float(f(params, x, y))
+                          for x, y in eval_batches(tokens, 16, args.seq, max_batches=8)]))
+
+
+def factorized_for_budget(target: int):
+    """The largest rank ratio whose factorized model fits ``target`` parameters."""
+    best = None
+    for ratio in np.linspace(0.02, 1.0, 50):
+        cfg = model_config("factorized", float(ratio))
+        abstract = nnx.eval_shape(lambda cfg=cfg: Llama(cfg, rngs=nnx.Rngs(0)))
+        n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+        if n <= target:
+            best = (cfg, n)
+    return best
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    steps = args.steps or (40 if args.quick else 200)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    train_tokens, val_tokens = train_val_split(corpus_bytes(), 0.1)
+    graphdef, params0 = nnx.split(Llama(model_config(), rngs=nnx.Rngs(args.seed)), nnx.Param)
+    n_total = sum(x.size for x in jax.tree.leaves(params0))
+    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(steps // 20, 1), steps,
+                                                  end_value=0.1 * args.lr)
+    config = SalaadConfig(rate_rank=args.rate_rank, rate_sparsity=args.rate_sparsity,
+                          rho=args.rho, kI_alpha=0.02, kD_alpha=0.001, kI_beta=0.002,
+                          kD_beta=0.001, pd_start=max(steps // 4, 1), every=2)
+
+    t0 = time.perf_counter()
+    params, opt_state = train(salaad(schedule, config), graphdef, params0, train_tokens, args,
+                              steps)
+    sstate = find_salaad_state(opt_state)
+    salaad_seconds = time.perf_counter() - t0
+    stats = salaad_stats(params, sstate)
+    rows = [{"model": "SALAAD dense X (100 %)", "params": n_total, "fraction": 1.0,
+             "val_loss": evaluate(graphdef, params, val_tokens, args)}]
+    for frac in BUDGETS:
+        alloc = hpa_allocate(sstate, n_total, int(frac * n_total))
+        surrogate = apply_surrogate(params, sstate, alloc)
+        rows.append({"model": "SALAAD surrogate", "fraction": frac, "params": alloc.n_params,
+                     "val_loss": evaluate(graphdef, surrogate, val_tokens, args)})
+        print(f"SALAAD surrogate at {frac:.0%}: {alloc.n_params:,} params, "
+              f"val {rows[-1]['val_loss']:.4f}", flush=True)
+
+    # Vanilla AdamW for the same steps, compressed post hoc by the same allocator (L = W, S = 0).
+    vanilla, _ = train(optax.chain(optax.clip_by_global_norm(1.0),
+                                   optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.0)),
+                       graphdef, params0, train_tokens, args, steps)
+    posthoc = salaad_init(vanilla, config)
+    posthoc = posthoc._replace(low_rank=jax.tree.map(
+        lambda x, l: jnp.asarray(x, jnp.float32) if jnp.ndim(l) == 2 else l, vanilla,
+        posthoc.low_rank))
+    rows.append({"model": "vanilla AdamW (dense)", "fraction": 1.0, "params": n_total,
+                 "val_loss": evaluate(graphdef, vanilla, val_tokens, args)})
+    for frac in BUDGETS:
+        alloc = hpa_allocate(posthoc, n_total, int(frac * n_total))
+        rows.append({"model": "vanilla + post-hoc SVD", "fraction": frac,
+                     "params": alloc.n_params,
+                     "val_loss": evaluate(graphdef, apply_surrogate(vanilla, posthoc, alloc),
+                                          val_tokens, args)})
+
+    # Separately trained models, one per budget, sharing the SALAAD run's steps.
+    each = max(steps // len(BUDGETS), 1)
+    for frac in BUDGETS:
+        target = int(frac * n_total)
+        if frac == 1.0:
+            cfg, n = model_config(), n_total
+        else:
+            cfg, n = factorized_for_budget(target)
+        gdef, p0 = nnx.split(Llama(cfg, rngs=nnx.Rngs(args.seed)), nnx.Param)
+        short = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(each // 20, 1), each,
+                                                   end_value=0.1 * args.lr)
+        trained, _ = train(optax.chain(optax.clip_by_global_norm(1.0),
+                                       optax.adamw(short, b1=0.9, b2=0.95, weight_decay=0.0)),
+                           gdef, p0, train_tokens, args, each)
+        rows.append({"model": f"separate ({each} steps each)", "fraction": frac, "params": n,
+                     "rank_ratio": None if frac == 1.0 else cfg.rank_ratio,
+                     "val_loss": evaluate(gdef, trained, val_tokens, args)})
+        print(f"separate at {frac:.0%}: {n:,} params, val {rows[-1]['val_loss']:.4f}", flush=True)
+
+    print(f"\ndense model {n_total:,} params; SALAAD run {steps} steps "
+          f"({salaad_seconds:.0f} s), targets rank {args.rate_rank} / density "
+          f"{args.rate_sparsity}, rho {args.rho}")
+    rank_rates = [s["rank_rate"] for s in stats.values()]
+    densities = [s["density"] for s in stats.values()]
+    print(f"per-layer rank rate {min(rank_rates):.3f}..{max(rank_rates):.3f}, density "
+          f"{min(densities):.3f}..{max(densities):.3f} over {len(stats)} matrices")
+    print("| model | budget | params | val loss (nats/byte) |")
+    print("|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['model']} | {r['fraction']:.0%} | {r['params']:,} | {r['val_loss']:.4f} |")
+    summary = {"args": vars(args), "steps": steps, "n_params": n_total, "rows": rows,
+               "per_layer": stats}
+    (out / "results.json").write_text(json.dumps(summary, indent=1))
+    plot(rows, Path(args.plot))
+    print(f"wrote {out / 'results.json'} and {args.plot}")
+
+
+def plot(rows, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, style in (("SALAAD surrogate", "o-"), ("vanilla + post-hoc SVD", "s--")):
+        pts = sorted((r["params"], r["val_loss"]) for r in rows if r["model"] == name)
+        ax.plot(*zip(*pts), style, label=name + (" (one run)" if "SALAAD" in name else ""))
+    sep = sorted((r["params"], r["val_loss"]) for r in rows if r["model"].startswith("separate"))
+    ax.plot(*zip(*sep), "^:", label="trained separately (same total compute)")
+    ax.set_xlabel("parameters")
+    ax.set_ylabel("validation loss (nats / byte)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
