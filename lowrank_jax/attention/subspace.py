@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, Float
 
 from lowrank_jax.analysis.rank import energy_rank
@@ -62,8 +63,9 @@ def init_grams(heads: int, head_dim: int) -> GramStats:
     return GramStats(zeros, zeros, zeros, jnp.zeros((), jnp.float32))
 
 
-def accumulate_grams(stats: GramStats, q: Float[Array, "b n h d"], k: Float[Array, "b n h d"],
-                     v: Float[Array, "b n h d"]) -> GramStats:
+def accumulate_grams(stats: GramStats, q: Float[ArrayLike, "b n h d"],
+                     k: Float[ArrayLike, "b n h d"],
+                     v: Float[ArrayLike, "b n h d"]) -> GramStats:
     """Add one calibration batch (post-RoPE q, k and v ``[batch, n, heads, d]``) to ``stats``."""
     if not (q.shape == k.shape == v.shape) or q.shape[2:] != stats.gram_q.shape[:2]:
         raise ValueError(
@@ -235,9 +237,10 @@ class VideoSVDConfig:
         return BlockSizes(self.block_q, self.block_k)
 
 
-def video_svd_attention(q: Float[Array, "b n h d"], k: Float[Array, "b n h d"],
-                        v: Float[Array, "b n h d"], bases: SubspaceBases,
-                        near_mask: Bool[Array, "nq nk"], config: VideoSVDConfig = VideoSVDConfig(),
+def video_svd_attention(q: Float[ArrayLike, "b n h d"], k: Float[ArrayLike, "b n h d"],
+                        v: Float[ArrayLike, "b n h d"], bases: SubspaceBases,
+                        near_mask: Bool[ArrayLike, "nq nk"],
+                        config: VideoSVDConfig = VideoSVDConfig(),
                         *, interpret=None) -> Float[Array, "b n h d"]:
     """Inference attention: project onto the bases, compose with the exact near stream.
 

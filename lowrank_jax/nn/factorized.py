@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.typing import ArrayLike
 from jaxtyping import Array, Float
 
 default_kernel_init = nnx.initializers.lecun_normal()
@@ -132,7 +133,7 @@ class FactorizedLinear(nnx.Module):
         """The equivalent dense weight ``a @ b`` (for analysis and export, not the forward)."""
         return self.a[...] @ self.b[...]
 
-    def __call__(self, inputs: Float[Array, "... in"]) -> Float[Array, "... out"]:
+    def __call__(self, inputs: Float[ArrayLike, "... in"]) -> Float[Array, "... out"]:
         a, b = self.a[...], self.b[...]
         bias = self.bias[...] if self.bias is not None else None
         inputs, a, b, bias = nnx.nn.dtypes.promote_dtype((inputs, a, b, bias), dtype=self.dtype)

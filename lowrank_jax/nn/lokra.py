@@ -32,6 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import ArrayLike
 from jaxtyping import Array, Float
 
 from lowrank_jax.analysis.kruskal import (  # the one Kruskal module
@@ -154,7 +155,7 @@ class LoKRAPlusLinear(nnx.Linear):
                 + kruskal_penalty(self.lora_b1[...], kind=kind)
                 + kruskal_penalty(self.lora_b2[...], kind=kind))
 
-    def __call__(self, inputs: Float[Array, "... in"]):
+    def __call__(self, inputs: Float[ArrayLike, "... in"]):
         out = super().__call__(inputs)
         a, b = self.lora_factors()
         x, a, b = nnx.nn.dtypes.promote_dtype((inputs, a, b), dtype=self.dtype)

@@ -8,6 +8,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import ArrayLike
 from jaxtyping import Array, Float
 
 from lowrank_jax.nn.factorized import check_rank
@@ -156,7 +157,7 @@ class LoRALinear(nnx.Linear):
         self.kernel[...] = (self.kernel[...] - self.delta()).astype(self.kernel[...].dtype)
         self.merged = False
 
-    def __call__(self, inputs: Float[Array, "... in"], *, deterministic: bool | None = None):
+    def __call__(self, inputs: Float[ArrayLike, "... in"], *, deterministic: bool | None = None):
         out = super().__call__(inputs)
         if self.merged:
             return out

@@ -6,6 +6,7 @@ from typing import Any, Literal, Sequence
 
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import ArrayLike
 from jaxtyping import Array, Float, Int
 
 from lowrank_jax.nn.lora import default_a_initializer, lora_scaling
@@ -128,8 +129,8 @@ class MultiLoRALinear(nnx.Linear):
 
     def __call__(
         self,
-        inputs: Float[Array, "b ... in"],
-        adapter_ids: Int[Array, " b"] | None = None,
+        inputs: Float[ArrayLike, "b ... in"],
+        adapter_ids: Int[ArrayLike, " b"] | None = None,
     ) -> Float[Array, "b ... out"]:
         out = super().__call__(inputs)
         ids = self.adapter_ids.get_value() if adapter_ids is None else adapter_ids

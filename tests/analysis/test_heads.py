@@ -148,7 +148,7 @@ def test_analyze_command_end_to_end(tmp_path):
     ck = save_params(tmp_path / "base", perturbed)
     out = tmp_path / "report"
     args = argparse.Namespace(model="tiny", compare=str(ck), layers="layers/0/self_attn",
-                              out=str(out), top_k=4, max_tokens=12)
+                              out=str(out), top_k=4, max_tokens=12, overwrite=False)
     assert analyze.run(args) == 0
     rep = json.loads((out / "report.json").read_text())
     assert len(rep["matrices"]) == 4
@@ -158,6 +158,6 @@ def test_analyze_command_end_to_end(tmp_path):
     for name in ("spectra.png", "effective_rank_by_layer.png", "head_importance.png",
                  "key_cka.png"):
         assert (out / name).stat().st_size > 1000
-    bad = argparse.Namespace(**{**vars(args), "layers": "zzz"})
+    bad = argparse.Namespace(**{**vars(args), "layers": "zzz", "overwrite": True})
     with pytest.raises(ValueError, match="matches no matrix"):
         analyze.run(bad)
