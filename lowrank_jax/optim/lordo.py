@@ -33,7 +33,9 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 
-ScalarOrSchedule = float | optax.Schedule
+from lowrank_jax.optim.linalg import Numeric
+
+ScalarOrSchedule = float | jax.Array | optax.Schedule
 
 
 class ScaleByLordoState(NamedTuple):
@@ -169,11 +171,11 @@ def find_lordo_state(opt_state) -> ScaleByLordoState:
 def scale_by_lordo(
     rank: int = 8,
     *,
-    omega: float = 0.9,
-    mu: float = 1.0,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
+    omega: Numeric = 0.9,
+    mu: Numeric = 1.0,
+    b1: Numeric = 0.9,
+    b2: Numeric = 0.999,
+    eps: Numeric = 1e-8,
     fr_norm: Literal["col", "scalar", "none"] = "col",
     min_dim_for_lowrank: int = 16,
     refresh_every: int = 0,
@@ -355,13 +357,13 @@ def lordo(
     learning_rate: ScalarOrSchedule,
     rank: int = 8,
     *,
-    omega: float = 0.9,
-    mu: float = 1.0,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    clip_norm: float | None = 1.0,
-    weight_decay: float = 0.0,
+    omega: Numeric = 0.9,
+    mu: Numeric = 1.0,
+    b1: Numeric = 0.9,
+    b2: Numeric = 0.999,
+    eps: Numeric = 1e-8,
+    clip_norm: Numeric | None = 1.0,
+    weight_decay: Numeric = 0.0,
     fr_norm: Literal["col", "scalar", "none"] = "col",
     min_dim_for_lowrank: int = 16,
     refresh_every: int = 0,

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import optax
 
 from lowrank_jax.optim.factors import normalize_path
+from lowrank_jax.optim.linalg import Numeric
 from lowrank_jax.optim.lordo import (
     ScaleByLordoState,
     _is_lordo_state,
@@ -32,7 +33,8 @@ def outer_average() -> optax.GradientTransformation:
     return optax.scale(-1.0)  # receives the pseudo-gradient −Δ, so the update is +Δ
 
 
-def outer_nesterov(lr: float = 0.7, momentum: float = 0.9) -> optax.GradientTransformation:
+def outer_nesterov(lr: Numeric = 0.7,
+                   momentum: Numeric = 0.9) -> optax.GradientTransformation:
     """DiLoCo's outer step: Nesterov SGD on the pseudo-gradient ``−Δ``."""
     return optax.sgd(lr, momentum=momentum, nesterov=True)
 

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import optax
 
 from lowrank_jax.optim.factors import normalize_path
+from lowrank_jax.optim.linalg import Numeric
 from lowrank_jax.optim.lordo import _like, _replicated_like
 
 Select = Callable[[tuple, Any], bool]
@@ -338,14 +339,14 @@ def scale_by_salaad(config: SalaadConfig = SalaadConfig(), *,
 
 
 def salaad(
-    learning_rate: float | optax.Schedule,
+    learning_rate: Numeric | optax.Schedule,
     config: SalaadConfig = SalaadConfig(),
     *,
-    b1: float = 0.9,
-    b2: float = 0.95,
-    eps: float = 1e-8,
-    weight_decay: float = 0.0,
-    clip_norm: float | None = 1.0,
+    b1: Numeric = 0.9,
+    b2: Numeric = 0.95,
+    eps: Numeric = 1e-8,
+    weight_decay: Numeric = 0.0,
+    clip_norm: Numeric | None = 1.0,
     select: Select | None = None,
 ) -> optax.GradientTransformation:
     """The reference recipe: :func:`scale_by_salaad`, global-norm clip, AdamW (betas 0.9/0.95).

@@ -139,6 +139,13 @@ def _crispedit_adam(learning_rate, order: str = "strict"):
 SPECTRON_STATIC = ("ns_steps", "ns_coeffs", "power_iters", "pair_fn", "wd_scale", "exact_norm",
                    "nesterov", "mu_dtype")
 
+def _scale_by_lordo(omega: float = 0.9):  # rank 1 on the tiny 8 x 2 leaf
+    return optim.scale_by_lordo(1, omega=omega, min_dim_for_lowrank=2)
+
+
+def _lordo(learning_rate):
+    return optim.lordo(learning_rate, 1, min_dim_for_lowrank=2)
+
 CASES: dict[str, Case] = {
     "scale_by_spectron": Case(optim.scale_by_spectron, _factor_tree, {"momentum": 0.9},
                               SPECTRON_STATIC),
@@ -162,6 +169,13 @@ CASES: dict[str, Case] = {
                          ("max_norm", "adam", "mu_dtype")),
     "gao": Case(optim.gao, _b_tree, {"learning_rate": 0.1, "momentum": 0.9},
                 ("max_norm", "adam", "mu_dtype")),
+    # LoRDO: rank 1 on the 8 x 2 leaf (min_dim_for_lowrank lowered for the tiny tree).
+    "scale_by_lordo": Case(_scale_by_lordo, _kernel_tree, {"omega": 0.5}),
+    "lordo": Case(_lordo, _kernel_tree, {"learning_rate": 1e-2}),
+    "outer_average": Case(optim.outer_average, _kernel_tree),
+    "outer_nesterov": Case(optim.outer_nesterov, _kernel_tree, {"lr": 0.7, "momentum": 0.9}),
+    "scale_by_salaad": Case(optim.scale_by_salaad, _kernel_tree, {}, ("config", "select")),
+    "salaad": Case(optim.salaad, _kernel_tree, {"learning_rate": 1e-2}, ("config", "select")),
 }
 # Some factories are exported under the package name and found first there.
 CASE_OF = {"scale_by_crispedit": "crispedit.scale_by_crispedit"}
