@@ -150,6 +150,7 @@ def compressed_bytes(cache: XKVCache) -> int:
     Example::
 
         >>> import jax
+        >>> from lowrank_jax.kv.compress import xkv_compress
         >>> k = jax.random.normal(jax.random.key(0), (2, 1, 16, 1, 4))
         >>> # factors 2 kinds x [1, 16, 2] + bases 2 kinds x 2 layers x [1, 1, 2, 4], fp32
         >>> compressed_bytes(xkv_compress(k, k, rope_theta=1e4, rank=2, group_size=2))

@@ -37,6 +37,8 @@ def selective_decode_attention(
     Example::
 
         >>> import jax
+        >>> from lowrank_jax.kv.cache import SelectiveConfig
+        >>> from lowrank_jax.kv.compress import xkv_compress
         >>> k = jax.random.normal(jax.random.key(0), (1, 1, 32, 1, 4))
         >>> cache = xkv_compress(k, k, rope_theta=1e4, rank=3, group_size=1,
         ...     selective=SelectiveConfig(budget=8, chunk_size=4, local_chunks=1,
