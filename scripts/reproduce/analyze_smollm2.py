@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     print(f"{'stable rank':<28}{u['stable_rank']:10.2f}{g['stable_rank']:10.2f}")
     print(f"{'anisotropy (mean cosine)':<28}{u['anisotropy']:10.3f}")
     print(f"{'isotropy (partition ratio)':<28}{u['isotropy']:10.3g}")
-    print(f"\nper-projection effective rank across layers (trained) vs random init (layer 0)")
+    print("\nper-projection effective rank across layers (trained) vs random init (layer 0)")
     print(f"{'projection':<12}{'shape':>12}{'min':>8}{'median':>8}{'max':>8}{'random':>8}"
           f"{'stable(med)':>12}")
     srank = report.per_layer_table(results, "stable_rank")

@@ -131,8 +131,8 @@ def main(argv=None) -> int:
               f"{report['seconds']:.1f}s")
 
     rtn2 = next(r["seconds"] for r in rows if r["method"] == "RTN-2")
-    header = (f"| method | bits/weight (quantized projections) | PPL | PPL / fp32 | quant time s "
-              f"| time / RTN-2 |\n|---|---|---|---|---|---|")
+    header = ("| method | bits/weight (quantized projections) | PPL | PPL / fp32 | quant time s "
+              "| time / RTN-2 |\n|---|---|---|---|---|---|")
     lines = [header]
     for r in rows:
         rel = "" if r["method"] == "fp32" else f"{r['seconds'] / max(rtn2, 1e-9):.0f}×"

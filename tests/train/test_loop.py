@@ -1,6 +1,5 @@
 """The training loop: loss goes down, resume is bit-identical, bad input stops early."""
 
-import dataclasses
 
 import jax
 import numpy as np

@@ -10,7 +10,7 @@ from flax import nnx
 from lowrank_jax.train import load_config, train
 from lowrank_jax.train import sharding
 from lowrank_jax.train.config import MeshConfig
-from lowrank_jax.train.loop import checkpoint_manager, init_state, restore_checkpoint
+from lowrank_jax.train.loop import init_state
 
 SMALL = [
     "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=4",
