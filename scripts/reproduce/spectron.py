@@ -49,6 +49,7 @@ from tqdm import tqdm
 from lowrank_jax.data import batch_at, corpus_bytes, eval_batches, train_val_split
 from lowrank_jax.models import Llama, LlamaConfig
 from lowrank_jax.optim import factor_pairs, spectral_norm_exact, spectron_with_adamw
+from scripts._shared import build_step, flops_per_token, lr_shape
 
 
 def parse_args(argv=None):
