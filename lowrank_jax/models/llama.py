@@ -16,6 +16,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels.rope import rope
+
 from lowrank_jax.attention import get_attention
 from lowrank_jax.nn.factorized import FactorizedLinear, check_rank
 
@@ -122,18 +124,11 @@ class RMSNorm(nnx.Module):
         return (normed * self.weight[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def rope_frequencies(head_dim: int, theta: float):
-    return 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-
-
 def apply_rope(x: Float[Array, "b t h d"], positions: Int[Array, "b t"], theta: float):
-    """Rotary embedding in the HF "rotate half" pairing (dims ``i`` and ``i + d/2``)."""
-    d = x.shape[-1]
-    angles = positions[..., None].astype(jnp.float32) * rope_frequencies(d, theta)  # b t d/2
-    cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
+    """Rotary embedding in the HF "rotate half" pairing (dims ``i`` and ``i + d/2``), computed in
+    fp32 and returned in ``x``'s dtype: the package's one RoPE, :func:`pallas_kernels.rope.rope`
+    (the kernels cannot import the library, so the library uses theirs)."""
+    return rope(x, positions, theta, dtype=x.dtype)
 
 
 class KVProvider:

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from lowrank_jax.models.generate import generate, logits_full, perplexity
-from lowrank_jax.models.llama import KVCache, Llama, LlamaConfig
+from lowrank_jax.models.llama import KVCache, Llama, LlamaConfig, apply_rope
 
 
 def tiny_config(**overrides) -> LlamaConfig:
@@ -165,3 +165,17 @@ def test_per_layer_attention_names_are_used_per_layer():
     np.testing.assert_allclose(logits_full(model, tokens), logits, atol=1e-5)
     with pytest.raises(ValueError, match="per-layer names"):
         LlamaConfig(n_layers=3, attention=("reference", "reference"))
+
+
+def test_apply_rope_is_the_kernels_rope_and_rotates_pairs():
+    """The model's RoPE is ``pallas_kernels.rope.rope`` (one RoPE in the package), in x's dtype."""
+    from pallas_kernels.rope import rope
+
+    x = jnp.array([[[[1.0, 0.0]]], [[[0.0, 1.0]]]])  # b=2, t=1, h=1, d=2
+    positions = jnp.array([[1], [2]])
+    got = apply_rope(x, positions, 1e4)
+    # the pair (x_i, x_{i+D/2}) rotates by angle p * theta^0 = p
+    np.testing.assert_allclose(got[0, 0, 0], [np.cos(1.0), np.sin(1.0)], rtol=1e-6)
+    np.testing.assert_allclose(got[1, 0, 0], [-np.sin(2.0), np.cos(2.0)], rtol=1e-6)
+    np.testing.assert_array_equal(got, rope(x, positions, 1e4))
+    assert apply_rope(x.astype(jnp.bfloat16), positions, 1e4).dtype == jnp.bfloat16
