@@ -55,7 +55,8 @@ def model_report(model, params: dict, token_ids, *, out: str, base: dict | None 
                         xlabel="query head", ylabel="layer")
 
     cka = report.key_cka(model, np.asarray(token_ids))
-    results["key_cka"] = {"matrix": cka, "tokens": len(token_ids), "estimator": "unbiased linear CKA",
+    results["key_cka"] = {"matrix": cka, "tokens": len(token_ids),
+                          "estimator": "unbiased linear CKA",
                           "adjacent_mean": float(np.mean(np.diag(cka, 1))) if len(cka) > 1
                           else None}
     report.plot_heatmap(cka, os.path.join(out, "key_cka.png"),

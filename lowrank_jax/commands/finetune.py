@@ -2,7 +2,8 @@
 
 Parses arguments and calls :func:`lowrank_jax.train.finetune.finetune` (or
 :func:`lowrank_jax.train.jobs.run_jobs` with ``--jobs``); the adapter is saved in HuggingFace
-PEFT format (``adapter_config.json`` + ``adapter_model.safetensors``), loadable with ``peft.PeftModel.from_pretrained``.
+PEFT format (``adapter_config.json`` + ``adapter_model.safetensors``), loadable with
+``peft.PeftModel.from_pretrained``.
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ Algorithmic details are derived (see ``shared/specs/data_selection.md``).
 Example::
 
     >>> import jax, jax.numpy as jnp
-    >>> A = jax.random.normal(jax.random.key(0), (500, 3)) @ jax.random.normal(jax.random.key(1), (3, 16))
+    >>> A = (jax.random.normal(jax.random.key(0), (500, 3))
+    ...      @ jax.random.normal(jax.random.key(1), (3, 16)))
     >>> losses = 1.0 + jnp.abs(A[:, 0])
     >>> cs = lowrank_coreset(jax.random.key(2), A, lambda i: losses[i], rank=3, num_samples=64)
     >>> bool(abs(weighted_mean(losses[cs.idx], cs.weights) / losses.mean() - 1) < 0.2)
@@ -108,7 +109,8 @@ def lowrank_residuals(
     ``c_i = Vᵀa_i``, ``r_i = max(‖a_i‖² − ‖c_i‖², 0)``, ``Φ̂ = Σ r_i`` (``= Σ_{j>k} σ_j²`` for
     ``method="exact"``). ``method="gram"`` uses ``eigh(AᵀA)`` (cheap for d ≪ n);
     ``normalize_rows=True`` is the angular mode (``r_i = sin²∠(a_i, span V)``). Jit-able with
-    static ``rank``/``method``. For matrices larger than memory use :func:`lowrank_residuals_chunked`.
+    static ``rank``/``method``. For matrices larger than memory use
+    :func:`lowrank_residuals_chunked`.
 
     Args:
         key: PRNG key (used by ``"randomized"``).
@@ -355,8 +357,9 @@ def lowrank_coreset(
     """The low-rank residual coreset: fit, ``k' = 4·rank`` representatives, proxy, sample.
 
     ``loss_oracle(indices) -> losses`` is called once, on the ``k'`` representatives; the caller
-    then evaluates the sampled rows ``idx`` itself (``weighted_mean(losses[idx], weights)``). Pass a precomputed ``fit`` (e.g. from
-    :func:`lowrank_residuals_chunked`) to skip step 1. Deterministic given ``key``.
+    then evaluates the sampled rows ``idx`` itself (``weighted_mean(losses[idx], weights)``).
+    Pass a precomputed ``fit`` (e.g. from :func:`lowrank_residuals_chunked`) to skip step 1.
+    Deterministic given ``key``.
     """
     k_fit, k_rep, k_samp = jax.random.split(key, 3)
     if fit is None:
@@ -518,6 +521,7 @@ __all__ = [
     "Coreset", "LowRankFit", "chunk_tokens", "compact", "fit_proxy", "kmeans",
     "kmeans_sensitivity_coreset", "lowrank_coreset", "lowrank_residuals",
     "lowrank_residuals_chunked", "relative_error", "sample_coreset", "select_representatives",
-    "select_subset", "sensitivity_probs", "synthetic_lowrank_losses", "text_embeddings", "uniform_coreset",
+    "select_subset", "sensitivity_probs", "synthetic_lowrank_losses", "text_embeddings",
+    "uniform_coreset",
     "weighted_mean",
 ]

@@ -101,7 +101,8 @@ def frame_psnr(video: Float[Array, "... f h w c"], target: Float[Array, "... f h
 
 
 def frame_ssim(video: Float[Array, "... f h w c"], target: Float[Array, "... f h w c"], *,
-               data_range: float = 2.0, window: int = 7, sigma: float = 1.5) -> Float[Array, "... f"]:
+               data_range: float = 2.0, window: int = 7,
+               sigma: float = 1.5) -> Float[Array, "... f"]:
     """Structural similarity of every frame (Gaussian window, valid region, channel mean).
 
     Wang et al. (2004) with ``K1 = 0.01``, ``K2 = 0.03``; 1 for identical frames.

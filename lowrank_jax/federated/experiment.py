@@ -197,7 +197,8 @@ def save_results(results: dict, summary: dict, config: FederatedConfig) -> pathl
 
 def format_table(summary: dict) -> str:
     """A Markdown table of :func:`summarize`'s output."""
-    rows = ["| strategy | global acc (last 5) | personalised acc (last 5) | best global | MB down |",
+    rows = ["| strategy | global acc (last 5) | personalised acc (last 5) | best global "
+            "| MB down |",
             "|---|---|---|---|---|"]
     def pm(s, key, scale=100.0, digits=1):
         m, sd = s[key]

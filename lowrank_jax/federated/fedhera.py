@@ -1,6 +1,7 @@
 """FedHera: decoupled download / train ranks for heterogeneous federated LoRA (pure rules).
 
-Every function here is a pure host-side (NumPy) function of per-layer matrices; the server loop that uses them is
+Every function here is a pure host-side (NumPy) function of per-layer matrices; the server loop
+that uses them is
 :class:`lowrank_jax.federated.strategies.FedHera`. Layout follows the library (``nnx`` / qwix):
 an adapter is ``A [d_in, r]``, ``B [r, d_out]`` and its dense update is
 ``ΔW = s · A B`` (``[d_in, d_out]``, ``s`` the layer's LoRA scale, ``alpha / rank`` by default).

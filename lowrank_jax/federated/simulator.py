@@ -116,7 +116,8 @@ class AdapterModel:
                              "lowrank_jax.nn.apply_lora(model, rules, rngs=...).")
         ranks = {m.rank for _, m in layers}
         if len(ranks) != 1:
-            raise ValueError(f"every LoRALinear must have the same stored rank (got {sorted(ranks)});"
+            raise ValueError("every LoRALinear must have the same stored rank "
+                             f"(got {sorted(ranks)});"
                              " give lower client ranks through Client.train_rank instead.")
         self.layers = tuple(p for p, _ in layers)
         self.shapes = {p: (m.in_features, m.out_features) for p, m in layers}

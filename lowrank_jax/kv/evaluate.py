@@ -104,7 +104,8 @@ def xkv_perplexity_sweep(
         nll = -float(jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1)))
         results.append(dict(method=method, target_ratio=None if method == "none" else ratio,
                             sink_tokens=None if method == "none" else sink,
-                            group_size=None if method == "none" else gs, nll=nll, perplexity=math.exp(nll), tokens=int(targets.size), **info))
+                            group_size=None if method == "none" else gs, nll=nll,
+                            perplexity=math.exp(nll), tokens=int(targets.size), **info))
     return results
 
 

@@ -223,7 +223,7 @@ def _decode_step(model, cache: XKVCache, token, implementation: str):
 
 
 def xkv_decode_step(
-    model, cache: XKVCache, token: Int[Array, "b"], *, implementation: str = "auto"
+    model, cache: XKVCache, token: Int[Array, " b"], *, implementation: str = "auto"
 ) -> tuple[Float[Array, "b vocab"], XKVCache]:
     """Feed one token per sequence; attend to the compressed prompt and the exact tail.
 

@@ -18,7 +18,8 @@ The code is split by concern: :mod:`~lowrank_jax.kv.ranks` (layer groups, rank c
 :mod:`~lowrank_jax.kv.selective` (selective reconstruction at decode) and
 :mod:`~lowrank_jax.kv.model` (K/V providers that plug the compressed cache into the one Llama
 forward: prefill, decode, generation) and :mod:`~lowrank_jax.kv.evaluate` (the perplexity
-protocol and the CLI factory). This module re-exports the public names. The per-layer SVD baseline is the same code with ``group_size=1``.
+protocol and the CLI factory). This module re-exports the public names. The per-layer SVD
+baseline is the same code with ``group_size=1``.
 
 References:
     Chang et al, `xKV: Cross-Layer KV-Cache Compression via Aligned Singular Vector
@@ -65,7 +66,8 @@ from lowrank_jax.kv.selective import selective_decode_attention
 
 __all__ = [
     "ContextKV", "DEFAULT_GROUP_SIZE", "DEFAULT_SINK_TOKENS", "DEFAULT_VALUE_RANK_SCALE", "METHODS",
-    "PrefillKV", "SelectiveConfig", "SelectiveState", "XKVCache", "XKVCacheFactory", "XKVDecodeKV", "choose_ranks", "compressed_bytes", "compression_ratio", "layer_groups",
+    "PrefillKV", "SelectiveConfig", "SelectiveState", "XKVCache", "XKVCacheFactory", "XKVDecodeKV",
+    "choose_ranks", "compressed_bytes", "compression_ratio", "layer_groups",
     "predicted_compression_ratio", "prefill_kv", "selective_decode_attention", "uncompressed_bytes",
     "xkv_cache_factory", "xkv_compress", "xkv_decode_step", "xkv_generate", "xkv_perplexity",
     "xkv_perplexity_sweep", "xkv_prefill", "xkv_reconstruct", "xkv_windowed_perplexity",

@@ -33,7 +33,7 @@ class LlamaConfig:
     ``round(rank_ratio · min(in, out))`` (at least 1). LoRA is added afterwards with
     :func:`lowrank_jax.nn.apply_lora`. ``attention`` names an implementation registered in
     :mod:`lowrank_jax.attention`, or gives one name per layer (a tuple of ``n_layers`` names,
-    e.g. from :func:`pallas_kernels.sparse_attention.api.register_sale_per_layer` for
+    e.g. from :func:`lowrank_jax.attention.register_sale_per_layer` for
     per-layer SALE thresholds; the layers are then unrolled instead of scanned).
     """
 

@@ -303,7 +303,8 @@ def load_video_dit(path) -> VideoDiT:
     state = nnx.state(model, nnx.Param)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
     with np.load(os.path.join(path, "params.npz")) as data:
-        missing = [jax.tree_util.keystr(k) for k, _ in leaves if jax.tree_util.keystr(k) not in data]
+        missing = [jax.tree_util.keystr(k) for k, _ in leaves
+                   if jax.tree_util.keystr(k) not in data]
         if missing:
             raise ValueError(f"load_video_dit: {path} lacks parameters {missing[:3]}...; it was "
                              "saved from a different model version.")
@@ -313,5 +314,5 @@ def load_video_dit(path) -> VideoDiT:
 
 
 __all__ = ["DiTBlock", "VideoDiT", "VideoDiTConfig", "dense_attention", "flow_matching_loss",
-           "load_video_dit", "patchify", "rope_3d", "sample", "save_video_dit", "timestep_embedding", "train_video_dit",
-           "unpatchify"]
+           "load_video_dit", "patchify", "rope_3d", "sample", "save_video_dit",
+           "timestep_embedding", "train_video_dit", "unpatchify"]

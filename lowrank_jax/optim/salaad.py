@@ -6,7 +6,8 @@ ADMM block refreshes, in this order,
 
 .. math::
     L = \\mathrm{SVT}_{\\alpha/\\rho}(X - S + Y/\\rho),\\quad
-    \\alpha \\leftarrow \\alpha + \\rho\\,[k^I_\\alpha(c - c^*) + k^D_\\alpha \\max(0, c - c_{prev})],
+    \\alpha \\leftarrow \\alpha
+    + \\rho\\,[k^I_\\alpha(c - c^*) + k^D_\\alpha \\max(0, c - c_{prev})],
 
     S = \\mathrm{soft}_{\\beta/\\rho}(X - L + Y/\\rho),\\quad
     \\beta \\leftarrow \\beta + \\rho\\,[k^I_\\beta(d - d^*) + k^D_\\beta \\max(0, d - d_{prev})],
@@ -85,7 +86,8 @@ class SalaadConfig:
 
 
 class SalaadState(NamedTuple):
-    """Per selected leaf (trees mirror the params; unselected leaves hold ``[1]`` zero placeholders).
+    """Per selected leaf (trees mirror the params; unselected leaves hold ``[1]`` zero
+    placeholders).
 
     Attributes:
         low_rank: ``L`` (fp32, the leaf's shape).

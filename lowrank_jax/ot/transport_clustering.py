@@ -175,7 +175,8 @@ def register_factors(A, B, P_or_perm, a=None):
 
 
 def _mirror_descent(apply, apply_t, Q0, a, iterations, gamma0):
-    """Exponentiated-gradient descent on ``f(Q) = Σ_k q_kᵀ C̃ q_k / g_k`` over ``{Q ≥ 0, Q1 = a}``."""
+    """Exponentiated-gradient descent on ``f(Q) = Σ_k q_kᵀ C̃ q_k / g_k`` over
+    ``{Q ≥ 0, Q1 = a}``."""
     log_a = jnp.log(a)
 
     def objective_and_grad(Q):
@@ -292,7 +293,8 @@ def transport_clustering(
     clustering on ``C̃ = A B_rotᵀ`` (``B_rot = B[σ]`` or ``diag(1/a) P B``) in ``O(n K r)`` per
     step; no ``n × n`` cost is formed except for a Hungarian/Sinkhorn registration itself.
     ``init="kmeans_mid"``: K-means on the registered midpoints ``(x_i + ȳ_i)/2`` (``ȳ = y[σ]`` or
-    the barycentric ``diag(1/a) P y``) mixed 50/50 with random rows (``"random"`` for a cost). The best of ``restarts × sides`` by true transport cost is returned.
+    the barycentric ``diag(1/a) P y``) mixed 50/50 with random rows (``"random"`` for a cost).
+    The best of ``restarts × sides`` by true transport cost is returned.
     """
     if C is None:
         if x is None or y is None:
@@ -390,5 +392,6 @@ def transport_clustering(
 __all__ = [
     "LowRankPlan", "factored_max_abs", "full_rank_plan", "gkmeans", "gkmeans_factored",
     "lr_cost", "lr_cost_factored", "plan_matrix", "point_cost", "register_cost",
-    "register_factors", "round_to_marginals", "sinkhorn", "sqeuclidean_factors", "transport_clustering",
+    "register_factors", "round_to_marginals", "sinkhorn", "sqeuclidean_factors",
+    "transport_clustering",
 ]

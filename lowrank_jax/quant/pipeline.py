@@ -259,7 +259,8 @@ def model_bits_per_weight(model: Llama) -> float:
 def calibration_tokens(tokenizer, text: str, n_seq: int, seq_len: int, seed: int = 0):
     """``[n_seq, seq_len]`` windows of the tokenized ``text`` at sorted random offsets."""
     if not text or not text.strip():
-        raise ValueError("calibration text is empty; pass English text (--calib-file on the command line).")
+        raise ValueError("calibration text is empty; pass English text "
+                         "(--calib-file on the command line).")
     ids = np.asarray(tokenizer.encode(text) if tokenizer is not None
                      else list(text.encode("utf-8")), np.int32)
     if len(ids) < n_seq * seq_len // 2 or len(ids) <= seq_len:
@@ -272,4 +273,5 @@ def calibration_tokens(tokenizer, text: str, n_seq: int, seq_len: int, seed: int
     return np.stack([ids[s:s + seq_len] for s in starts])
 
 
-__all__ = ["METHODS", "UNISVQ_BITS", "calibration_tokens", "model_bits_per_weight", "quantize_model"]
+__all__ = ["METHODS", "UNISVQ_BITS", "calibration_tokens", "model_bits_per_weight",
+           "quantize_model"]

@@ -91,8 +91,8 @@ class UniSVQWeight:
     """A quantized matrix ``[m, n]``; array fields are pytree leaves, block sizes are static."""
 
     codes: UInt8[Array, "m q"]
-    scale_in: Float[Array, "n"]
-    scale_out: Float[Array, "m"]
+    scale_in: Float[Array, " n"]
+    scale_out: Float[Array, " m"]
     affine: Float[Array, "4 4"]
     offset: Float[Array, "4"]
     block_in: int = dataclasses.field(metadata=dict(static=True), default=128)
@@ -144,12 +144,12 @@ def nearest_codeword(w4: Float[Array, "... 4"], grid: Float[Array, "k 4"]) -> In
     return jnp.argmax(score, axis=-1)
 
 
-def random_signs(key: Array, dim: int) -> Float[Array, "dim"]:
+def random_signs(key: Array, dim: int) -> Float[Array, " dim"]:
     return jnp.where(jax.random.bernoulli(key, 0.5, (dim,)), 1.0, -1.0).astype(jnp.float32)
 
 
 def rht(
-    weight: Float[Array, "m n"], signs_out: Float[Array, "m"], signs_in: Float[Array, "n"],
+    weight: Float[Array, "m n"], signs_out: Float[Array, " m"], signs_in: Float[Array, " n"],
     block_out: int, block_in: int,
 ) -> Float[Array, "m n"]:
     """Randomized Hadamard transform ``W_r = H_m diag(σ_out) W diag(σ_in) H_nᵀ``."""
@@ -159,7 +159,7 @@ def rht(
 
 
 def inverse_rht(
-    weight_rot: Float[Array, "m n"], signs_out: Float[Array, "m"], signs_in: Float[Array, "n"],
+    weight_rot: Float[Array, "m n"], signs_out: Float[Array, " m"], signs_in: Float[Array, " n"],
     block_out: int, block_in: int,
 ) -> Float[Array, "m n"]:
     """Inverse of :func:`rht` (the Hadamards are orthogonal and symmetric)."""

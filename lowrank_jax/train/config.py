@@ -1,4 +1,5 @@
-"""Run configuration: YAML presets in ``configs/`` loaded into dataclasses, with checked overrides."""
+"""Run configuration: YAML presets in ``configs/`` loaded into dataclasses, with checked
+overrides."""
 
 from __future__ import annotations
 
@@ -135,7 +136,8 @@ _SECTIONS = {"model": LlamaConfig, "optimizer": OptimizerConfig, "train": TrainC
 
 def _did_you_mean(key: str, options) -> str:
     close = difflib.get_close_matches(key, list(options), n=1)
-    return f" Did you mean {close[0]!r}?" if close else f" Known keys: {', '.join(sorted(options))}."
+    return (f" Did you mean {close[0]!r}?" if close
+            else f" Known keys: {', '.join(sorted(options))}.")
 
 
 def _field_types(cls) -> dict[str, Any]:

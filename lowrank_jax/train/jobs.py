@@ -39,7 +39,8 @@ def load_jobs(path: str) -> dict:
         spec = yaml.safe_load(f) or {}
     unknown = set(spec) - TOP_KEYS
     if unknown:
-        raise ValueError(f"--jobs {path}: unknown keys {sorted(unknown)}; known: {sorted(TOP_KEYS)}.")
+        raise ValueError(f"--jobs {path}: unknown keys {sorted(unknown)}; "
+                         f"known: {sorted(TOP_KEYS)}.")
     jobs = spec.get("jobs") or []
     if not jobs:
         raise ValueError(f"--jobs {path}: no jobs listed under 'jobs:'.")

@@ -31,10 +31,10 @@ from jaxtyping import Array, Float, Int
 
 def packed_loss(
     losses: Float[Array, "b ..."],
-    adapter_ids: Int[Array, "b"],
+    adapter_ids: Int[Array, " b"],
     num_jobs: int,
     mask: Float[Array, "b ..."] | None = None,
-) -> tuple[Float[Array, ""], Float[Array, "k"]]:
+) -> tuple[Float[Array, ""], Float[Array, " k"]]:
     """Sum over jobs of each job's own mean loss.
 
     .. math:: L = \\sum_k \\frac{\\sum_{b: id_b = k} \\sum_t w_{bt}\\ell_{bt}}
@@ -68,7 +68,7 @@ def packed_loss(
 class PerJobAdamState(NamedTuple):
     """Adam moments over stacked params plus one step counter per job."""
 
-    count: Int[Array, "k"]
+    count: Int[Array, " k"]
     mu: optax.Params
     nu: optax.Params
 
@@ -77,7 +77,7 @@ def _per_job(vec: Array, leaf: Array) -> Array:
     return vec.reshape((-1,) + (1,) * (leaf.ndim - 1)).astype(leaf.dtype)
 
 
-def per_job_global_norm(tree: optax.Params) -> Float[Array, "k"]:
+def per_job_global_norm(tree: optax.Params) -> Float[Array, " k"]:
     """Each job's global L2 norm over the ``[k]`` slices of every leaf (leaves are ``[K, ...]``)."""
     leaves = jax.tree.leaves(tree)
     sq = sum(jnp.sum(jnp.square(x.astype(jnp.float32)).reshape(x.shape[0], -1), axis=1)
@@ -86,10 +86,10 @@ def per_job_global_norm(tree: optax.Params) -> Float[Array, "k"]:
 
 
 def per_job_adamw(
-    learning_rates: Sequence[float] | Float[Array, "k"] | Callable[[Array], Array],
+    learning_rates: Sequence[float] | Float[Array, " k"] | Callable[[Array], Array],
     *,
-    clip_norms: Sequence[float] | Float[Array, "k"] | None = None,
-    weight_decays: Sequence[float] | Float[Array, "k"] | None = None,
+    clip_norms: Sequence[float] | Float[Array, " k"] | None = None,
+    weight_decays: Sequence[float] | Float[Array, " k"] | None = None,
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,

@@ -42,7 +42,8 @@ def check_subspace_shapes(q, k, v, q_lat, k_lat, v_lat, v_basis, near_mask, *, b
         raise ValueError(f"{name}: v_residual={v_residual!r}; choose one of {V_RESIDUAL_MODES}.")
     if q.ndim != 4 or q.shape != k.shape or q.shape != v.shape:
         raise ValueError(
-            f"{name}: q, k, v must share one 4-D shape [batch, n, heads, head_dim]; got q{q.shape}, "
+            f"{name}: q, k, v must share one 4-D shape [batch, n, heads, head_dim]; "
+            f"got q{q.shape}, "
             f"k{k.shape}, v{v.shape} (grouped-query attention is not supported: repeat K/V heads)."
         )
     b, n, h, d = q.shape
@@ -71,7 +72,8 @@ def check_subspace_shapes(q, k, v, q_lat, k_lat, v_lat, v_basis, near_mask, *, b
 
 def token_near_mask(near_mask: Bool[Array, "nq nk"], n: int, block_q: int, block_k: int,
                     n_cols: int | None = None) -> Bool[Array, "n m"]:
-    """Expand a block mask to the ``[n, n_cols]`` token mask (row ``i`` → block ``i // block_q``)."""
+    """Expand a block mask to the ``[n, n_cols]`` token mask (row ``i`` → block
+    ``i // block_q``)."""
     rows = jnp.arange(n) // block_q
     cols = jnp.arange(n if n_cols is None else n_cols) // block_k
     return jnp.asarray(near_mask, bool)[rows[:, None], cols[None, :]]
@@ -166,10 +168,11 @@ def subspace_attention_blocked(q, k, v, q_lat, k_lat, v_lat, v_basis, near_mask,
                                v_residual: str = "latent", max_near: int | None = None):
     """Same result as :func:`subspace_attention_reference`, exact stream on near blocks only.
 
-    The subspace logits ``c q̃ k̃ᵀ`` are computed for all pairs (``2 n² r`` FLOPs); the exact logits
-    only for the ``max_near`` key blocks gathered per query block (``2 n · max_near · block_k · d``);
-    one softmax over the merged row. ``max_near`` (static) defaults to the mask's largest row count
-    and must be at least that. ``near_mask`` must be concrete when ``max_near`` is ``None``.
+    The subspace logits ``c q̃ k̃ᵀ`` are computed for all pairs (``2 n² r`` FLOPs); the exact
+    logits only for the ``max_near`` key blocks gathered per query block
+    (``2 n · max_near · block_k · d``); one softmax over the merged row. ``max_near`` (static)
+    defaults to the mask's largest row count and must be at least that. ``near_mask`` must be
+    concrete when ``max_near`` is ``None``.
     """
     b, n, h, d, _, _ = check_subspace_shapes(q, k, v, q_lat, k_lat, v_lat, v_basis, near_mask,
                                              block_q=block_q, block_k=block_k,

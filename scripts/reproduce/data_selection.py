@@ -39,7 +39,8 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="fewer budgets/chunks/steps (CPU minutes)")
     p.add_argument("--out", default="runs/reproduce_data_selection")
     p.add_argument("--reps", type=int, default=None, help="keys per cell (default 50, quick 20)")
-    p.add_argument("--chunks", type=int, default=None, help="corpus chunks (default 600, quick 128)")
+    p.add_argument("--chunks", type=int, default=None,
+                   help="corpus chunks (default 600, quick 128)")
     p.add_argument("--chunk-tokens", type=int, default=None, help="tokens/chunk (128, quick 64)")
     p.add_argument("--finetune-steps", type=int, default=None, help="LoRA steps (60, quick 12)")
     p.add_argument("--skip-real", action="store_true", help="synthetic part only (no SmolLM2)")

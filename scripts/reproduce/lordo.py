@@ -36,9 +36,6 @@ import time
 from pathlib import Path
 
 import jax
-
-jax.config.update("jax_num_cpu_devices", 8)  # before any device is touched
-
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -56,6 +53,8 @@ from lowrank_jax.optim import (
     set_projection,
 )
 from lowrank_jax.train.loop import cross_entropy
+
+jax.config.update("jax_num_cpu_devices", 8)  # before any device is touched
 
 WORKERS = 8
 
@@ -226,7 +225,8 @@ def main(argv=None):
                      "seconds": round(time.perf_counter() - t0, 1)})
         print(f"{name:32s} val {val:.4f}  floats/worker {info['floats_per_worker']:,}", flush=True)
     base = rows[1]["floats_per_worker"]
-    print(f"\n{WORKERS} workers on {args.devices} device(s) x {steps} local steps, local batch {args.batch}x{args.seq} bytes, "
+    print(f"\n{WORKERS} workers on {args.devices} device(s) x {steps} local steps, "
+          f"local batch {args.batch}x{args.seq} bytes, "
           f"rank {args.rank}, omega {args.omega}, |theta| = {n_params:,}")
     print("| arm | val loss (nats/byte) | floats sent per worker | vs low-rank DDP | "
           "max sin(angle) Q_old→Q_new, last sync |")

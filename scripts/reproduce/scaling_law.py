@@ -14,9 +14,10 @@ of a few MB, so expect the exponents to be noisy; the script reports what it mea
 
 Usage::
 
-    python -m scripts.reproduce.scaling_law            # default small grid (≤ 10 min on 2 CPU cores)
-    python -m scripts.reproduce.scaling_law --quick    # smoke run (~2 min)
-    python -m scripts.reproduce.scaling_law --widths 32 64 96 128 --budgets 2e10 6e10 1.8e11  # larger
+    python -m scripts.reproduce.scaling_law           # default small grid (≤ 10 min on 2 CPU cores)
+    python -m scripts.reproduce.scaling_law --quick   # smoke run (~2 min)
+    # larger:
+    python -m scripts.reproduce.scaling_law --widths 32 64 96 128 --budgets 2e10 6e10 1.8e11
 
 Writes ``<out>/results.json`` and ``<out>/isoflop.png`` (default ``runs/scaling_law``).
 

@@ -46,7 +46,8 @@ QUICK_DIR = os.path.join("runs", "video_svd_quick")  # --quick never overwrites 
 def load_or_train(path: str, quick: bool):
     if os.path.exists(os.path.join(path, "params.npz")):
         return video_dit.load_video_dit(path), path
-    print(f"no checkpoint at {path}: training a quick model (run train_video_dit.py for the real one)")
+    print(f"no checkpoint at {path}: training a quick model "
+          "(run train_video_dit.py for the real one)")
     config = video_dit.VideoDiTConfig(frames=8, height=16, width=16, dim=64, heads=2, layers=2)
     data = lambda key, batch: procedural_videos(key, batch, frames=8, size=16)
     model, _ = video_dit.train_video_dit(config, data, steps=40 if quick else 300, batch=16)
@@ -257,7 +258,8 @@ def main(argv=None) -> None:
               f"{r['attention_rel_error']:.3f} | {r['psnr_db']:.1f} ({r['psnr_min_db']:.1f}) | "
               f"{r['ssim']:.3f} ({r['ssim_min']:.3f}) | {100 * r['flops_saved']:.0f}% | "
               f"{r['cpu_attention_speedup']:.2f}x | {r['cpu_forward_speedup']:.2f}x |")
-    print("| rank | residual | PSNR dB, all steps | PSNR dB, first 25% dense | SSIM | SSIM warm-up |")
+    print("| rank | residual | PSNR dB, all steps | PSNR dB, first 25% dense | SSIM "
+          "| SSIM warm-up |")
     print("|" + "---|" * 6)
     for r in rows:
         if "warmup_psnr_db" in r:

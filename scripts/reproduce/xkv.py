@@ -33,7 +33,8 @@ from scripts._shared import corpus_windows, load_model_and_codec
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2", help="'smollm2', a checkpoint, or 'tiny-deep' (random 8-layer Llama)")
+    parser.add_argument("--model", default="smollm2",
+                        help="'smollm2', a checkpoint, or 'tiny-deep' (random 8-layer Llama)")
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--eval", type=int, default=256)

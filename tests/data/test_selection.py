@@ -53,7 +53,8 @@ def test_exact_residuals_equal_tail_energy_and_are_nonnegative():
 
 
 def test_exactly_low_rank_data_has_zero_phi_and_probs_follow_proxy():
-    A = jax.random.normal(jax.random.key(6), (200, 3)) @ jax.random.normal(jax.random.key(7), (3, 20))
+    A = (jax.random.normal(jax.random.key(6), (200, 3))
+         @ jax.random.normal(jax.random.key(7), (3, 20)))
     fit = sel.lowrank_residuals(jax.random.key(0), A, 3, method="exact")
     assert float(fit.phi) < 1e-4 * float(jnp.sum(A * A))
     proxy = 1.0 + jnp.abs(fit.coords[:, 0])

@@ -131,7 +131,8 @@ def test_unbiased_aggregation_is_unbiased_and_the_original_is_not():
     got = hera.merge_dense_unbiased({"w": g}, trained, inits, weights, scaling)["w"]
     np.testing.assert_allclose(got, expected, atol=1e-4)
     # round 0 (no previous update) falls back to the original rule
-    np.testing.assert_allclose(hera.merge_dense_unbiased(None, trained, inits, weights, scaling)["w"],
+    np.testing.assert_allclose(
+        hera.merge_dense_unbiased(None, trained, inits, weights, scaling)["w"],
                                hera.merge_dense(trained, weights, scaling)["w"], atol=1e-6)
     with pytest.raises(ValueError, match="weights"):
         hera.merge_dense(inits, [1.0, -1.0, 1.0], scaling)

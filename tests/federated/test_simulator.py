@@ -39,7 +39,8 @@ def _centralized(client, rounds):
         for x, y in zip(xs, ys):
             grads = nnx.grad(loss_fn, argnums=nnx.DiffState(0, nnx.LoRAParam))(model, x, y)
             opt.update(model, grads)
-    return {p: (np.asarray(m.lora_a[...]), np.asarray(m.lora_b[...])) for p, m in lora_layers(model)}
+    return {p: (np.asarray(m.lora_a[...]), np.asarray(m.lora_b[...]))
+            for p, m in lora_layers(model)}
 
 
 class Recorder:

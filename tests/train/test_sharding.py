@@ -53,7 +53,8 @@ def test_mesh_errors_name_both_numbers():
         sharding.make_mesh(3, 2, 2)
     mesh = sharding.make_mesh(1, 1, 8)
     cfg = load_config("tiny", SMALL + ["model.d_ff=60"])
-    with pytest.raises(ValueError, match=r"down_proj/a dimension 60 is not divisible by mesh axis tensor\*fsdp=8"):
+    with pytest.raises(ValueError, match=r"down_proj/a dimension 60 is not divisible "
+                                         r"by mesh axis tensor\*fsdp=8"):
         init_state(cfg, mesh)
     assert sharding.parse_mesh("data=2,tensor=4") == {"data": 2, "fsdp": 1, "tensor": 4}
     with pytest.raises(ValueError, match="unknown axis 'model'"):
