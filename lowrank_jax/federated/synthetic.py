@@ -38,9 +38,9 @@ def deep_linear_model(*, d: int = 32, depth: int = 8, rank: int = 4, seed: int =
     """A :class:`DeepLinear` with random orthogonal frozen kernels and rank-``rank`` LoRA."""
     model = DeepLinear(d, depth, rngs=nnx.Rngs(seed))
     rng = np.random.default_rng([seed, 7])
-    for layer in model.layers:
+    for linear in model.layers:
         q, _ = np.linalg.qr(rng.normal(size=(d, d)))
-        layer.kernel[...] = q.astype(np.float32)
+        linear.kernel[...] = q.astype(np.float32)
     apply_lora(model, LoRARule(r"^layers/", rank=rank), rngs=nnx.Rngs(seed + 1))
     return model
 
@@ -62,7 +62,7 @@ def make_deep_linear_clients(model: DeepLinear, *, groups: int = 4, per_group: i
     """
     if groups < 1 or per_group < 1:
         raise ValueError(f"groups={groups} and per_group={per_group} must be >= 1.")
-    kernels = [np.asarray(layer.kernel[...], np.float64) for layer in model.layers]
+    kernels = [np.asarray(linear.kernel[...], np.float64) for linear in model.layers]
     d = kernels[0].shape[0]
     rng = np.random.default_rng(seed)
     roles = layer_roles(len(kernels))

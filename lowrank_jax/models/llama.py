@@ -435,6 +435,12 @@ def projections(model: Llama) -> list[tuple[int, str, nnx.Module, nnx.Module]]:
     return out
 
 
+def layer_norms(model: Llama) -> list[tuple[int, str, nnx.Module]]:
+    """``(layer, name, module)`` for the two RMSNorms of every decoder layer."""
+    return [(i, name, getattr(layer, name)) for i, layer in enumerate(model.layers)
+            for name in ("input_layernorm", "post_attention_layernorm")]
+
+
 def replace_projections(
     model: Llama, make: Callable[[int, str, nnx.Module], nnx.Module | None], *,
     layers: Sequence[int] | None = None,
@@ -475,4 +481,5 @@ def count_params(model: nnx.Module) -> int:
 
 __all__ = ["ATTENTION_PROJECTIONS", "CausalKV", "KVCache", "KVProvider", "Llama", "LlamaConfig",
            "PROJECTIONS", "RMSNorm", "ScannedLayers", "apply_rope", "as_provider", "count_params",
-           "decoder_forward", "lm_logits", "projections", "replace_projections", "run_layers"]
+           "decoder_forward", "layer_norms", "lm_logits", "projections", "replace_projections",
+           "run_layers"]

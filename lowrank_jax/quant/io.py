@@ -11,7 +11,13 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from lowrank_jax.models.llama import Llama, LlamaConfig, projections, replace_projections
+from lowrank_jax.models.llama import (
+    Llama,
+    LlamaConfig,
+    layer_norms,
+    projections,
+    replace_projections,
+)
 from lowrank_jax.quant.layers import QuantizedLinear, RTNLinear, dense_weight
 from lowrank_jax.quant.rtn import rtn_from_arrays, rtn_to_arrays
 from lowrank_jax.quant.unisvq import UniSVQWeight
@@ -40,9 +46,8 @@ def save_quantized(model: Llama, folder: str | os.PathLike, *, tokenizer=None,
     if model.lm_head is not None:
         arrays["lm_head"] = np.asarray(model.lm_head.kernel[...], np.float32)
     layers_meta = {}
-    for i, layer in enumerate(model.layers):
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            arrays[f"layers.{i}.{norm}"] = np.asarray(getattr(layer, norm).weight[...], np.float32)
+    for i, norm, module in layer_norms(model):
+        arrays[f"layers.{i}.{norm}"] = np.asarray(module.weight[...], np.float32)
     for i, proj, _, lin in projections(model):
         prefix = f"layers.{i}.{proj}"
         if isinstance(lin, QuantizedLinear):
@@ -114,9 +119,8 @@ def load_quantized(folder: str | os.PathLike) -> tuple[Llama, Any]:
     put(model.norm.weight, arrays["norm"])
     if model.lm_head is not None:
         put(model.lm_head.kernel, arrays["lm_head"])
-    for i, layer in enumerate(model.layers):
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            put(getattr(layer, norm).weight, arrays[f"layers.{i}.{norm}"])
+    for i, norm, module in layer_norms(model):
+        put(module.weight, arrays[f"layers.{i}.{norm}"])
 
     def stored(i, proj, linear):
         prefix = f"layers.{i}.{proj}"
