@@ -1,19 +1,7 @@
 """BaLoRA vs LoRA on the paper's synthetic low-rank regression (Castin et al, Fig. 3).
 
-Problem (as in the official ``synthetic/synthetic_loss.py``): a frozen ``W0`` and a target ``T``
-(``n × m``, entries N(0, 1)); a LoRA pair ``L`` (``n × r``, zeros) and ``R`` (``r × m``, N(0, 1));
-loss ``½‖W0 + L R − T‖²``; 100 steps of the sign-like update ``p ← p − lr · g / (|g| + 1e-8)``
-(what the reference calls "adam"). BaLoRA re-projects ``(L, R)`` onto the balanced manifold after
-every step with :func:`lowrank_jax.optim.balora.balance_pair` (mode ``"svd"``, the reference;
-``"procrustes"`` is run as an extra). The best reachable loss is
-``L* = ½ Σ_{i>r} σ_i(T − W0)²`` (Eckart–Young), and we report the excess ``loss − L*``.
-
-Learning rates: ``linspace(1e-5, 0.3, 50)``. As in the reference, a run whose loss exceeds 1e5
-counts as diverged, and the best learning rate is chosen per seed and per method by final loss
-(``--select shared`` picks one learning rate per method, by the median final loss over seeds).
-Seeds change the LoRA initialisation; the problem ``(W0, T)`` is fixed (the reference's protocol)
-unless ``--resample-problem`` draws a new ``(W0, T)`` per seed. Everything (methods × seeds ×
-learning rates × steps) runs as one jitted ``lax.map``/``vmap``/``lax.scan`` per method.
+The problem, the protocol and the study live in :mod:`lowrank_jax.optim.balora_synthetic`;
+this script runs the full grid, prints the table and plots it.
 
 Usage::
 
