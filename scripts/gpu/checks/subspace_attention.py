@@ -8,22 +8,6 @@ block on the exact stream (what the low-rank far stream saves).
 
 from __future__ import annotations
 
-import statistics
-import time
-
-
-def _median_seconds(fn, *args, reps: int = 10) -> float:
-    import jax
-
-    for _ in range(3):
-        jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
 
 def check_subspace_attention(ctx) -> list[dict]:
     import jax
@@ -35,6 +19,7 @@ def check_subspace_attention(ctx) -> list[dict]:
         subspace_attention,
         subspace_attention_reference,
     )
+    from scripts.gpu.check import time_fn  # the suite's one timer: warm-up, then the median
 
     frames, block = (4, 16) if ctx.dry_run else (16, 64)
     heads, head_dim = (2, 32) if ctx.dry_run else (12, 128)
@@ -71,10 +56,10 @@ def check_subspace_attention(ctx) -> list[dict]:
                    "near_fraction": float(near.mean()), "rel_err": error,
                    "ok": error < tolerance}
             if not ctx.dry_run:
-                row["dense_s"] = _median_seconds(jax.jit(jax.nn.dot_product_attention), q, k, v,
+                row["dense_s"] = time_fn(jax.jit(jax.nn.dot_product_attention), q, k, v,
                                                  reps=ctx.reps)
-                row["all_exact_s"] = _median_seconds(all_exact, q, k, v, reps=ctx.reps)
-                row["subspace_s"] = _median_seconds(fast, q, k, v, reps=ctx.reps)
+                row["all_exact_s"] = time_fn(all_exact, q, k, v, reps=ctx.reps)
+                row["subspace_s"] = time_fn(fast, q, k, v, reps=ctx.reps)
                 row["speedup_vs_dense"] = row["dense_s"] / row["subspace_s"]
                 row["speedup_vs_all_exact"] = row["all_exact_s"] / row["subspace_s"]
             rows.append(row)
