@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
+from pallas_kernels._dispatch import IMPLEMENTATIONS, resolve_implementation
 from pallas_kernels.flash_attention.api import _backend_platform, padded_head_dim
 from pallas_kernels.subspace_attention import kernel as _kernel
 from pallas_kernels.subspace_attention.reference import (
@@ -17,8 +18,6 @@ from pallas_kernels.subspace_attention.reference import (
     lookup_tables,
     subspace_attention_blocked,
 )
-
-IMPLEMENTATIONS = ("auto", "pallas", "xla")
 
 
 def _is_power_of_two(x) -> bool:
@@ -55,17 +54,6 @@ class BlockSizes:
     @classmethod
     def get_default(cls) -> "BlockSizes":
         return cls(64, 64)
-
-
-def resolve_implementation(implementation: str, interpret: Any = None) -> str:
-    """``"pallas"`` or ``"xla"``; ``"auto"`` is pallas on GPU/TPU or when interpreting."""
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"implementation={implementation!r} is unknown; choose one of {IMPLEMENTATIONS}."
-        )
-    if implementation == "auto":
-        return "pallas" if (interpret or _backend_platform() != "interpret") else "xla"
-    return implementation
 
 
 def subspace_attention(
