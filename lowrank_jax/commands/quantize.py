@@ -18,18 +18,22 @@ import os
 
 from lowrank_jax.io.validate import non_negative_int, positive_int
 
-METHOD_BITS = {"unisvq": (2,), "rtn": (2, 3, 4, 8)}
+METHOD_BITS = {"unisvq": (2,), "rtn": (2, 3, 4, 8), "kmeans": (2,)}
 
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
-        "quantize", help="quantize every projection (UniSVQ 2-bit lattice or RTN) into a folder"
+        "quantize", help="quantize every projection (UniSVQ 2-bit lattice, k-means VQ or RTN) "
+        "into a folder"
     )
     parser.add_argument("--model", default="smollm2", help="name, .gguf file or HF folder")
     parser.add_argument("--method", default="unisvq", choices=sorted(METHOD_BITS))
-    parser.add_argument("--bits", type=int, default=2, help="2 (unisvq); 2, 3, 4, 8 (rtn)")
+    parser.add_argument("--bits", type=int, default=2,
+                        help="2 (unisvq, kmeans); 2, 3, 4, 8 (rtn)")
     parser.add_argument("--group-size", type=positive_int, default=64,
                         help="RTN input coordinates per scale/zero (must divide every input dim)")
+    parser.add_argument("--zero-point", default="integer", choices=("integer", "float"),
+                        help="RTN form: integer zero-point (standard) or fp16 float offset")
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--overwrite", action="store_true",
                         help="write into an output folder that is not empty")
@@ -46,8 +50,12 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import jax
+    from flax import nnx
+
     from lowrank_jax.models.hub import save_model
-    from lowrank_jax.quant.pipeline import calibration_tokens, quantize_model
+    from lowrank_jax.models.llama import projections
+    from lowrank_jax.quant.pipeline import calibration_tokens, model_bits_per_weight, quantize_model
     from lowrank_jax.quant.unisvq import UniSVQConfig
 
     allowed = METHOD_BITS.get(args.method)
@@ -71,8 +79,9 @@ def run(args: argparse.Namespace) -> int:
     from lowrank_jax.models.hub import load_model
 
     model, tokenizer = load_model(args.model)
+    n_params = sum(int(v.size) for v in jax.tree.leaves(nnx.state(model, nnx.Param)))
     calib = None
-    if args.method == "unisvq":
+    if args.method in ("unisvq", "kmeans"):
         if args.calib_file is not None:
             with open(args.calib_file, encoding="utf-8") as f:
                 text = f.read()
@@ -85,9 +94,20 @@ def run(args: argparse.Namespace) -> int:
     cfg = UniSVQConfig(tune_iters=args.tune_iters, finetune_steps=args.finetune_steps,
                        seed=args.seed)
     report = quantize_model(model, calib, method=args.method, bits=args.bits,
-                            group_size=args.group_size, cfg=cfg, layers=layers, progress=True)
+                            group_size=args.group_size, zero_point=args.zero_point, cfg=cfg,
+                            layers=layers, progress=True)
     save_model(model, args.out, tokenizer=tokenizer, report=report)
     summary = {k: report[k] for k in ("method", "bits", "bits_per_weight", "seconds")}
+    summary["seconds_per_block"] = report["seconds"] / max(len(report["layers"]), 1)
+    weights = os.path.join(args.out, "model.safetensors")
+    summary["folder_mib"] = os.path.getsize(weights) / 2**20
+    summary["fp16_mib"] = n_params * 2 / 2**20  # the dense model in fp16
+    summary["folder_vs_fp16"] = summary["folder_mib"] / summary["fp16_mib"]
+    # the quantized projections alone (embeddings and norms are kept in fp32 in the folder)
+    n_proj = sum(lin.in_features * lin.out_features if hasattr(lin, "in_features")
+                 else lin.kernel[...].size for *_, lin in projections(model))
+    summary["projections_mib"] = model_bits_per_weight(model) * n_proj / 8 / 2**20
+    summary["projections_fp16_mib"] = n_proj * 2 / 2**20
     print(json.dumps(summary))
     print(f"wrote {args.out}")
     return 0

@@ -18,7 +18,7 @@ from lowrank_jax.models.llama import (
     projections,
     replace_projections,
 )
-from lowrank_jax.quant.layers import QuantizedLinear, RTNLinear, dense_weight
+from lowrank_jax.quant.layers import QuantizedLinear, RTNLinear, VQLinear, dense_weight
 from lowrank_jax.quant.rtn import rtn_from_arrays, rtn_to_arrays
 from lowrank_jax.quant.unisvq import UniSVQWeight
 
@@ -56,9 +56,16 @@ def save_quantized(model: Llama, folder: str | os.PathLike, *, tokenizer=None,
             arrays[prefix + ".codes"] = np.asarray(lin.codes[...], np.uint8)
             for name in ("scale_in", "scale_out", "affine", "offset"):
                 arrays[f"{prefix}.{name}"] = np.asarray(getattr(lin, name)[...], np.float16)
+        elif isinstance(lin, VQLinear):
+            meta = {"method": "kmeans", "shape": [lin.out_features, lin.in_features],
+                    "block_in": lin.block_in, "block_out": lin.block_out}
+            arrays[prefix + ".codes"] = np.asarray(lin.codes[...], np.uint8)
+            for name in ("scale_in", "scale_out", "codebook"):
+                arrays[f"{prefix}.{name}"] = np.asarray(getattr(lin, name)[...], np.float16)
         elif isinstance(lin, RTNLinear):
             meta = {"method": "rtn", "shape": [lin.out_features, lin.in_features],
-                    "bits": lin.bits, "group_size": lin.group_size}
+                    "bits": lin.bits, "group_size": lin.group_size,
+                    "zero_point": lin.zero_point}
             for name, value in rtn_to_arrays(lin.weight()).items():
                 arrays[f"{prefix}.{name}"] = value
         else:
@@ -71,7 +78,8 @@ def save_quantized(model: Llama, folder: str | os.PathLike, *, tokenizer=None,
         "version": FORMAT_VERSION,
         "config": dataclasses.asdict(model.cfg),
         "layers": layers_meta,
-        "report": {k: v for k, v in (report or {}).items() if k != "blocks"},
+        "report": {k: v for k, v in (report or {}).items()
+                   if k not in ("blocks", "unfinetuned")},
         "tokenizer": tokenizer is not None,
     }
     with open(os.path.join(folder, "quantization.json"), "w") as f:
@@ -132,10 +140,19 @@ def load_quantized(folder: str | os.PathLike) -> tuple[Llama, Any]:
                   for n in ("scale_in", "scale_out", "affine", "offset")),
                 block_in=meta["block_in"], block_out=meta["block_out"],
             ))
+        if meta["method"] == "kmeans":
+            from lowrank_jax.quant.kmeans_vq import VQWeight
+
+            codes, codebook, s_in, s_out = (
+                jnp.asarray(arrays[f"{prefix}.{n}"], jnp.uint8 if n == "codes" else jnp.float32)
+                for n in ("codes", "codebook", "scale_in", "scale_out"))
+            return VQLinear(VQWeight(codes, codebook, s_in, s_out, meta["block_in"],
+                                     meta["block_out"]))
         if meta["method"] == "rtn":
             sub = {k: arrays[f"{prefix}.{k}"] for k in ("codes", "scale", "zero")}
             return RTNLinear(
-                rtn_from_arrays(sub, tuple(meta["shape"]), meta["bits"], meta["group_size"]))
+                rtn_from_arrays(sub, tuple(meta["shape"]), meta["bits"], meta["group_size"],
+                                meta.get("zero_point", "float")))
         put(linear.kernel, arrays[prefix + ".kernel"])
         return None
 

@@ -13,22 +13,21 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, UInt8
 
 from lowrank_jax.quant.packing import vq_bits_per_weight
 from lowrank_jax.quant.unisvq import (
     UniSVQConfig,
     _ldlq,
-    block_hadamard,
     block_ldl,
     inverse_rht,
     nearest_codeword,
-    random_signs,
-    rht,
+    rotate_problem,
 )
 from pallas_kernels.lattice_matmul.reference import hadamard_block_size
 
@@ -59,33 +58,61 @@ def kmeans(vectors: Float[Array, "p d"], key: Array, *, centroids: int = 256,
     return jax.lax.fori_loop(0, iters, step, centres)
 
 
-def kmeans_vq_quantize(
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class VQWeight:
+    """A k-means VQ matrix ``[m, n]``: ``W = diag(s_out) H_mᵀ C H_n diag(s_in)`` with
+    ``C_{i,4g:4g+4} = codebook[codes[i, g]]`` (the UniSVQ layout with a free 256×4 table)."""
+
+    codes: UInt8[Array, "m q"]
+    codebook: Float[Array, "k 4"]
+    scale_in: Float[Array, " n"]
+    scale_out: Float[Array, " m"]
+    block_in: int = dataclasses.field(metadata=dict(static=True), default=128)
+    block_out: int = dataclasses.field(metadata=dict(static=True), default=128)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape[0], self.codes.shape[1] * 4
+
+    def bits_per_weight(self) -> float:
+        return vq_bits_per_weight(*self.shape, centroids=self.codebook.shape[0])
+
+
+def vq_dequantize(w: VQWeight) -> Float[Array, "m n"]:
+    """Dense fp32 ``[m, n]`` of a :class:`VQWeight` (codebook gather + inverse RHT)."""
+    m, n = w.shape
+    c = w.codebook[w.codes.astype(jnp.int32)].reshape(m, n)
+    return inverse_rht(c, w.scale_out, w.scale_in, w.block_out, w.block_in)
+
+
+def kmeans_vq_weight(
     weight: Float[Array, "m n"],
     h: Float[Array, "n n"] | None,
     cfg: UniSVQConfig = UniSVQConfig(),
     *,
     key: Array | None = None,
     iters: int = 15,
-) -> tuple[Float[Array, "m n"], float]:
-    """Quantize ``W [out, in]`` with a fitted 256×4 codebook; returns ``(Ŵ dense, bits/weight)``.
+) -> VQWeight:
+    """Quantize ``W [out, in]`` with a fitted 256×4 codebook (RHT + k-means + LDLQ).
 
     Args:
-        weight: ``[m, n]``, both divisible by 4.
+        weight: ``[m, n]``, both divisible by 4, ``m·n ≥ 1024``.
         h: calibration Hessian of the unrotated inputs (``None``: plain nearest codeword).
-        cfg: rotation block, ``tune_iters``, ``seed`` (as for UniSVQ).
+        cfg: rotation block, ``tune_iters``, ``use_hessian``, ``seed`` (as for UniSVQ).
         key: PRNG key (signs, k-means init).
         iters: Lloyd iterations.
 
     Returns:
-        The dequantized weight (simulated storage) and the exact bits per weight of the format.
+        A :class:`VQWeight` (fp32 floats; the accounting counts them as fp16).
 
     Example::
 
         >>> import jax
         >>> w = jax.random.normal(jax.random.PRNGKey(0), (32, 64))
-        >>> w_hat, bpw = kmeans_vq_quantize(w, None, UniSVQConfig(hadamard_block=32), iters=2)
-        >>> w_hat.shape
-        (32, 64)
+        >>> q = kmeans_vq_weight(w, None, UniSVQConfig(hadamard_block=32), iters=2)
+        >>> vq_dequantize(q).shape, q.codebook.shape
+        ((32, 64), (256, 4))
     """
     m, n = weight.shape
     if m % 4 or n % 4:
@@ -95,26 +122,50 @@ def kmeans_vq_quantize(
             f"weight shape {weight.shape} has {m * n // 4} 4-vectors, fewer than the 256 "
             "centroids; k-means VQ needs m·n ≥ 1024."
         )
+    if h is not None and h.shape != (n, n):
+        raise ValueError(f"hessian shape {h.shape} does not match the weight's n={n}.")
     key = jax.random.PRNGKey(cfg.seed) if key is None else key
-    k_out, k_in, k_km = jax.random.split(key, 3)
     block_out = hadamard_block_size(m, cfg.hadamard_block)
     block_in = hadamard_block_size(n, cfg.hadamard_block)
-    s_out, s_in = random_signs(k_out, m), random_signs(k_in, n)
-    w_rot = rht(weight.astype(jnp.float32), s_out, s_in, block_out, block_in)
-    w_scale = jnp.sqrt(jnp.mean(w_rot * w_rot)) + 1e-12
-    w_rot = w_rot / w_scale
-    grid = kmeans(w_rot.reshape(-1, 4), k_km, centroids=256, iters=iters)
-    if h is None or not cfg.use_hessian:
-        idx = nearest_codeword(w_rot.reshape(m, n // 4, 4), grid)
-        w_hat = grid[idx].reshape(m, n)
+    use_h = h is not None and cfg.use_hessian
+    codes, grid, s_in, s_out = _vq_core(weight, h if use_h else None, key, cfg.tune_iters,
+                                        iters, block_in, block_out)
+    return VQWeight(codes, grid, s_in, s_out, block_in, block_out)
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6))
+def _vq_core(weight, h, key, tune_iters, iters, block_in, block_out):
+    m, n = weight.shape
+    w_rot, w_scale, s_in, s_out, h_rot = rotate_problem(weight, h, key, block_in, block_out)
+    grid = kmeans(w_rot.reshape(-1, 4), jax.random.split(key, 3)[2], centroids=256, iters=iters)
+    if h_rot is None:
+        codes = nearest_codeword(w_rot.reshape(m, n // 4, 4), grid).astype(jnp.uint8)
     else:
-        h_rot = s_in[:, None] * h.astype(jnp.float32) * s_in[None, :]
-        h_rot = block_hadamard(block_hadamard(h_rot, block_in).T, block_in).T
-        h_rot = 0.5 * (h_rot + h_rot.T)
         lower, _ = block_ldl(h_rot)
-        _, w_hat = _ldlq(w_rot, h_rot, lower, grid, cfg.tune_iters)
-    w_hat = inverse_rht(w_hat * w_scale, s_out, s_in, block_out, block_in)
-    return w_hat, vq_bits_per_weight(m, n)
+        codes, _ = _ldlq(w_rot, h_rot, lower, grid, tune_iters)
+    return codes, grid, s_in, s_out * w_scale
 
 
-__all__ = ["kmeans", "kmeans_vq_quantize"]
+def kmeans_vq_quantize(
+    weight: Float[Array, "m n"],
+    h: Float[Array, "n n"] | None,
+    cfg: UniSVQConfig = UniSVQConfig(),
+    *,
+    key: Array | None = None,
+    iters: int = 15,
+) -> tuple[Float[Array, "m n"], float]:
+    """:func:`kmeans_vq_weight` as ``(Ŵ dense, bits/weight)`` (simulated storage).
+
+    Example::
+
+        >>> import jax
+        >>> w = jax.random.normal(jax.random.PRNGKey(0), (32, 64))
+        >>> w_hat, bpw = kmeans_vq_quantize(w, None, UniSVQConfig(hadamard_block=32), iters=2)
+        >>> w_hat.shape
+        (32, 64)
+    """
+    q = kmeans_vq_weight(weight, h, cfg, key=key, iters=iters)
+    return vq_dequantize(q), q.bits_per_weight()
+
+
+__all__ = ["VQWeight", "kmeans", "kmeans_vq_quantize", "kmeans_vq_weight", "vq_dequantize"]

@@ -12,6 +12,7 @@ from lowrank_jax.quant.packing import rtn_bits_per_weight, unisvq_bits_per_weigh
 from lowrank_jax.quant.rtn import RTNWeight, rtn_dequantize
 from lowrank_jax.quant.unisvq import UniSVQWeight
 from pallas_kernels.lattice_matmul.api import lattice_matmul
+from pallas_kernels.lattice_matmul.reference import block_hadamard
 
 
 class QuantCodes(nnx.Variable):
@@ -85,30 +86,69 @@ class RTNLinear(nnx.Module):
     def __init__(self, weight: RTNWeight):
         self.out_features, self.in_features = (int(s) for s in weight.codes.shape)
         self.bits, self.group_size = int(weight.bits), int(weight.group_size)
+        self.zero_point = str(weight.zero_point)
         self.codes = QuantCodes(jnp.asarray(weight.codes, jnp.uint8))
         self.scale = QuantScale(jnp.asarray(weight.scale, jnp.float32))
         self.zero = QuantScale(jnp.asarray(weight.zero, jnp.float32))
 
     def weight(self) -> RTNWeight:
         return RTNWeight(self.codes[...], self.scale[...], self.zero[...], self.bits,
-                         self.group_size)
+                         self.group_size, self.zero_point)
 
     def bits_per_weight(self) -> float:
         return rtn_bits_per_weight(self.out_features, self.in_features, self.bits,
-                                   self.group_size)
+                                   self.group_size, zero_point=self.zero_point)
 
     def __call__(self, x: Float[Array, "... n"]) -> Float[Array, "... m"]:
         w = rtn_dequantize(self.weight())
         return jnp.einsum("...n,mn->...m", x.astype(jnp.float32), w).astype(x.dtype)
 
 
+class VQLinear(nnx.Module):
+    """A bias-free linear layer holding k-means VQ codes (the VQ baseline of UniSVQ).
+
+    Same rotated layout as :class:`QuantizedLinear`, but the 4-vector of code ``k`` is row ``k``
+    of a free ``codebook [256, 4]`` (a gather) instead of ``A z + b``; the codebook is a
+    :class:`LatticeParam` and fine-tunes like ``A``, ``b``.
+    """
+
+    def __init__(self, weight):
+        self.out_features, self.in_features = (int(s) for s in weight.shape)
+        self.block_in, self.block_out = int(weight.block_in), int(weight.block_out)
+        self.codes = QuantCodes(jnp.asarray(weight.codes, jnp.uint8))
+        self.scale_in = QuantScale(jnp.asarray(weight.scale_in, jnp.float32))
+        self.scale_out = QuantScale(jnp.asarray(weight.scale_out, jnp.float32))
+        self.codebook = LatticeParam(jnp.asarray(weight.codebook, jnp.float32))
+
+    def weight(self):
+        from lowrank_jax.quant.kmeans_vq import VQWeight
+
+        return VQWeight(self.codes[...], self.codebook[...], self.scale_in[...],
+                        self.scale_out[...], self.block_in, self.block_out)
+
+    def bits_per_weight(self) -> float:
+        return self.weight().bits_per_weight()
+
+    def __call__(self, x: Float[Array, "... n"]) -> Float[Array, "... m"]:
+        lead, n = x.shape[:-1], x.shape[-1]
+        x_rot = block_hadamard(x.reshape(-1, n).astype(jnp.float32) * self.scale_in[...],
+                               self.block_in)
+        table = self.codebook[...][self.codes[...].astype(jnp.int32)]  # m, n/4, 4 (gather)
+        out = x_rot @ table.reshape(self.out_features, n).T
+        y = block_hadamard(out, self.block_out, transpose=True) * self.scale_out[...]
+        return y.astype(x.dtype).reshape(*lead, self.out_features)
+
+
 def _fp16(x):
     return jnp.asarray(x, jnp.float32).astype(jnp.float16).astype(jnp.float32)
 
 
-def round_floats_to_storage(layer: QuantizedLinear) -> None:
-    """Round the float parameters to fp16, so memory holds exactly what the folder stores."""
-    for name in ("scale_in", "scale_out", "affine", "offset"):
+def round_floats_to_storage(layer) -> None:
+    """Round the float parameters of a :class:`QuantizedLinear` / :class:`VQLinear` to fp16, so
+    memory holds exactly what the folder stores."""
+    names = ("scale_in", "scale_out") + (("codebook",) if isinstance(layer, VQLinear)
+                                         else ("affine", "offset"))
+    for name in names:
         getattr(layer, name).set_value(_fp16(getattr(layer, name)[...]))
 
 
@@ -123,4 +163,4 @@ def dense_weight(linear) -> Array:
 
 
 __all__ = ["LatticeParam", "QuantCodes", "QuantScale", "QuantizedLinear", "RTNLinear",
-           "dense_weight", "round_floats_to_storage"]
+           "VQLinear", "dense_weight", "round_floats_to_storage"]

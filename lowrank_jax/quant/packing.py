@@ -102,11 +102,17 @@ def unisvq_bits_per_weight(m: int, n: int, *, float_bits: int = FLOAT_BITS) -> f
 
 
 def rtn_bits_per_weight(m: int, n: int, bits: int, group_size: int | None,
-                        *, float_bits: int = FLOAT_BITS) -> float:
-    """Exact storage of group-wise asymmetric RTN per weight: ``bits + 2·16/group``.
+                        *, float_bits: int = FLOAT_BITS, zero_point: str = "integer") -> float:
+    """Exact storage of group-wise asymmetric RTN per weight.
 
-    ``group_size=None`` means one group per row (per-channel). The bit stream is padded to a whole
-    byte once per matrix, which is counted too.
+    ``zero_point="integer"``: ``bits + (16 + bits)/group`` (fp16 scale, ``bits``-bit zero-point,
+    both bit streams padded to a whole byte once per matrix); ``"float"``: ``bits + 2·16/group``.
+    ``group_size=None`` means one group per row (per-channel).
+
+    Example::
+
+        >>> rtn_bits_per_weight(576, 576, 3, 64)   # 3 + 19/64
+        3.296875
     """
     group = n if group_size is None else group_size
     if group < 1 or n % group:
@@ -114,7 +120,14 @@ def rtn_bits_per_weight(m: int, n: int, bits: int, group_size: int | None,
             f"group_size={group_size} must be a positive divisor of the input dim {n}."
         )
     code_bits = 8 * math.ceil(m * n * bits / 8)
-    return (code_bits + 2 * float_bits * m * (n // group)) / (m * n)
+    groups = m * (n // group)
+    if zero_point == "integer":
+        zero_bits = 8 * math.ceil(groups * bits / 8)
+    elif zero_point == "float":
+        zero_bits = float_bits * groups
+    else:
+        raise ValueError(f"zero_point={zero_point!r} is unknown; use 'integer' or 'float'.")
+    return (code_bits + float_bits * groups + zero_bits) / (m * n)
 
 
 def vq_bits_per_weight(m: int, n: int, *, dim: int = 4, centroids: int = 256,

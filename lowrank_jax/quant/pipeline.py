@@ -38,6 +38,7 @@ from lowrank_jax.quant.layers import (
     QuantizedLinear,
     QuantScale,
     RTNLinear,
+    VQLinear,
     dense_weight,
     round_floats_to_storage,
 )
@@ -45,7 +46,9 @@ from lowrank_jax.quant.packing import unisvq_bits_per_weight
 from lowrank_jax.quant.rtn import check_bits, check_group_size, rtn_quantize
 from lowrank_jax.quant.unisvq import UniSVQConfig, finetune_block, quantize_linear
 
-METHODS = ("unisvq", "rtn", "kmeans")
+METHODS = ("unisvq", "rtn", "kmeans", "sq-ldlq")
+CALIBRATED = ("unisvq", "kmeans", "sq-ldlq")  # methods that need calibration text
+FINETUNED = ("unisvq", "kmeans")  # methods whose float parameters block fine-tuning trains
 UNISVQ_BITS = (2,)
 
 
@@ -104,8 +107,11 @@ def quantize_model(
     method: str = "unisvq",
     bits: int = 2,
     group_size: int | None = 64,
+    zero_point: str = "integer",
     cfg: UniSVQConfig = UniSVQConfig(),
     layers: list[int] | None = None,
+    sq_group_size: int = 192,
+    keep_unfinetuned: bool = False,
     chunk: int = 8,
     progress: bool = True,
     log: Callable[[str], None] | None = None,
@@ -116,12 +122,20 @@ def quantize_model(
         model: a dense :class:`Llama`.
         calib_tokens: ``[n_seq, seq_len]`` int token ids (required for UniSVQ: Hessians and
             block fine-tuning; ignored by RTN).
-        method: ``"unisvq"`` (2 bits), ``"rtn"`` (2, 3, 4 or 8 bits) or ``"kmeans"`` (2-bit
-            k-means VQ baseline, simulated: the dequantized weight stays in a dense layer).
+        method: ``"unisvq"`` (2 bits), ``"rtn"`` (2, 3, 4 or 8 bits), ``"kmeans"`` (2-bit
+            k-means VQ baseline, a :class:`VQLinear`, fine-tuned like UniSVQ) or ``"sq-ldlq"``
+            (the scalar 2-bit baseline of :mod:`lowrank_jax.quant.scalar_ldlq`, simulated: the
+            dequantized weight stays in a dense layer; no fine-tuning, as GPTQ).
         bits: bits per weight of the codes.
         group_size: RTN group size (must divide every input dim); ignored by UniSVQ.
+        zero_point: RTN form, ``"integer"`` (standard) or ``"float"`` (see :mod:`..rtn`).
         cfg: :class:`UniSVQConfig`.
         layers: indices of the blocks to quantize (default: all; ``--quick`` uses a subset).
+        sq_group_size: ``"sq-ldlq"`` input coordinates per fp16 scale.
+        keep_unfinetuned: also return, under ``"unfinetuned"``, the float parameters of every
+            block *before* its fine-tuning (``{layer: (scales, lattice)}`` states): the codes do
+            not depend on fine-tuning (each block is calibrated on FP activations), so
+            ``nnx.update(model.layers[i], *state)`` gives the no-fine-tuning model for free.
         chunk: sequences per forward chunk (memory bound).
         progress: show a tqdm bar per block.
         log: optional callable for one line per block.
@@ -147,7 +161,7 @@ def quantize_model(
         for i, _, _, w in projections(model):
             if i in layers:
                 check_group_size(group_size, dense_weight(w).shape[1])
-    if method in ("unisvq", "kmeans"):
+    if method in CALIBRATED:
         if calib_tokens is None or np.asarray(calib_tokens).size == 0:
             raise ValueError(
                 "calib_tokens is missing: UniSVQ needs calibration text for its Hessians and "
@@ -163,7 +177,8 @@ def quantize_model(
     blocks_report = []
     total_bits = total_weights = 0.0
     x = None
-    if method in ("unisvq", "kmeans"):
+    unfinetuned = {}
+    if method in CALIBRATED:
         x = model.embed_tokens(calib_tokens).astype(jnp.dtype(model.cfg.dtype))
     iterator = range(max(layers) + 1 if layers else 0)
     bar = None
@@ -182,7 +197,8 @@ def quantize_model(
         if method == "rtn":
             def to_rtn(_, __, linear):
                 nonlocal total_bits, total_weights
-                new = RTNLinear(rtn_quantize(dense_weight(linear), bits, group_size))
+                new = RTNLinear(rtn_quantize(dense_weight(linear), bits, group_size,
+                                             zero_point))
                 total_bits += new.bits_per_weight() * new.codes[...].size
                 total_weights += new.codes[...].size
                 return new
@@ -198,9 +214,15 @@ def quantize_model(
                 sub_key = jax.random.fold_in(key, 7 * layer_index + PROJECTIONS.index(proj))
                 new = None
                 if method == "kmeans":
-                    from lowrank_jax.quant.kmeans_vq import kmeans_vq_quantize
+                    from lowrank_jax.quant.kmeans_vq import kmeans_vq_weight
 
-                    w_hat, bpw = kmeans_vq_quantize(w, h, cfg, key=sub_key)
+                    new = VQLinear(kmeans_vq_weight(w, h, cfg, key=sub_key))
+                    bpw = new.bits_per_weight()
+                elif method == "sq-ldlq":
+                    from lowrank_jax.quant.scalar_ldlq import sq_ldlq_quantize
+
+                    w_hat, bpw = sq_ldlq_quantize(w, h, cfg, group_size=sq_group_size,
+                                                  key=sub_key)
                     linear.kernel.set_value(w_hat.T.astype(linear.kernel[...].dtype))
                 else:
                     new = QuantizedLinear(quantize_linear(w, h, cfg, key=sub_key))
@@ -211,14 +233,17 @@ def quantize_model(
 
             replace_projections(model, to_quantized, layers=[i])
             info["seconds_round"] = time.perf_counter() - t0 - info["seconds_calibrate"]
-            if cfg.finetune_steps > 0 and method == "unisvq":
+            if method in FINETUNED and keep_unfinetuned:
+                _, scales, lattice, _ = nnx.split(layer, QuantScale, LatticeParam, ...)
+                unfinetuned[i] = jax.tree.map(jnp.copy, (scales, lattice))
+            if cfg.finetune_steps > 0 and method in FINETUNED:
                 graph, scales, lattice, rest = nnx.split(layer, QuantScale, LatticeParam, ...)
                 best, ft = finetune_block(_BlockApply(graph), (scales, lattice), x, y, cfg,
                                           frozen=rest, labels=_scale_affine_labels)
                 nnx.update(layer, best[0], best[1])
                 info.update(ft)
             for j, _, _, lin in projections(model):
-                if j == i and isinstance(lin, QuantizedLinear):
+                if j == i and isinstance(lin, (QuantizedLinear, VQLinear)):
                     round_floats_to_storage(lin)
             x = y
         info["seconds"] = time.perf_counter() - t0
@@ -235,10 +260,12 @@ def quantize_model(
         "method": method,
         "bits": bits,
         "group_size": group_size if method == "rtn" else None,
+        "zero_point": zero_point if method == "rtn" else None,
         "bits_per_weight": total_bits / max(total_weights, 1.0),
         "seconds": time.perf_counter() - start,
         "layers": layers,
         "blocks": blocks_report,
+        **({"unfinetuned": unfinetuned} if keep_unfinetuned else {}),
     }
 
 
@@ -246,7 +273,7 @@ def model_bits_per_weight(model: Llama) -> float:
     """Average stored bits per projection weight (dense projections count 16)."""
     bits = weights = 0.0
     for _, _, _, lin in projections(model):
-        if isinstance(lin, (QuantizedLinear, RTNLinear)):
+        if isinstance(lin, (QuantizedLinear, RTNLinear, VQLinear)):
             size = lin.in_features * lin.out_features
             bits += lin.bits_per_weight() * size
         else:
@@ -273,5 +300,5 @@ def calibration_tokens(tokenizer, text: str, n_seq: int, seq_len: int, seed: int
     return np.stack([ids[s:s + seq_len] for s in starts])
 
 
-__all__ = ["METHODS", "UNISVQ_BITS", "calibration_tokens", "model_bits_per_weight",
+__all__ = ["CALIBRATED", "FINETUNED", "METHODS", "UNISVQ_BITS", "calibration_tokens", "model_bits_per_weight",
            "quantize_model"]

@@ -201,20 +201,26 @@ def proxy_loss(weight: Array, weight_hat: Array, h: Array) -> Array:
 
 
 @functools.partial(jax.jit, static_argnames=("tune_iters",))
-def _ldlq(w, h, lower, grid, tune_iters: int):
+def _ldlq(w, h, lower, grid, tune_iters: int, scales=None):
+    """LDLQ + coordinate descent onto ``grid``; ``scales [m, n/4]`` (optional) multiplies the
+    codebook per row and 4-column group (per-group scalar scales of the SQ baseline)."""
     m, n = w.shape
     groups = n // 4
 
-    def round_group(target):
-        idx = nearest_codeword(target, grid)
-        return idx, grid[idx]
+    def round_group(target, k):
+        if scales is None:
+            idx = nearest_codeword(target, grid)
+            return idx, grid[idx]
+        sk = jax.lax.dynamic_slice(scales, (0, k), (m, 1))
+        idx = nearest_codeword(target / sk, grid)
+        return idx, grid[idx] * sk
 
     def ldl_step(t, carry):
         w_hat, err, idx_all = carry
         k = groups - 1 - t
         lk = jax.lax.dynamic_slice(lower, (0, 4 * k), (n, 4))
         wk = jax.lax.dynamic_slice(w, (0, 4 * k), (m, 4))
-        idx, c = round_group(wk + err @ lk)
+        idx, c = round_group(wk + err @ lk, k)
         w_hat = jax.lax.dynamic_update_slice(w_hat, c, (0, 4 * k))
         err = jax.lax.dynamic_update_slice(err, wk - c, (0, 4 * k))
         idx_all = jax.lax.dynamic_update_slice(idx_all, idx[:, None].astype(jnp.int32), (0, k))
@@ -229,7 +235,7 @@ def _ldlq(w, h, lower, grid, tune_iters: int):
         hkk = jax.lax.dynamic_slice(h, (4 * k, 4 * k), (4, 4))
         cur = jax.lax.dynamic_slice(w_hat, (0, 4 * k), (m, 4))
         target = cur + ((w - w_hat) @ hk) @ jnp.linalg.inv(hkk)
-        idx, c = round_group(target)
+        idx, c = round_group(target, k)
         w_hat = jax.lax.dynamic_update_slice(w_hat, c, (0, 4 * k))
         idx_all = jax.lax.dynamic_update_slice(idx_all, idx[:, None].astype(jnp.int32), (0, k))
         return w_hat, idx_all
@@ -332,23 +338,38 @@ def quantize_linear(
 @functools.partial(jax.jit, static_argnums=(3, 4, 5))
 def _quantize_core(weight, h, key, cfg: UniSVQConfig, block_in: int, block_out: int):
     m, n = weight.shape
-    k_out, k_in, k_rot = jax.random.split(key, 3)
-    s_out, s_in = random_signs(k_out, m), random_signs(k_in, n)
-    w_rot = rht(weight, s_out, s_in, block_out, block_in)
-    w_scale = jnp.sqrt(jnp.mean(w_rot * w_rot)) + 1e-12
-    w_rot = w_rot / w_scale
+    k_rot = jax.random.split(key, 3)[2]
+    w_rot, w_scale, s_in, s_out, h_rot = rotate_problem(weight, h, key, block_in, block_out)
     rotation = random_orthogonal(k_rot) if cfg.rotation == "random" else None
     affine, offset = initial_lattice(rotation)
     grid = make_grid(affine, offset)
     if h is None:
         codes = nearest_codeword(w_rot.reshape(m, n // 4, 4), grid).astype(jnp.uint8)
     else:
-        h_rot = s_in[:, None] * h.astype(jnp.float32) * s_in[None, :]
-        h_rot = block_hadamard(block_hadamard(h_rot, block_in).T, block_in).T  # H_n h H_nᵀ
-        h_rot = 0.5 * (h_rot + h_rot.T)
         lower, _ = block_ldl(h_rot)
         codes, _ = _ldlq(w_rot, h_rot, lower, grid, cfg.tune_iters)
     return codes, s_in, s_out * w_scale, affine, offset
+
+
+def rotate_problem(weight: Float[Array, "m n"], h: Float[Array, "n n"] | None, key: Array,
+                   block_in: int, block_out: int):
+    """The shared wrapper of every rotated quantizer (UniSVQ, k-means VQ, scalar LDLQ).
+
+    Returns ``(w_rot, w_scale, s_in, s_out, h_rot)``: the unit-RMS RHT of ``W`` (``W_r·w_scale =
+    H_m diag(s_out) W diag(s_in) H_nᵀ``), the random signs (from ``key``'s first two splits) and
+    the Hessian in the rotated input basis (``None`` if ``h`` is).
+    """
+    m, n = weight.shape
+    k_out, k_in, _ = jax.random.split(key, 3)
+    s_out, s_in = random_signs(k_out, m), random_signs(k_in, n)
+    w_rot = rht(weight.astype(jnp.float32), s_out, s_in, block_out, block_in)
+    w_scale = jnp.sqrt(jnp.mean(w_rot * w_rot)) + 1e-12
+    h_rot = None
+    if h is not None:
+        h_rot = s_in[:, None] * h.astype(jnp.float32) * s_in[None, :]
+        h_rot = block_hadamard(block_hadamard(h_rot, block_in).T, block_in).T  # H_n h H_nᵀ
+        h_rot = 0.5 * (h_rot + h_rot.T)
+    return w_rot / w_scale, w_scale, s_in, s_out, h_rot
 
 
 def dequantize(w: UniSVQWeight) -> Float[Array, "m n"]:
@@ -477,4 +498,5 @@ __all__ = [
     "random_orthogonal",
     "random_signs",
     "rht",
+    "rotate_problem",
 ]

