@@ -48,6 +48,8 @@ def parse_args(argv=None):
     p.add_argument("--tune-iters", type=int, default=3)
     p.add_argument("--finetune-steps", type=int, default=40)
     p.add_argument("--no-kmeans", action="store_true")
+    p.add_argument("--only", default=None,
+                   help="comma-separated methods to run (rtn,sq-ldlq,kmeans,unisvq); default all")
     p.add_argument("--no-ablation", action="store_true",
                    help="skip UniSVQ without fine-tuning")
     return p.parse_args(argv)
@@ -123,6 +125,9 @@ def main(argv=None) -> int:
     if not args.no_kmeans:
         runs.append(("k-means VQ-2 (RHT+LDLQ)", "kmeans", 2, None))
     runs.append(("UniSVQ-2 (RHT+LDLQ)", "unisvq", 2, None))
+    if args.only:
+        keep = {m.strip() for m in args.only.split(",")}
+        runs = [r for r in runs if r[1] in keep]
 
     def cpu_seconds():
         t = os.times()
