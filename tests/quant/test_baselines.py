@@ -126,8 +126,8 @@ def test_vq_linear_equals_dense_dequantized_and_trains_its_codebook():
     assert float(jnp.abs(grads["codebook"][...]).sum()) > 0
 
 
-def _tiny():
-    cfg = LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=4, d_ff=64,
+def _tiny():  # every projection 32×32: one compiled shape
+    cfg = LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=4, d_ff=32,
                       max_seq_len=32)
     return Llama(cfg, rngs=nnx.Rngs(0))
 
