@@ -11,7 +11,15 @@ from lowrank_jax.quant.packing import (
     vq_bits_per_weight,
     words_to_codes,
 )
-from lowrank_jax.quant.rtn import SUPPORTED_BITS, RTNWeight, rtn_dequantize, rtn_quantize
+from lowrank_jax.quant.kmeans_vq import VQWeight, kmeans_vq_weight, vq_dequantize
+from lowrank_jax.quant.rtn import (
+    SUPPORTED_BITS,
+    ZERO_POINTS,
+    RTNWeight,
+    rtn_dequantize,
+    rtn_quantize,
+)
+from lowrank_jax.quant.scalar_ldlq import sq_bits_per_weight, sq_ldlq_quantize
 from lowrank_jax.quant.unisvq import (
     UniSVQConfig,
     UniSVQWeight,
@@ -33,12 +41,15 @@ __all__ = [
     "SUPPORTED_BITS",
     "UniSVQConfig",
     "UniSVQWeight",
+    "VQWeight",
+    "ZERO_POINTS",
     "codes_to_words",
     "dequantize",
     "finetune_block",
     "hessian",
     "initial_lattice",
     "inverse_rht",
+    "kmeans_vq_weight",
     "ldlq_quantize",
     "make_grid",
     "nearest_codeword",
@@ -50,9 +61,12 @@ __all__ = [
     "rtn_bits_per_weight",
     "rtn_dequantize",
     "rtn_quantize",
+    "sq_bits_per_weight",
+    "sq_ldlq_quantize",
     "unisvq_bits_per_weight",
     "unpack_bits",
     "unpack_codes",
     "vq_bits_per_weight",
+    "vq_dequantize",
     "words_to_codes",
 ]

@@ -14,6 +14,7 @@ from lowrank_jax.quant.layers import (
     QuantizedLinear,
     QuantScale,
     RTNLinear,
+    VQLinear,
 )
 from lowrank_jax.quant.pipeline import METHODS, UNISVQ_BITS, model_bits_per_weight, quantize_model
 
@@ -26,6 +27,7 @@ __all__ = [
     "QuantizedLinear",
     "RTNLinear",
     "UNISVQ_BITS",
+    "VQLinear",
     "is_quantized_folder",
     "load_quantized",
     "model_bits_per_weight",
