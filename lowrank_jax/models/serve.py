@@ -171,4 +171,61 @@ class AdapterServer:
         return self._forward(self.model, tokens)
 
 
-__all__ = ["AdapterServer", "TARGETS", "read_peft_adapter"]
+def generate_with_adapters(model, tokenizer, prompts: Sequence[str], adapters: Sequence[str], *,
+                           max_rank: int | None = None, stream=None, **generate_kwargs):
+    """Answer ``prompts[i]`` with adapter ``adapters[i]`` (PEFT folders), all adapters resident.
+
+    One :class:`AdapterServer` holds every adapter; requests run through the same compiled
+    prefill / decode steps (only the slot id changes between them, so nothing recompiles).
+    ``max_rank`` defaults to the largest adapter rank rounded up to 8.
+
+    Returns:
+        One :class:`~lowrank_jax.models.generate.GenerationResult` per prompt.
+    """
+    from lowrank_jax.models.generate import generate
+
+    if len(prompts) != len(adapters):
+        raise ValueError(f"--adapter was given {len(adapters)} times but --prompt "
+                         f"{len(prompts)} times; give one prompt per adapter.")
+    if max_rank is None:
+        ranks = [a.shape[1] for folder in adapters
+                 for a, _, _ in read_peft_adapter(folder).values()]
+        max_rank = -(-max(ranks, default=1) // 8) * 8
+    server = AdapterServer(model, slots=len(adapters), max_rank=max_rank)
+    for slot, folder in enumerate(adapters):
+        server.load(slot, folder)
+    results = []
+    for slot, prompt in enumerate(prompts):
+        server.set_ids([slot])
+        results.append(generate(model, tokenizer, prompt,
+                                stream=None if stream is None else stream(slot),
+                                **generate_kwargs))
+    return results
+
+
+def serve_command(args, model, tokenizer) -> int:
+    """``lowrank-jax generate --adapter DIR ...``: print each adapter's answer (CLI body)."""
+    import sys
+
+    import jax
+
+    if getattr(args, "kv", "none") != "none":
+        raise ValueError("--adapter cannot be combined with --kv; drop one of them.")
+    if args.top_p > 1:
+        raise ValueError(f"--top-p {args.top_p} must lie in (0, 1], e.g. 0.9.")
+    chat = args.chat or (not args.raw and getattr(tokenizer, "chat_template", None))
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) if chat else p
+               for p in ([args.prompt] if isinstance(args.prompt, str) else args.prompt)]
+    results = generate_with_adapters(
+        model, tokenizer, prompts, args.adapter, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_p=args.top_p, key=jax.random.key(args.seed))
+    for folder, result in zip(args.adapter, results):
+        ids = [t for t in result.token_ids if t != tokenizer.eos_id]
+        print(f"[adapter {folder}]")
+        print(tokenizer.decode(ids))
+    print(f"[{len(results)} adapter(s) resident, one compiled model]", file=sys.stderr)
+    return 0
+
+
+__all__ = ["AdapterServer", "TARGETS", "generate_with_adapters", "read_peft_adapter",
+           "serve_command"]

@@ -79,3 +79,22 @@ def test_rank_above_max_is_a_clear_error(folders):
         server.load(0, folders[1])
     with pytest.raises(FileNotFoundError, match="adapter_config.json"):
         server.load(0, folders[1] + "-missing")
+
+
+def test_generate_command_serves_two_adapters(folders, monkeypatch, capsys):
+    from lowrank_jax.cli import main
+    from lowrank_jax.commands import generate as generate_command
+    from lowrank_jax.models.tokenizer import ByteTokenizer
+
+    class SmallBytes(ByteTokenizer):  # bytes 0..63 only, as the 64-token test model
+        def encode(self, text, **kwargs):
+            return [b % 64 for b in super().encode(text, **kwargs)]
+
+    monkeypatch.setattr(generate_command, "load_model_from_args",
+                        lambda args: (base(), SmallBytes()))
+    a, b, _ = folders
+    code = main(["generate", "--model", "x", "--raw", "--max-new-tokens", "3",
+                 "--adapter", a, "--prompt", "ab", "--adapter", b, "--prompt", "cd"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert f"[adapter {a}]" in out and f"[adapter {b}]" in out
