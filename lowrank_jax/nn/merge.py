@@ -129,4 +129,17 @@ def merge_report(
     return merged, report
 
 
-__all__ = ["merge_adapters", "merge_report"]
+def dequantize_model(model: nnx.Module) -> int:
+    """Replace every quantized projection not under an adapter by a dense fp32 ``nnx.Linear``
+    holding its dequantized weight (in place) — the base HF / PEFT see; returns the count."""
+    found = [(path, m) for path, m in nnx.iter_modules(model)
+             if type(m) in LINEAR_LIKE and "base" not in [str(p) for p in path]]
+    for path, m in found:
+        w = LINEAR_LIKE[type(m)].dense(m).astype(jnp.float32)
+        new = nnx.Linear(m.in_features, m.out_features, use_bias=False, rngs=nnx.Rngs(0))
+        new.kernel = nnx.Param(w.T)
+        _set_child(model, path, new)
+    return len(found)
+
+
+__all__ = ["dequantize_model", "merge_adapters", "merge_report"]

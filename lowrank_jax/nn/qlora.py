@@ -215,4 +215,26 @@ def quantize_base(model, method: str, *, calib_tokens=None, layers=None,
     return {"method": method, "quantized": len(done)}
 
 
-__all__ = ["QUANTIZE_METHODS", "QLoRALinear", "linear_like_of", "quantize_base"]
+def _nbytes(tree) -> int:
+    return int(sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(tree)))
+
+
+def memory_bytes(model: nnx.Module, optimizer: Any = None) -> dict[str, int]:
+    """Bytes the training state holds: ``trainable`` (``LoRAParam``), ``frozen`` (everything
+    else of the model: codes, scales, dense weights), ``optimizer`` (its state) and ``total``.
+
+    Example::
+
+        >>> from lowrank_jax.models.presets import preset_model
+        >>> memory_bytes(preset_model("tiny"))["trainable"]
+        0
+    """
+    trainable = _nbytes(nnx.state(model, nnx.LoRAParam))
+    frozen = _nbytes(nnx.state(model, nnx.Not(nnx.LoRAParam)))
+    opt = 0 if optimizer is None else _nbytes(nnx.state(optimizer, nnx.OptState))
+    return {"trainable": trainable, "frozen": frozen, "optimizer": opt,
+            "total": trainable + frozen + opt}
+
+
+__all__ = ["QUANTIZE_METHODS", "QLoRALinear", "linear_like_of", "memory_bytes",
+           "quantize_base"]
