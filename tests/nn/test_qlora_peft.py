@@ -67,3 +67,25 @@ def test_qlora_adapter_matches_hf_peft_on_the_dequantized_base(tmp_path):
     # and our own import on the dequantized base agrees too
     import_peft(base, tmp_path / "adapter")
     np.testing.assert_allclose(np.asarray(base(jnp.asarray(tokens))[0]), ours, atol=1e-4)
+
+
+def test_merge_command_reports_the_requantization_error(tmp_path, capsys):
+    from lowrank_jax.cli import main
+
+    train = ["finetune", "--model", "tiny", "--quantize", "rtn4", "--steps", "2", "--rank", "4",
+             "--batch-size", "2", "--seq-len", "16", "--lr", "0.05", "--out",
+             str(tmp_path / "ft"), "--no-progress"]
+    assert main(train) == 0
+    adapter = str(tmp_path / "ft" / "adapter")
+    for to in ("fp", "quantized"):
+        out = tmp_path / to
+        assert main(["merge", "--model", "tiny", "--quantize", "rtn4", "--adapter", adapter,
+                     "--to", to, "--eval-tokens", "300", "--out", str(out)]) == 0
+        report = json.loads((out / "report.json").read_text())
+        assert report["target"] == to and report["saved"]
+        if to == "fp":  # exact: the merged model scores the same perplexity
+            assert abs(report["ppl_added"]) < 1e-3 * report["ppl_adapter"]
+            assert report["layer_error_max"] == 0.0
+        else:  # re-quantization is measured, not hidden
+            assert report["layer_error_mean"] > 0 and report["ppl_added"] != 0.0
+    assert "adapter on its base" in capsys.readouterr().out
