@@ -121,3 +121,16 @@ def test_pissa_on_a_quantized_base_is_refused():
                    rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="method='int3'"):
         quantize_base(model, "int3")
+
+
+def test_a_quantized_folder_takes_adapters(tmp_path):
+    from lowrank_jax.models.hub import load_model, save_model
+
+    model = Llama(CFG, rngs=nnx.Rngs(0))
+    quantize_base(model, "rtn4")
+    save_model(model, tmp_path / "q")
+    loaded, _ = load_model(str(tmp_path / "q"))  # what `finetune --model <folder>` reads
+    assert apply_lora(loaded, {"q_proj": 4}, rngs=nnx.Rngs(1)) == ["layers/0/self_attn/q_proj"]
+    layer = loaded.layers[0].self_attn.q_proj
+    assert isinstance(layer, QLoRALinear) and type(layer.base).__name__ == "RTNLinear"
+    np.testing.assert_allclose(logits(loaded), logits(model), atol=1e-5)
