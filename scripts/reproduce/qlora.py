@@ -45,11 +45,19 @@ def parse_args(argv=None):
     p.add_argument("--eval-tokens", type=int, default=2048)
     p.add_argument("--bases", default=",".join(BASES))
     p.add_argument("--img", default=os.path.join("docs", "img", "qlora_loss.png"))
+    p.add_argument("--render", default=None, metavar="RESULTS.json",
+                   help="only print the table and redraw the plot from a (partial) results.json")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.render:
+        with open(args.render) as f:
+            saved = json.load(f)
+        print(table(saved["rows"]))
+        plot(saved["curves"], args.img)
+        return 0
     if args.quick:
         args.steps, args.eval_tokens = 30, 1024
     from lowrank_jax.data import corpus_text
