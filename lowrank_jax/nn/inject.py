@@ -33,8 +33,8 @@ class LinearLike:
 
     ``wrap(module, rank=, alpha=, use_rslora=, dropout=, init=, rngs=)`` returns the adapted
     layer (it must expose ``lora_a``, ``lora_b``, ``rank``, ``alpha``, ``scaling``, ``merged``);
-    ``dense(module)`` its fp32 weight ``[out, in]``; ``requantize(module, w [out, in])`` a new module
-    of the same kind and settings holding ``w`` (used to merge into a quantized base).
+    ``dense(module)`` its fp32 weight ``[out, in]``; ``requantize(module, w [out, in])`` a new
+    module of the same kind and settings holding ``w`` (used to merge into a quantized base).
     """
 
     wrap: Callable[..., nnx.Module]
