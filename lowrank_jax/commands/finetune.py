@@ -31,6 +31,10 @@ def register(subparsers) -> None:
     p.add_argument("--model", default="tiny",
                    help="'smollm2' (the packaged GGUF), a .gguf / HF folder, or 'tiny' "
                         "(a small random byte-level Llama, for smoke tests)")
+    p.add_argument("--quantize", default=None, choices=("nf4", "rtn4", "unisvq2"),
+                   help="QLoRA: quantize the base first (NF4 64-blocks, RTN 4-bit groups of 64, "
+                        "UniSVQ 2-bit Hessian-free lattice rounding); a quantized --model folder "
+                        "needs no flag")
     p.add_argument("--data", default=None,
                    help="UTF-8 text file to fine-tune on (default: the embedded byte corpus)")
     p.add_argument("--method", default="lora", choices=METHODS)
@@ -81,6 +85,13 @@ def run(args) -> int:
     prepare_output(args.out, command="finetune", overwrite=args.overwrite)
     lr = args.lr if args.lr is not None else (1e-4 if args.method == "balora" else 1e-3)
     model, tokens, base_name = load_model_and_tokens(args.model, args.data)
+    if getattr(args, "quantize", None):
+        from lowrank_jax.nn.qlora import quantize_base
+
+        if args.method not in ("lora", "balora", "lokra"):
+            raise ValueError(f"--method {args.method} rewrites the base weights; with --quantize "
+                             "use lora, balora or lokra.")
+        quantize_base(model, args.quantize)
     if len(tokens) < args.seq_len + 2:
         raise ValueError(f"--data has {len(tokens)} tokens, fewer than --seq-len + 2 = "
                          f"{args.seq_len + 2}; pass more text or a smaller --seq-len.")
@@ -103,6 +114,7 @@ def run(args) -> int:
         "first_loss": result.losses[0], "final_loss": float(np.mean(result.losses[-10:])),
         "seconds": result.seconds, "adapted_modules": len(result.adapted),
         "ranks": result.ranks, "probe_scores": scores, "peft_r": config["r"],
+        "quantize": getattr(args, "quantize", None), "memory_bytes": result.memory,
     }
     atomic_write_text(os.path.join(args.out, "summary.json"), json.dumps(summary, indent=2))
     atomic_write_text(os.path.join(args.out, "losses.json"), json.dumps(result.losses))

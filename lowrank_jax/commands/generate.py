@@ -22,7 +22,11 @@ def register(subparsers) -> None:
         description="Answer a prompt as a chat when the model has a chat template (--raw: "
                     "continue the text instead).",
     )
-    parser.add_argument("--prompt", required=True, help="the prompt text")
+    parser.add_argument("--prompt", required=True, action="append",
+                        help="the prompt text (repeat it, one per --adapter)")
+    parser.add_argument("--adapter", action="append", default=None, metavar="DIR",
+                        help="serve a PEFT LoRA adapter folder (repeatable: --adapter a "
+                             "--adapter b with one --prompt each; all stay loaded, no recompile)")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--chat", action="store_true",
                       help="wrap the prompt as a user message in the chat template (the "
@@ -51,7 +55,14 @@ def run(args: argparse.Namespace, *, cache_factory=None) -> int:
     model, tokenizer = load_model_from_args(args)
     if args.top_p > 1:
         raise ValueError(f"--top-p {args.top_p} must lie in (0, 1], e.g. 0.9.")
-    prompt = args.prompt
+    if getattr(args, "adapter", None):
+        from lowrank_jax.models.serve import serve_command
+
+        return serve_command(args, model, tokenizer)
+    prompts = [args.prompt] if isinstance(args.prompt, str) else list(args.prompt)
+    if len(prompts) > 1:
+        raise ValueError("--prompt was given several times; that needs one --adapter each.")
+    prompt = prompts[0]
     if args.chat or (not args.raw and getattr(tokenizer, "chat_template", None)):
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from flax import nnx
 
@@ -27,17 +27,53 @@ class LoRARule:
     init: str = "standard"
 
 
+@dataclasses.dataclass(frozen=True)
+class LinearLike:
+    """How :func:`apply_lora` treats a non-``nnx.Linear`` projection type (e.g. a quantized one).
+
+    ``wrap(module, rank=, alpha=, use_rslora=, dropout=, init=, rngs=)`` returns the adapted
+    layer (it must expose ``lora_a``, ``lora_b``, ``rank``, ``alpha``, ``scaling``, ``merged``);
+    ``dense(module)`` its fp32 weight ``[out, in]``; ``requantize(module, w [out, in])`` a new
+    module of the same kind and settings holding ``w`` (used to merge into a quantized base).
+    """
+
+    wrap: Callable[..., nnx.Module]
+    dense: Callable[[nnx.Module], Any]
+    requantize: Callable[[nnx.Module, Any], nnx.Module]
+    method: str = ""
+
+
+LINEAR_LIKE: dict[type, LinearLike] = {}
+ADAPTER_TYPES: list[type] = [LoRALinear]
+
+
+def register_linear_like(cls: type, entry: LinearLike, adapter_type: type | None = None) -> None:
+    """Let :func:`apply_lora` wrap modules of type ``cls`` (the built-in quantized layers are
+    registered by :mod:`lowrank_jax.nn.qlora`)."""
+    LINEAR_LIKE[cls] = entry
+    if adapter_type is not None and adapter_type not in ADAPTER_TYPES:
+        ADAPTER_TYPES.append(adapter_type)
+
+
+def _is_linear_like(module: Any) -> bool:
+    if type(module) is nnx.Linear:
+        return True
+    if not LINEAR_LIKE:
+        import lowrank_jax.nn.qlora  # noqa: F401  (registers the quantized layers)
+    return type(module) in LINEAR_LIKE
+
+
 def module_path(path: tuple) -> str:
     """``('layers', 3, 'mlp', 'up_proj')`` → ``'layers/3/mlp/up_proj'``."""
     return "/".join(str(p) for p in path)
 
 
 def linear_paths(model: nnx.Module) -> list[str]:
-    """Paths of every plain ``nnx.Linear`` (not yet adapted) in ``model``."""
+    """Paths of every plain ``nnx.Linear`` or registered linear-like layer (not yet adapted)."""
     return [
         module_path(p)
         for p, m in nnx.iter_modules(model)
-        if type(m) is nnx.Linear
+        if _is_linear_like(m)
     ]
 
 
@@ -100,7 +136,7 @@ def apply_lora(
         ValueError: when a rule matches no layer (the message lists the available paths).
     """
     rules = _as_rules(rules)
-    candidates = [(p, m) for p, m in nnx.iter_modules(model) if type(m) is nnx.Linear]
+    candidates = [(p, m) for p, m in nnx.iter_modules(model) if _is_linear_like(m)]
     available = [module_path(p) for p, _ in candidates]
     hits: dict[int, int] = {i: 0 for i in range(len(rules))}
     adapted = []
@@ -110,7 +146,9 @@ def apply_lora(
             if re.search(rule.pattern, name):
                 hits[i] += 1
                 rank = rule.rank if ranks is None or name not in ranks else int(ranks[name])
-                new = LoRALinear.from_linear(
+                wrap = (LoRALinear.from_linear if type(linear) is nnx.Linear
+                        else LINEAR_LIKE[type(linear)].wrap)
+                new = wrap(
                     linear, rank=rank, alpha=rule.alpha, use_rslora=rule.use_rslora,
                     dropout=rule.dropout, init=rule.init, rngs=rngs,
                 )
@@ -134,9 +172,10 @@ def apply_lora(
     return adapted
 
 
-def lora_layers(model: nnx.Module) -> list[tuple[str, LoRALinear]]:
-    """``(path, layer)`` for every :class:`LoRALinear` in ``model``."""
-    return [(module_path(p), m) for p, m in nnx.iter_modules(model) if isinstance(m, LoRALinear)]
+def lora_layers(model: nnx.Module) -> list[tuple[str, nnx.Module]]:
+    """``(path, layer)`` for every :class:`LoRALinear` (or QLoRA layer) in ``model``."""
+    types = tuple(ADAPTER_TYPES)
+    return [(module_path(p), m) for p, m in nnx.iter_modules(model) if isinstance(m, types)]
 
 
 def merge_lora(model: nnx.Module) -> int:

@@ -25,6 +25,7 @@ class FinetuneResult:
     ranks: dict[str, int]
     initial_adapters: dict[str, tuple[Any, Any]]
     seconds: float
+    memory: dict[str, int] = dataclasses.field(default_factory=dict)  # nn.qlora.memory_bytes
 
 
 def token_batches(tokens: np.ndarray, batch_size: int, seq_len: int, seed: int):
@@ -100,6 +101,9 @@ def finetune(
     base = optax.adamw(lr, weight_decay=weight_decay)
     tx = balora(base) if method == "balora" else base
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)
+    from lowrank_jax.nn.qlora import memory_bytes
+
+    memory = memory_bytes(model, optimizer)
     penalty = lokra_lambda if method == "lokra" else 0.0
 
     step_fn = _train_step(penalty)
@@ -116,7 +120,7 @@ def finetune(
         bar.set_postfix(loss=f"{loss:.4f}")
     seconds = time.perf_counter() - start
     layer_ranks = {p: m.rank for p, m in lora_layers(model)}
-    return FinetuneResult(losses, adapted, layer_ranks, initial, seconds)
+    return FinetuneResult(losses, adapted, layer_ranks, initial, seconds, memory)
 
 
 _STEP_CACHE: dict[float, Callable] = {}

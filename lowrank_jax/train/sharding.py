@@ -21,6 +21,12 @@ balancing work on ``r × r`` Gram matrices that every device can hold. Embedding
 ``(tensor, fsdp)`` over ``[vocab, d]``; norms are replicated; a batch is split over
 ``(data, fsdp)``.
 
+Quantized (QLoRA) bases store ``[out, ...]`` arrays — RTN / UniSVQ ``codes``, NF4 ``packed``
+codes, per-group ``scale`` / ``zero`` / ``absmax`` — and are sharded on their output axis only
+(``(tensor, fsdp)`` column-parallel, ``fsdp`` row-parallel): a group never straddles devices, and
+the frozen base is spread like the LoRA factors that train on it. 1-D scales and the 4×4 lattice
+are replicated.
+
 **Decision on sharded Newton–Schulz / SVD.** The train step runs on a mesh with
 ``AxisType.Auto`` axes: XLA's propagation turns the contraction over a sharded long axis
 (``Xᵀ X`` in NS, the Gram matrix in power iteration) into a local matmul plus an all-reduce and
@@ -38,6 +44,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 AXES = ("data", "fsdp", "tensor")
 ROW_PARALLEL = ("o_proj", "down_proj")
+QUANTIZED_LEAVES = ("codes", "packed", "scale", "zero", "absmax")  # [out, ...] of quantized bases
 
 
 def maybe_initialize_distributed() -> bool:
@@ -117,6 +124,8 @@ def logical_spec(path, shape) -> P:
         return P(None, "fsdp" if row else ("tensor", "fsdp"))
     if leaf == "embedding":
         return P("tensor", "fsdp")
+    if leaf in QUANTIZED_LEAVES:
+        return P("fsdp" if row else ("tensor", "fsdp"), None)
     return P()
 
 

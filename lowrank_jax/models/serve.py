@@ -1,0 +1,231 @@
+"""Serve LoRA adapters: several PEFT adapters resident at once, hot-swapped without recompiling.
+
+:class:`AdapterServer` turns the projections of a dense Llama into
+:class:`~lowrank_jax.nn.MultiLoRALinear` layers with ``slots`` adapter slots of one padded rank
+``R`` (PEFT's hot-swap recipe: ranks padded to a maximum). Every slot is declared with rank ``R``
+and ``alpha = R`` (scale 1); an adapter of rank ``r ≤ R`` and scale ``s = α/r`` is stored as
+
+.. math:: A' = [A,\\ 0_{in \\times (R-r)}],\\qquad B' = \\begin{bmatrix} s B \\\\ 0 \\end{bmatrix},
+          \\qquad x A' B' = s\\, x A B
+
+so loading another adapter into a slot writes arrays of the same shapes: the model's graph (and
+so every jitted function over it) does not change and nothing recompiles. Example ``b`` of a
+batch uses slot ``ids[b]`` (the grouped multi-LoRA forward).
+
+Adapters are PEFT folders (``adapter_config.json`` + ``adapter_model.safetensors``), written by
+:func:`lowrank_jax.io.peft.export_peft` or by HuggingFace PEFT itself.
+
+References:
+    HuggingFace PEFT, `hotswap_adapter
+    <https://huggingface.co/docs/peft/package_reference/hotswap>`_; Yan et al,
+    `PLoRA <https://arxiv.org/abs/2508.02932>`_, 2025.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from lowrank_jax.nn.multi_lora import apply_multi_lora, multi_lora_layers, set_adapter_ids
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def read_peft_adapter(folder: str | os.PathLike) -> dict[str, tuple[np.ndarray, np.ndarray, float]]:
+    """``{our module path: (A [in, r], B [r, out], scale)}`` from a PEFT LoRA folder.
+
+    Honours ``rank_pattern`` / ``alpha_pattern`` and ``use_rslora``; the errors are those of
+    :func:`lowrank_jax.io.peft.import_peft` (missing files, DoRA, unexpected tensors).
+    """
+    import re
+
+    from safetensors.numpy import load_file
+
+    from lowrank_jax.io.peft import CONFIG_NAME, WEIGHTS_NAME, _pattern_value, _read_config
+    from lowrank_jax.io.peft import our_module_path
+    from lowrank_jax.nn.lora import lora_scaling
+
+    config_path = os.path.join(folder, CONFIG_NAME)
+    weights_path = os.path.join(folder, WEIGHTS_NAME)
+    for p in (config_path, weights_path):
+        if not os.path.exists(p):
+            raise FileNotFoundError(f"--adapter {folder}: {p} not found; a PEFT adapter folder "
+                                    f"holds {CONFIG_NAME} and {WEIGHTS_NAME}.")
+    config = _read_config(config_path)
+    if config.get("peft_type", "LORA") != "LORA" or config.get("use_dora"):
+        raise ValueError(f"--adapter {folder}: only plain LoRA adapters can be served "
+                         f"(peft_type={config.get('peft_type')!r}, "
+                         f"use_dora={config.get('use_dora')}).")
+    tensors = load_file(weights_path)
+    pairs: dict[str, dict[str, np.ndarray]] = {}
+    for key, value in tensors.items():
+        match = re.fullmatch(r"base_model\.model\.(.+)\.(lora_A|lora_B)(?:\.default)?\.weight", key)
+        if match is None:
+            raise ValueError(f"--adapter {folder}: unexpected tensor {key!r}; expected "
+                             "'base_model.model.<module>.lora_A.weight' / '.lora_B.weight'.")
+        pairs.setdefault(match.group(1), {})[match.group(2)] = np.asarray(value, np.float32)
+    alpha_default = config.get("lora_alpha", 8)
+    use_rslora = bool(config.get("use_rslora", False))
+    out = {}
+    for name, pair in sorted(pairs.items()):
+        if set(pair) != {"lora_A", "lora_B"}:
+            raise ValueError(f"--adapter {folder}: module {name!r} lacks lora_A or lora_B.")
+        rank = int(pair["lora_A"].shape[0])
+        alpha = float(_pattern_value(name, config.get("alpha_pattern") or {}, alpha_default))
+        out[our_module_path(name)] = (pair["lora_A"].T, pair["lora_B"].T,
+                                      lora_scaling(rank, alpha, use_rslora))
+    return out
+
+
+class AdapterServer:
+    """K adapter slots of padded rank ``max_rank`` over one frozen dense Llama (in place).
+
+    Example::
+
+        >>> from lowrank_jax.models.presets import preset_model
+        >>> server = AdapterServer(preset_model("tiny"), slots=2, max_rank=8)
+        >>> server.logits(jnp.zeros((2, 4), jnp.int32), [0, 1]).shape
+        (2, 4, 256)
+
+    Args:
+        model: a dense :class:`~lowrank_jax.models.Llama` (modified in place).
+        slots: adapters resident at once (one batch may mix them).
+        max_rank: the padded rank ``R``; every adapter served must have ``r ≤ R``.
+        targets: projection names that get slots.
+        implementation: ``MultiLoRALinear``'s (``"gather"``: any id order, no sort).
+    """
+
+    def __init__(self, model, *, slots: int, max_rank: int,
+                 targets: Sequence[str] = TARGETS, implementation: str = "gather"):
+        if slots < 1 or max_rank < 1:
+            raise ValueError(f"AdapterServer: slots={slots} and max_rank={max_rank} must be "
+                             ">= 1.")
+        self.model, self.slots, self.max_rank = model, int(slots), int(max_rank)
+        n = apply_multi_lora(model, ranks=(self.max_rank,) * self.slots,
+                             alphas=(float(self.max_rank),) * self.slots, targets=tuple(targets),
+                             implementation=implementation, rngs=nnx.Rngs(0))
+        if n == 0:
+            raise ValueError(f"AdapterServer: the model has no dense projection named "
+                             f"{tuple(targets)}; serving needs a dense (or fp-merged) base.")
+        self.layers = dict(multi_lora_layers(model))
+        for layer in self.layers.values():  # empty slots add nothing
+            layer.lora_a[...] = jnp.zeros_like(layer.lora_a[...])
+        self.names: list[str | None] = [None] * self.slots
+        self.traces = 0
+
+        def forward(model, tokens):
+            self.traces += 1  # Python runs only while tracing: this counts compilations
+            return model(tokens)[0]
+
+        self._forward = nnx.jit(forward)
+
+    def load(self, slot: int, folder: str | os.PathLike) -> list[str]:
+        """Put the PEFT adapter in ``folder`` into ``slot`` (replacing what was there)."""
+        if not 0 <= slot < self.slots:
+            raise ValueError(f"AdapterServer.load: slot={slot} must lie in [0, {self.slots}).")
+        adapter = read_peft_adapter(folder)
+        unknown = sorted(set(adapter) - set(self.layers))
+        if unknown:
+            raise ValueError(f"--adapter {folder}: targets {unknown[:4]} which the served model "
+                             f"has no slot for; served modules: {sorted(self.layers)[:6]} ...")
+        for path, layer in self.layers.items():
+            a = np.zeros((layer.in_features, self.max_rank), np.float32)
+            b = np.zeros((self.max_rank, layer.out_features), np.float32)
+            if path in adapter:
+                a_k, b_k, scale = adapter[path]
+                r = a_k.shape[1]
+                if r > self.max_rank:
+                    raise ValueError(f"--adapter {folder}: {path} has rank {r} > max_rank="
+                                     f"{self.max_rank}; raise --max-rank to at least {r}.")
+                if a_k.shape[0] != layer.in_features or b_k.shape[1] != layer.out_features:
+                    raise ValueError(f"--adapter {folder}: {path} has A {a_k.shape}, B "
+                                     f"{b_k.shape}; this model needs [{layer.in_features}, r] "
+                                     f"and [r, {layer.out_features}] (another base model?).")
+                a[:, :r], b[:r] = a_k, scale * b_k
+            dtype = layer.lora_a[...].dtype
+            layer.set_adapter(slot, jnp.asarray(a, dtype), jnp.asarray(b, dtype))
+        self.names[slot] = os.fspath(folder)
+        return sorted(adapter)
+
+    def set_ids(self, ids: Sequence[int]) -> None:
+        """Route example ``b`` to slot ``ids[b]`` for plain ``model(tokens)`` calls (e.g.
+        :func:`lowrank_jax.models.generate.generate` with batch 1: ``set_ids([k])``)."""
+        ids = jnp.asarray(ids, jnp.int32)
+        if ids.ndim != 1 or bool(jnp.any((ids < 0) | (ids >= self.slots))):
+            raise ValueError(f"AdapterServer: ids={ids.tolist()} must be a list of slot numbers "
+                             f"in [0, {self.slots}).")
+        set_adapter_ids(self.model, ids)
+
+    def logits(self, tokens, ids: Sequence[int]):
+        """``[b, t, vocab]`` logits of ``tokens [b, t]``, example ``b`` with adapter slot
+        ``ids[b]`` (one jitted function; loading adapters never retraces it)."""
+        tokens = jnp.asarray(tokens, jnp.int32)
+        if len(ids) != tokens.shape[0]:
+            raise ValueError(f"AdapterServer.logits: {len(ids)} ids for a batch of "
+                             f"{tokens.shape[0]}; give one slot id per example.")
+        self.set_ids(ids)
+        return self._forward(self.model, tokens)
+
+
+def generate_with_adapters(model, tokenizer, prompts: Sequence[str], adapters: Sequence[str], *,
+                           max_rank: int | None = None, stream=None, **generate_kwargs):
+    """Answer ``prompts[i]`` with adapter ``adapters[i]`` (PEFT folders), all adapters resident.
+
+    One :class:`AdapterServer` holds every adapter; requests run through the same compiled
+    prefill / decode steps (only the slot id changes between them, so nothing recompiles).
+    ``max_rank`` defaults to the largest adapter rank rounded up to 8.
+
+    Returns:
+        One :class:`~lowrank_jax.models.generate.GenerationResult` per prompt.
+    """
+    from lowrank_jax.models.generate import generate
+
+    if len(prompts) != len(adapters):
+        raise ValueError(f"--adapter was given {len(adapters)} times but --prompt "
+                         f"{len(prompts)} times; give one prompt per adapter.")
+    if max_rank is None:
+        ranks = [a.shape[1] for folder in adapters
+                 for a, _, _ in read_peft_adapter(folder).values()]
+        max_rank = -(-max(ranks, default=1) // 8) * 8
+    server = AdapterServer(model, slots=len(adapters), max_rank=max_rank)
+    for slot, folder in enumerate(adapters):
+        server.load(slot, folder)
+    results = []
+    for slot, prompt in enumerate(prompts):
+        server.set_ids([slot])
+        results.append(generate(model, tokenizer, prompt,
+                                stream=None if stream is None else stream(slot),
+                                **generate_kwargs))
+    return results
+
+
+def serve_command(args, model, tokenizer) -> int:
+    """``lowrank-jax generate --adapter DIR ...``: print each adapter's answer (CLI body)."""
+    import sys
+
+    import jax
+
+    if getattr(args, "kv", "none") != "none":
+        raise ValueError("--adapter cannot be combined with --kv; drop one of them.")
+    if args.top_p > 1:
+        raise ValueError(f"--top-p {args.top_p} must lie in (0, 1], e.g. 0.9.")
+    chat = args.chat or (not args.raw and getattr(tokenizer, "chat_template", None))
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) if chat else p
+               for p in ([args.prompt] if isinstance(args.prompt, str) else args.prompt)]
+    results = generate_with_adapters(
+        model, tokenizer, prompts, args.adapter, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_p=args.top_p, key=jax.random.key(args.seed))
+    for folder, result in zip(args.adapter, results):
+        ids = [t for t in result.token_ids if t != tokenizer.eos_id]
+        print(f"[adapter {folder}]")
+        print(tokenizer.decode(ids))
+    print(f"[{len(results)} adapter(s) resident, one compiled model]", file=sys.stderr)
+    return 0
+
+
+__all__ = ["AdapterServer", "TARGETS", "generate_with_adapters", "read_peft_adapter",
+           "serve_command"]
