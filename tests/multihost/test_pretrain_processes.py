@@ -71,12 +71,9 @@ def _in_process(run_dir, **kwargs):
 
 def test_two_processes_match_one_and_checkpoints_move_between_them(tmp_path):
     reference, shared = tmp_path / "reference", tmp_path / "shared"
-    t0 = time.monotonic()
     _in_process(reference, stop_after=2)
     shutil.copytree(reference, shared)
-    print("ref1", time.monotonic() - t0)
     _in_process(reference, resume=True, stop_after=12)
-    print("ref2", time.monotonic() - t0)
     expected = _losses(reference)
 
     command = [sys.executable, "-m", "lowrank_jax.cli", "pretrain", "--mesh", "data=2,fsdp=4",
@@ -103,7 +100,6 @@ def test_two_processes_match_one_and_checkpoints_move_between_them(tmp_path):
     status, why = launch(command, processes=2, devices_per_process=4, stop_timeout=3.0, out=out,
                          on_start=lambda started: (procs.extend(started), watcher.start()))
     stopped_after = time.monotonic() - timing["sigterm"]
-    print("launch", time.monotonic() - t0, timing["sigterm"] - t0)
     log = out.text()
     assert status == 143, log
     assert "process 0 of 2 exited with status 143" in why
@@ -136,7 +132,6 @@ def test_two_processes_match_one_and_checkpoints_move_between_them(tmp_path):
                     jax.tree.leaves((alone.params, alone.opt_state))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     result = _in_process(shared, resume=True, stop_after=last + 2)
-    print("resume", time.monotonic() - t0)
     assert result.state.step == last + 2
     resumed = _losses(shared)
     for step in (last + 1, last + 2):  # the 2-process steps before differ in the last bits
