@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
 import sys
 import time
 
@@ -94,3 +96,28 @@ def test_run_dir_per_process_is_one_clear_error(tmp_path):
     assert "error: run_dir" in text and "is not shared by all 2 processes" in text
     assert "process(es) 1 cannot see the file process 0 wrote" in text
     assert not (tmp_path / "p0" / "checkpoints").exists()
+
+
+def test_sigterm_while_stuck_ends_within_the_timeout():
+    # the main thread never returns to Python after SIGTERM (like an interrupt checkpoint
+    # waiting in a barrier for a process that is gone): the watchdog ends the process
+    script = ("import signal, sys, threading\n"
+              "from lowrank_jax.train.multihost import install_interrupt_watchdog\n"
+              "def stop(signum, frame): raise KeyboardInterrupt\n"
+              "signal.signal(signal.SIGTERM, stop)\n"
+              "install_interrupt_watchdog(1.0)\n"
+              "try:\n"
+              "    print('ready', flush=True)\n"
+              "    threading.Event().wait(120)\n"
+              "except KeyboardInterrupt:\n"
+              "    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+              "    threading.Event().wait(120)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stdout.readline().strip() == "ready"
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143
+    assert time.monotonic() - start < 10
+    assert "SIGTERM received 1 s ago" in err and "continue with --resume" in err
