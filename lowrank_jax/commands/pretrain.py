@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from lowrank_jax.io.validate import positive_int
+from lowrank_jax.io.validate import positive_float, positive_int
 
 
 def register(subparsers) -> None:
@@ -26,13 +26,17 @@ def register(subparsers) -> None:
                         "metrics are removed) or files of yours")
     p.add_argument("--stop-after", type=positive_int, default=None,
                    help="stop (with a checkpoint) after this many steps, as if interrupted")
+    p.add_argument("--interrupt-timeout", type=positive_float, default=60.0, metavar="SECONDS",
+                   help="after a SIGTERM, exit within this many seconds even when the process is "
+                        "stuck in a collective (another process of a multi-host run is gone); "
+                        "the interrupt checkpoint is then given up (default 60)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     import signal
 
-    from lowrank_jax.train import sharding
+    from lowrank_jax.train import multihost, sharding
     from lowrank_jax.train.config import MeshConfig, load_config
     from lowrank_jax.train.loop import train
 
@@ -40,6 +44,7 @@ def run(args) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _interrupt)
+    multihost.install_interrupt_watchdog(args.interrupt_timeout)
     sharding.maybe_initialize_distributed()
     cfg = load_config(args.config, args.overrides)
     if args.mesh:

@@ -86,16 +86,21 @@ def unigram_entropy_bits(tokens: np.ndarray, vocab_size: int = 256) -> float:
     return float(-(p * np.log2(p)).sum())
 
 
-def batch_at(tokens: np.ndarray, step: int, batch_size: int, seq_len: int, seed: int = 0):
+def batch_at(tokens: np.ndarray, step: int, batch_size: int, seq_len: int, seed: int = 0,
+             *, rows: slice | None = None):
     """The training batch for ``step``: ``(inputs, targets)`` of shape ``[batch, seq_len]``.
 
     Windows start at positions drawn from a generator seeded by ``(seed, step)``, so the batch of
-    a step never depends on what ran before: a resumed run sees exactly the same data.
+    a step never depends on what ran before: a resumed run sees exactly the same data. ``rows``
+    selects some rows of that global batch (a process building only its own shard), equal to
+    slicing the full batch.
     """
     if len(tokens) < seq_len + 2:
         raise ValueError(f"corpus of {len(tokens)} tokens is shorter than seq_len+1={seq_len + 1}.")
     rng = np.random.default_rng([seed, step])
     starts = rng.integers(0, len(tokens) - seq_len - 1, size=batch_size)
+    if rows is not None:
+        starts = starts[rows]
     idx = starts[:, None] + np.arange(seq_len + 1)[None, :]
     window = tokens[idx].astype(np.int32)
     return window[:, :-1], window[:, 1:]

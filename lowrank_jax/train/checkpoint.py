@@ -124,8 +124,9 @@ def save_checkpoint(manager, state, cfg=None) -> None:
             manager.wait_until_finished()
             record = {"format": 1, "step": int(state.step), "checksums": checksums(tree),
                       "fingerprint": fingerprint(cfg) if cfg is not None else None}
-            atomic_write_text(_step_dir(manager, state.step) / INTEGRITY_NAME,
-                              json.dumps(record, indent=1))
+            if jax.process_index() == 0:  # one writer; orbax wrote every process's shards
+                atomic_write_text(_step_dir(manager, state.step) / INTEGRITY_NAME,
+                                  json.dumps(record, indent=1))
         except Exception as error:  # orbax/tensorstore wrap OS errors
             raise _save_error(error, manager, state.step) from error
     if pending:

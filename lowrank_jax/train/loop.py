@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import pathlib
 import time
 from collections.abc import Callable
@@ -32,6 +33,7 @@ from lowrank_jax.data import (
 )
 from lowrank_jax.io.outputs import atomic_write_text, prepare_output
 from lowrank_jax.models.llama import Llama, count_params
+from lowrank_jax.train import multihost
 from lowrank_jax.train import sharding as shard_lib
 from lowrank_jax.train.checkpoint import (  # re-exported for existing callers
     checkpoint_manager,
@@ -189,14 +191,18 @@ def train(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None
                 f"train.batch_size={cfg.train.batch_size} is not divisible by data x fsdp = "
                 f"{split}; use a multiple of {split}."
             )
+    multihost.check_shared_folder(run_dir, argument="run_dir")  # not shared: an error, not a hang
+    main = multihost.is_main_process()  # files are written once, by process 0
     checkpoints = run_dir / "checkpoints"
     has_steps = checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())
     if resume and not has_steps:
         raise FileNotFoundError(
             f"--resume: no checkpoint in {checkpoints}; run without --resume first."
         )
-    prepare_output(run_dir, command="pretrain", argument="run_dir", overwrite=overwrite,
-                   resume=resume, owned_names=RUN_FILES)
+    multihost.on_main_process(
+        lambda: prepare_output(run_dir, command="pretrain", argument="run_dir",
+                               overwrite=overwrite, resume=resume, owned_names=RUN_FILES),
+        what="checking run_dir")
     tokens = corpus_bytes()
     train_tokens, val_tokens = train_val_split(tokens, cfg.train.val_fraction)
     entropy = unigram_entropy_bits(train_tokens)
@@ -210,10 +216,11 @@ def train(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None
     metrics_path = run_dir / "metrics.jsonl"
     if resume:
         state, manager = restore_checkpoint(manager, state, cfg, log=log)
-        dropped = truncate_metrics(metrics_path, state.step)
+        dropped = truncate_metrics(metrics_path, state.step) if main else 0
         log(f"resumed from step {state.step}"
             + (f" ({dropped} metrics rows after it dropped)" if dropped else ""))
-    atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    if main:
+        atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     batch_spec = shard_lib.batch_sharding(mesh) if mesh is not None else None
     if mesh is None:
         step_fn = make_train_step(state.graphdef, tx)
@@ -221,7 +228,7 @@ def train(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None
         step_fn = make_train_step(state.graphdef, tx, params=state.params,
                                   opt_state=state.opt_state, batch_sharding=batch_spec)
     eval_fn = make_eval_fn(state.graphdef)
-    if not resume and metrics_path.exists():
+    if main and not resume and metrics_path.exists():
         metrics_path.unlink()  # a stale file of ours (prepare_output refused anyone else's)
     n_params = count_params(nnx.merge(state.graphdef, state.params))
     log(f"model: {n_params:,} parameters ({cfg.model.projection}); optimizer: "
@@ -229,16 +236,18 @@ def train(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None
         f"{cfg.train.seq_len} bytes")
     last = cfg.train.steps if stop_after is None else min(stop_after, cfg.train.steps)
     losses: list[float] = []
-    bar = tqdm(total=last, initial=state.step, disable=not progress, desc="pretrain",
+    bar = tqdm(total=last, initial=state.step, disable=not (progress and main), desc="pretrain",
                dynamic_ncols=True)
     t0, tokens_seen = time.perf_counter(), 0
     try:
-        with open(metrics_path, "a") as metrics_file:
+        with open(metrics_path if main else os.devnull, "a") as metrics_file:
             while state.step < last:
-                x, y = batch_at(train_tokens, state.step, cfg.train.batch_size,
-                                cfg.train.seq_len, cfg.train.seed)
-                if batch_spec is not None:
-                    x, y = jax.device_put(x, batch_spec), jax.device_put(y, batch_spec)
+                if batch_spec is None:
+                    x, y = batch_at(train_tokens, state.step, cfg.train.batch_size,
+                                    cfg.train.seq_len, cfg.train.seed)
+                else:  # each process builds only the rows of its devices
+                    x, y = multihost.sharded_batch(train_tokens, state.step, cfg.train.batch_size,
+                                                   cfg.train.seq_len, cfg.train.seed, batch_spec)
                 params, opt_state, m = step_fn(state.params, state.opt_state, x, y)
                 state = dataclasses.replace(state, params=params, opt_state=opt_state,
                                             step=state.step + 1)
@@ -282,9 +291,11 @@ def train(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None
         raise
     bar.close()
     save_checkpoint(manager, state, cfg)
-    plot_losses(metrics_path, run_dir / "loss.png", entropy)
+    if main:
+        plot_losses(metrics_path, run_dir / "loss.png", entropy)
     bpb = nats_to_bits(val_loss)
     summary = {"step": state.step, "val_loss": val_loss, "val_bits_per_byte": bpb,
                "unigram_entropy_bits_per_byte": entropy, "params": n_params}
-    atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
+    if main:
+        atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
     return TrainResult(state, val_loss, bpb, entropy, run_dir, losses)

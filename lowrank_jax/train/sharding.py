@@ -57,6 +57,10 @@ def maybe_initialize_distributed() -> bool:
             "MEGASCALE_COORDINATOR_ADDRESS")
     if not any(k in os.environ for k in keys):
         return False
+    if not os.environ.get("JAX_CPU_COLLECTIVES_IMPLEMENTATION"):
+        # CPU devices of several processes need gloo to meet in a collective (no effect on
+        # GPU / TPU devices)
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if os.environ.get("JAX_COORDINATOR_ADDRESS"):
         jax.distributed.initialize(
             coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],

@@ -1,0 +1,138 @@
+"""Pretraining as 2 JAX processes x 4 CPU devices against 1 process x 8 devices.
+
+One launched run covers several checks (process start-up dominates the time):
+
+1. reference: this (8-device) process trains 2 steps and checkpoints; that run is resumed here
+   up to step 12;
+2. a copy of the step-2 checkpoint is resumed by 2 processes (1 -> 2); their losses equal the
+   reference (Spectron on a factorized model, acceptance 1) and metrics.jsonl has each row once;
+3. once a later checkpoint is complete, process 1 is frozen (SIGSTOP) and process 0 gets SIGTERM
+   while it waits for process 1 in a collective: process 0 gives up within its
+   --interrupt-timeout, and the launcher stops process 1 and reports it;
+4. the last complete checkpoint of the 2-process run is resumed by this one process (2 -> 1)
+   and continues exactly like the reference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+
+import jax
+import numpy as np
+
+from lowrank_jax.train import load_config, train
+from lowrank_jax.train import sharding as shard_lib
+from lowrank_jax.train.checkpoint import checkpoint_manager, restore_checkpoint
+from lowrank_jax.train.loop import init_state
+from lowrank_jax.train.multihost import launch
+
+STEPS = 40  # the schedule length (every run uses the same config; runs stop early)
+SETTINGS = [f"train.steps={STEPS}", "train.log_every=1", "train.batch_size=8",
+            "train.seq_len=32", "model.n_layers=1", "model.d_model=64", "model.d_ff=128",
+            "train.checkpoint_every=2", "train.eval_batches=1", "train.eval_every=1000"]
+
+
+class Lines:
+    """A thread-safe sink for the launcher's prefixed output."""
+
+    def __init__(self):
+        self.lines, self.lock = [], threading.Lock()
+
+    def write(self, text):
+        with self.lock:
+            self.lines.append(text)
+
+    def flush(self):
+        pass
+
+    def text(self):
+        with self.lock:
+            return "".join(self.lines)
+
+
+def _losses(run_dir) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if r["kind"] == "train"]
+    steps = [r["step"] for r in train_rows]
+    assert len(steps) == len(set(steps)), f"metrics rows written more than once: {steps}"
+    return {r["step"]: r["loss"] for r in train_rows}
+
+
+def _in_process(run_dir, **kwargs):
+    cfg = load_config("tiny", SETTINGS + [f"run_dir={run_dir}", "mesh.data=2", "mesh.fsdp=4"])
+    return train(cfg, progress=False, log=lambda *a: None, **kwargs)
+
+
+def test_two_processes_match_one_and_checkpoints_move_between_them(tmp_path):
+    reference, shared = tmp_path / "reference", tmp_path / "shared"
+    _in_process(reference, stop_after=2)
+    shutil.copytree(reference, shared)
+    _in_process(reference, resume=True, stop_after=12)
+    expected = _losses(reference)
+
+    command = [sys.executable, "-m", "lowrank_jax.cli", "pretrain", "--mesh", "data=2,fsdp=4",
+               "--resume", "--no-progress", "--interrupt-timeout", "3",
+               "--set", f"run_dir={shared}"]
+    for setting in SETTINGS:
+        command += ["--set", setting]
+    out, procs, timing = Lines(), [], {}
+
+    def freeze_then_terminate():
+        # wait until a checkpoint after step 2 is complete (process 0 writes its integrity file
+        # after every process finished its part), then freeze process 1 and SIGTERM process 0
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not any(
+                (shared / "checkpoints" / str(s) / "lowrank_jax_integrity.json").exists()
+                for s in range(4, STEPS, 2)):
+            time.sleep(0.05)
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        time.sleep(0.5)
+        timing["sigterm"] = time.monotonic()
+        os.kill(procs[0].pid, signal.SIGTERM)
+
+    watcher = threading.Thread(target=freeze_then_terminate, daemon=True)
+    status, why = launch(command, processes=2, devices_per_process=4, stop_timeout=3.0, out=out,
+                         on_start=lambda started: (procs.extend(started), watcher.start()))
+    stopped_after = time.monotonic() - timing["sigterm"]
+    log = out.text()
+    assert status == 143, log
+    assert "process 0 of 2 exited with status 143" in why
+    assert "[p0] SIGTERM received 3 s ago" in log and "Giving up the interrupt checkpoint" in log
+    assert stopped_after < 3 + 3 + 5, f"the launcher took {stopped_after:.1f} s to stop"
+    assert all(p.poll() is not None for p in procs)
+
+    # 1 -> 2: the 2-process continuation of the 1-process checkpoint equals the reference
+    two = {step: loss for step, loss in _losses(shared).items() if step > 2}
+    assert min(two) == 3 and max(two) >= 4
+    for step, loss in two.items():
+        np.testing.assert_allclose(loss, expected[step], rtol=1e-5, atol=1e-6,
+                                   err_msg=f"step {step}")
+
+    # 2 -> 1: this process resumes the last complete 2-process checkpoint
+    last = max(int(p.name) for p in (shared / "checkpoints").iterdir() if p.name.isdigit()
+               and (p / "lowrank_jax_integrity.json").exists())
+    assert last >= 4
+    # restoring the 2-process checkpoint onto this process's 8-device mesh and onto one device
+    # gives the same bits
+    cfg = load_config("tiny", SETTINGS + [f"run_dir={shared}", "mesh.data=2", "mesh.fsdp=4"])
+    on_mesh, _ = init_state(cfg, shard_lib.make_mesh(2, 4))
+    on_mesh, manager = restore_checkpoint(checkpoint_manager(shared), on_mesh, cfg)
+    manager.close()
+    alone, _ = init_state(cfg, None)
+    alone, manager = restore_checkpoint(checkpoint_manager(shared), alone, cfg)
+    manager.close()
+    assert on_mesh.step == alone.step == last
+    for a, b in zip(jax.tree.leaves((on_mesh.params, on_mesh.opt_state)),
+                    jax.tree.leaves((alone.params, alone.opt_state))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    result = _in_process(shared, resume=True, stop_after=last + 2)
+    assert result.state.step == last + 2
+    resumed = _losses(shared)
+    for step in (last + 1, last + 2):  # the 2-process steps before differ in the last bits
+        np.testing.assert_allclose(resumed[step], expected[step], rtol=1e-5, atol=1e-6)
