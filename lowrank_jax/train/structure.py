@@ -147,11 +147,11 @@ def export_salaad(run_dir, budget: float, out, *, gamma: float = 0.5, overwrite:
     with open(folder / FACTORS_FILE, "wb") as f:
         np.savez(f, **tensors)
     stats = salaad_stats(state.params, sstate)
+    weights = _param_tree(state.params)
     report = {
         "run": str(run_dir), "step": int(state.step), "budget": budget, "gamma": gamma,
         "dense_params": n_total, "target_params": target, "params": allocation.n_params,
-        "rest_params": n_total - sum(int(np.prod(x.shape)) for x in
-                                     _dense_selected(state.params, allocation)),
+        "rest_params": n_total - sum(int(weights[p].size) for p in allocation.ranks),
         "layers": {"/".join(map(str, p)): {"rank": allocation.ranks[p],
                                            "nnz": allocation.nnz[p],
                                            **stats.get("/".join(map(str, p)), {})}
@@ -164,11 +164,6 @@ def export_salaad(run_dir, budget: float, out, *, gamma: float = 0.5, overwrite:
     log(f"SALAAD model at {budget:.0%} of {n_total:,} parameters: {allocation.n_params:,} "
         f"(target {target:,}) in {folder}")
     return report
-
-
-def _dense_selected(params, allocation) -> list:
-    tree = _param_tree(params)
-    return [tree[p] for p in allocation.ranks]
 
 
 def structured_param_count(folder) -> int:

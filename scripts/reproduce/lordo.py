@@ -23,6 +23,11 @@ Usage::
 
 Writes ``<out>/results.json`` (default ``runs/reproduce_lordo``).
 
+Processes: the script feeds its 8 workers from one process. ``lordo_sync`` itself runs
+unchanged across processes (a global mesh, see :mod:`lowrank_jax.optim.lordo_distributed`);
+under a multi-process launcher each process would build only its own workers' batches with
+``jax.make_array_from_process_local_data`` instead of ``jax.device_put``.
+
 References:
     Jovanović et al., `LoRDO: Distributed Low-Rank Optimization with Infrequent Communication
     <https://arxiv.org/abs/2602.04396>`_, ICML 2026.
@@ -248,7 +253,7 @@ def main(argv=None):
         rows.append({"arm": name, "val_loss": val, **info,
                      "seconds": round(time.perf_counter() - t0, 1)})
         print(f"{name:32s} val {val:.4f}  floats/worker {info['floats_per_worker']:,}", flush=True)
-    base = rows[min(1, len(rows) - 1)]["floats_per_worker"]
+    base = next((r for r in rows if r["arm"] == "low-rank DDP"), rows[0])["floats_per_worker"]
     print(f"\n{WORKERS} workers on {args.devices} device(s) x {steps} local steps, "
           f"local batch {args.batch}x{args.seq} bytes, "
           f"rank {args.rank}, omega {args.omega}, outer {args.outer}, "
