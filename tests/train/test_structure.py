@@ -25,7 +25,7 @@ from lowrank_jax.train.structure import (
 TINY = [
     "model.d_model=16", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1",
     "model.d_ff=32", "model.max_seq_len=16", "model.projection=dense", "train.seq_len=16",
-    "train.batch_size=4", "train.eval_batches=1", "train.eval_every=100", "train.log_every=1",
+    "train.batch_size=8", "train.eval_batches=1", "train.eval_every=100", "train.log_every=1",
     "train.checkpoint_every=4", "train.steps=8", "optimizer.name=adamw",
     "optimizer.learning_rate=0.01", "structure=salaad", "salaad.rho=0.005",
     "salaad.kI_alpha=0.02", "salaad.every=2",
@@ -151,3 +151,17 @@ def test_export_refuses_run_without_salaad_state(tmp_path, capsys):
     assert cli_main(["export", "--run", str(tmp_path), "--budget", "0.5",
                      "--out", str(tmp_path / "o")]) == 2
     assert "no config.yaml" in capsys.readouterr().err
+
+
+def test_salaad_on_a_mesh_matches_one_device(tmp_path):
+    steps = ["train.steps=3", "train.checkpoint_every=100"]  # ADMM block at count 2
+    one = train(load_config("tiny", TINY + steps + [f"run_dir={tmp_path / 'one'}"]), **QUIET)
+    cfg = load_config("tiny", TINY + steps + [f"run_dir={tmp_path / 'mesh'}", "mesh.data=2",
+                                              "mesh.fsdp=4"])
+    sharded = train(cfg, **QUIET)
+    a = find_salaad_state(one.state.opt_state)
+    b = find_salaad_state(sharded.state.opt_state)
+    assert int(a.updates) == int(b.updates) == 1
+    for x, y in zip(jax.tree.leaves((one.state.params, a.low_rank, a.sparse)),
+                    jax.tree.leaves((sharded.state.params, b.low_rank, b.sparse))):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-5)
