@@ -4,6 +4,12 @@ Runs every ``K`` local steps of :func:`lowrank_jax.optim.lordo.scale_by_lordo` o
 pure, so it jits, vmaps, and runs under ``shard_map`` over the mesh's data axis
 (``axis_name="data"``), where the only collective is one ``pmean`` of ``|θ|`` floats.
 
+The same call runs unchanged when the data axis spans processes: after
+``jax.distributed.initialize``, build the mesh over the global ``jax.devices()``, give each
+process's workers as global arrays (``jax.make_array_from_process_local_data``) and ``shard_map``
+the sync over ``"data"``; ``pmean`` is then the cross-process all-reduce
+(``tests/optim/test_lordo_multiprocess.py``: 2 processes x 4 CPU devices, gloo).
+
 References:
     Jovanović et al., `LoRDO: Distributed Low-Rank Optimization with Infrequent Communication
     <https://arxiv.org/abs/2602.04396>`_, ICML 2026.

@@ -54,8 +54,11 @@ def fingerprint(cfg) -> dict[str, Any]:
     """What a checkpoint's arrays mean: the architecture and the optimizer of ``cfg``."""
     model = {k: v for k, v in dataclasses.asdict(cfg.model).items()
              if k not in _STATELESS_MODEL_FIELDS}
-    return {"model": json.loads(json.dumps(model, default=str)),
-            "optimizer": {"name": cfg.optimizer.name}}
+    out = {"model": json.loads(json.dumps(model, default=str)),
+           "optimizer": {"name": cfg.optimizer.name}}
+    if getattr(cfg, "structure", "none") != "none":  # absent = none: older runs stay resumable
+        out["structure"] = cfg.structure
+    return out
 
 
 def _leaves(tree) -> list[tuple[str, Any]]:

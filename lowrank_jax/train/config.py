@@ -13,10 +13,12 @@ from typing import Any
 import yaml
 
 from lowrank_jax.models.llama import LlamaConfig
+from lowrank_jax.optim.salaad import SalaadConfig
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
 PACKAGED_CONFIG_DIR = pathlib.Path(__file__).resolve().parent / "presets"
 BYTE_VOCAB = 256  # pretraining reads the embedded corpus byte by byte
+STRUCTURES = ("none", "salaad")  # structure grown during pretraining (see train/structure.py)
 
 
 @dataclasses.dataclass
@@ -105,8 +107,10 @@ class RunConfig:
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    salaad: SalaadConfig = dataclasses.field(default_factory=SalaadConfig)
     run_dir: str = "runs/tiny"
     name: str = "tiny"
+    structure: str = "none"  # "salaad": couple every 2-D weight to L + S (section salaad:)
 
     def __post_init__(self):
         if not isinstance(self.run_dir, str) or not self.run_dir.strip():
@@ -125,13 +129,21 @@ class RunConfig:
                 f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len="
                 f"{self.model.max_seq_len}; lower one or raise the other."
             )
+        if self.structure not in STRUCTURES:
+            raise ValueError(f"structure={self.structure!r} is unknown; use "
+                             f"{' or '.join(STRUCTURES)} (e.g. --set structure=salaad).")
+        if self.structure == "salaad" and self.model.projection != "dense":
+            raise ValueError(
+                f"structure=salaad needs model.projection=dense (SALAAD grows its own low-rank "
+                f"+ sparse structure on dense weights), got {self.model.projection!r}; add "
+                "--set model.projection=dense.")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
 _SECTIONS = {"model": LlamaConfig, "optimizer": OptimizerConfig, "train": TrainConfig,
-             "mesh": MeshConfig}
+             "mesh": MeshConfig, "salaad": SalaadConfig}
 
 
 def _did_you_mean(key: str, options) -> str:
@@ -198,6 +210,8 @@ def _build(section: str, cls, values: dict):
         return cls(**kwargs)
     except ValueError as error:
         message = str(error)
+        if message.startswith(cls.__name__ + "."):  # "SalaadConfig.rho=..." -> "salaad.rho=..."
+            message = message[len(cls.__name__) + 1:]
         first = message.split("=", 1)[0]
         if first in known:  # LlamaConfig speaks of its own fields: name them as config keys
             message = f"{section}.{message}"

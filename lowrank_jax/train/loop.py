@@ -44,6 +44,7 @@ from lowrank_jax.train.checkpoint import (  # re-exported for existing callers
 from lowrank_jax.train.config import RunConfig
 from lowrank_jax.train.losses import cross_entropy
 from lowrank_jax.train.optimizers import build_optimizer
+from lowrank_jax.train.structure import with_structure
 
 
 @dataclasses.dataclass
@@ -56,7 +57,7 @@ class TrainState:
 
 def init_state(cfg: RunConfig, mesh=None) -> tuple[TrainState, optax.GradientTransformation]:
     """Build model and optimizer state; on a mesh, parameters are created already sharded."""
-    tx = build_optimizer(cfg.optimizer, cfg.train.steps)
+    tx = with_structure(build_optimizer(cfg.optimizer, cfg.train.steps), cfg)
     make = lambda: nnx.split(Llama(cfg.model, rngs=nnx.Rngs(cfg.train.seed)), nnx.Param)
     graphdef, abstract = nnx.eval_shape(lambda: Llama(cfg.model, rngs=nnx.Rngs(0))), None
     graphdef, abstract = nnx.split(graphdef, nnx.Param)

@@ -23,6 +23,11 @@ Usage::
 
 Writes ``<out>/results.json`` (default ``runs/reproduce_lordo``).
 
+Processes: the script feeds its 8 workers from one process. ``lordo_sync`` itself runs
+unchanged across processes (a global mesh, see :mod:`lowrank_jax.optim.lordo_distributed`);
+under a multi-process launcher each process would build only its own workers' batches with
+``jax.make_array_from_process_local_data`` instead of ``jax.device_put``.
+
 References:
     Jovanović et al., `LoRDO: Distributed Low-Rank Optimization with Infrequent Communication
     <https://arxiv.org/abs/2602.04396>`_, ICML 2026.
@@ -50,6 +55,8 @@ from lowrank_jax.optim import (
     find_lordo_state,
     lordo,
     lordo_sync,
+    outer_average,
+    outer_nesterov,
     set_projection,
 )
 from lowrank_jax.train.loop import cross_entropy
@@ -57,6 +64,7 @@ from lowrank_jax.train.loop import cross_entropy
 jax.config.update("jax_num_cpu_devices", 8)  # before any device is touched
 
 WORKERS = 8
+ARMS = ("ddp", "lowrank-ddp", "k4", "k16", "k16-omega1")
 
 
 def parse_args(argv=None):
@@ -70,6 +78,14 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=4, help="local batch per worker")
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--outer", default="average", choices=("average", "nesterov"),
+                   help="outer step on the averaged displacement: plain averaging, or DiLoCo's "
+                        "Nesterov SGD on the pseudo-gradient (--outer-lr, --outer-momentum)")
+    p.add_argument("--outer-lr", type=float, default=0.7)
+    p.add_argument("--outer-momentum", type=float, default=0.9)
+    p.add_argument("--arms", default=",".join(ARMS),
+                   help=f"comma-separated subset of {','.join(ARMS)} (the first two are the "
+                        "baselines the ratios refer to)")
     p.add_argument("--devices", type=int, default=8, choices=(1, 8),
                    help="8: one worker per simulated device, sync under shard_map (the real "
                         "layout); 1: the 8 workers vmapped on one device, same math (faster "
@@ -119,7 +135,7 @@ def run_ddp(tx, params, loss_fn, train_tokens, args, *, steps):
     return params, {"floats_per_worker": floats, "syncs": steps}
 
 
-def run_lordo(tx, params, loss_fn, train_tokens, args, *, steps, period, mesh):
+def run_lordo(tx, params, loss_fn, train_tokens, args, *, steps, period, mesh, outer):
     """K local steps per worker (sharded over ``data``), then ``lordo_sync`` under shard_map.
 
     With ``mesh=None`` the workers stay on one device and the sync averages the worker axis.
@@ -145,25 +161,30 @@ def run_lordo(tx, params, loss_fn, train_tokens, args, *, steps, period, mesh):
         updates, states = jax.vmap(tx.update)(grad_fn(workers, x, y), states, workers)
         return optax.apply_updates(workers, updates), states
 
-    def sync_body(w, a, s, axis_name="data"):
-        res = lordo_sync(w, a, s, axis_name=axis_name)
-        return res.anchor, res.worker_params, res.worker_opt_states, res.floats_sent
+    outer_state = outer.init(anchor)  # carried across syncs (Nesterov momentum)
+
+    def sync_body(w, a, s, o, axis_name="data"):
+        res = lordo_sync(w, a, s, outer=outer, outer_state=o, axis_name=axis_name)
+        return (res.anchor, res.worker_params, res.worker_opt_states, res.outer_state,
+                res.floats_sent)
 
     specs = lambda tree, spec: jax.tree.map(lambda _: spec, tree)
-    sync = jax.jit(lambda w, a, s: sync_body(w, a, s, axis_name=None))
+    sync = jax.jit(lambda w, a, s, o: sync_body(w, a, s, o, axis_name=None))
     if mesh is not None:
+        outer_state = jax.device_put(outer_state, NamedSharding(mesh, P()))
         sync = jax.jit(jax.shard_map(
             sync_body, mesh=mesh,
             in_specs=(specs(workers, P("data")), specs(anchor, P()),
-                      specs(states, P("data"))),
+                      specs(states, P("data")), specs(outer_state, P())),
             out_specs=(specs(anchor, P()), specs(workers, P("data")),
-                       specs(states, P("data")), P())))
+                       specs(states, P("data")), specs(outer_state, P()), P())))
     angles, syncs = [], 0
     for t in range(steps):
         workers, states = local(workers, states, *batches(t))
         if (t + 1) % period == 0 or t + 1 == steps:
             before = find_lordo_state(states).projection
-            anchor, workers, states, sent = sync(workers, anchor, states)
+            anchor, workers, states, outer_state, sent = sync(workers, anchor, states,
+                                                              outer_state)
             after = find_lordo_state(states).projection
             sines = [float(np.linalg.norm(qn[0] - qo[0] @ (qo[0].T @ qn[0]), ord=2))
                      for qo, qn in zip(map(np.asarray, jax.tree.leaves(before)),
@@ -197,37 +218,46 @@ def main(argv=None):
     n_params = communication_per_sync(params)
     common = {"rank": args.rank, "clip_norm": 1.0}
     workers = {**common, "first_projection": "set"}  # Q_0 from set_projection (global SVD)
-    arms = [
-        ("DDP AdamW", "ddp", optax.chain(optax.clip_by_global_norm(1.0), optax.adam(args.lr)),
-         None),
-        ("low-rank DDP", "ddp", lordo(args.lr, omega=1.0, refresh_every=16,
-                                      refresh_from="gradient", **common), None),
-        ("LoRDO K=4", "lordo", lordo(args.lr, omega=args.omega, **workers), 4),
-        ("LoRDO K=16", "lordo", lordo(args.lr, omega=args.omega, **workers), 16),
-        ("LoRDO K=16, no full-rank term", "lordo", lordo(args.lr, omega=1.0, **workers), 16),
-    ]
+    arms = {
+        "ddp": ("DDP AdamW", "ddp",
+                optax.chain(optax.clip_by_global_norm(1.0), optax.adam(args.lr)), None),
+        "lowrank-ddp": ("low-rank DDP", "ddp", lordo(args.lr, omega=1.0, refresh_every=16,
+                                                     refresh_from="gradient", **common), None),
+        "k4": ("LoRDO K=4", "lordo", lordo(args.lr, omega=args.omega, **workers), 4),
+        "k16": ("LoRDO K=16", "lordo", lordo(args.lr, omega=args.omega, **workers), 16),
+        "k16-omega1": ("LoRDO K=16, no full-rank term", "lordo",
+                       lordo(args.lr, omega=1.0, **workers), 16),
+    }
+    chosen = [a.strip() for a in args.arms.split(",") if a.strip()]
+    unknown = sorted(set(chosen) - set(ARMS))
+    if unknown or not chosen:
+        raise SystemExit(f"--arms {args.arms!r}: unknown {unknown}; choose from {list(ARMS)}.")
+    outer = (outer_nesterov(args.outer_lr, args.outer_momentum) if args.outer == "nesterov"
+             else outer_average())
     rows = []
-    for name, kind, tx, period in arms:
+    for name, kind, tx, period in (arms[a] for a in chosen):
         t0 = time.perf_counter()
         if kind == "ddp":
             final, info = run_ddp(tx, params, loss_fn, train_tokens, args, steps=steps)
         else:
             if mesh is None:
                 final, info = run_lordo(tx, params, loss_fn, train_tokens, args, steps=steps,
-                                        period=period, mesh=None)
+                                        period=period, mesh=None, outer=outer)
             else:
                 with jax.set_mesh(mesh):
                     final, info = run_lordo(tx, params, loss_fn, train_tokens, args,
-                                            steps=steps, period=period, mesh=mesh)
+                                            steps=steps, period=period, mesh=mesh,
+                                            outer=outer)
         final = jax.tree.map(lambda x: jax.device_put(x, jax.devices()[0]), final)
         val = evaluate(loss_fn, final, val_tokens, args)
         rows.append({"arm": name, "val_loss": val, **info,
                      "seconds": round(time.perf_counter() - t0, 1)})
         print(f"{name:32s} val {val:.4f}  floats/worker {info['floats_per_worker']:,}", flush=True)
-    base = rows[1]["floats_per_worker"]
+    base = next((r for r in rows if r["arm"] == "low-rank DDP"), rows[0])["floats_per_worker"]
     print(f"\n{WORKERS} workers on {args.devices} device(s) x {steps} local steps, "
           f"local batch {args.batch}x{args.seq} bytes, "
-          f"rank {args.rank}, omega {args.omega}, |theta| = {n_params:,}")
+          f"rank {args.rank}, omega {args.omega}, outer {args.outer}, "
+          f"|theta| = {n_params:,}")
     print("| arm | val loss (nats/byte) | floats sent per worker | vs low-rank DDP | "
           "max sin(angle) Q_old→Q_new, last sync |")
     print("|---|---|---|---|---|")
