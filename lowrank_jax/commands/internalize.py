@@ -64,7 +64,8 @@ def run(args) -> int:
     model, tokenizer = load_model_from_args(args)
     if args.hyper is not None:
         hyper = load_hypernetwork(args.hyper)
-        if hyper.config.d_model != model.cfg.d_model or max(hyper.config.layers) >= model.cfg.n_layers:
+        c = hyper.config
+        if c.d_model != model.cfg.d_model or max(c.layers) >= model.cfg.n_layers:
             raise ValueError(f"--hyper {args.hyper}: built for d_model={hyper.config.d_model}, "
                              f"layers {list(hyper.config.layers)}; --model {args.model} has "
                              f"d_model={model.cfg.d_model} and {model.cfg.n_layers} layers.")

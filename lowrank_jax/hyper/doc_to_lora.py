@@ -435,5 +435,5 @@ def bank_delta(bank: LoRABank, config: DocToLoRAConfig, doc: int = 0):
 
 
 __all__ = ["DocToLoRA", "DocToLoRAConfig", "LoRABank", "PerceiverBlock", "PerceiverResampler",
-           "adapted", "bank_delta", "chunk_encoder", "chunk_tokens", "default_alpha", "encode_chunks",
-           "internalize", "internalizer", "projection_shape", "target_path"]
+           "adapted", "bank_delta", "chunk_encoder", "chunk_tokens", "default_alpha",
+           "encode_chunks", "internalize", "internalizer", "projection_shape", "target_path"]

@@ -131,8 +131,9 @@ def main(argv=None):
     test = make_documents(rng, args.test_docs, TEST_NAMES, test_codes, 2, 7)
     max_chunks = 2
     tr, te = tokenize(tok, train), tokenize(tok, test)
-    print(f"loaded in {time.time() - t0:.0f}s; doc tokens: train mean "
-          f"{np.mean([len(d) for d in tr[0]]):.0f}, test mean {np.mean([len(d) for d in te[0]]):.0f}"
+    mean_train, mean_test = np.mean([len(d) for d in tr[0]]), np.mean([len(d) for d in te[0]])
+    print(f"loaded in {time.time() - t0:.0f}s; doc tokens: train mean {mean_train:.0f}, "
+          f"test mean {mean_test:.0f}"
           f" (max {max(len(d) for d in tr[0] + te[0])}, chunk {args.chunk_len})", flush=True)
     build = dict(layers=layers, chunk_len=args.chunk_len, max_chunks=max_chunks, top_k=16)
     t0 = time.time()
