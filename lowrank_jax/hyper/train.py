@@ -248,6 +248,11 @@ def train_doc_to_lora(hyper: DocToLoRA, model, data: DistillData, *, steps: int,
     if run_dir is not None:
         run_dir = pathlib.Path(run_dir)
         manager = checkpoint_manager(run_dir)
+        if not resume and manager.all_steps():
+            manager.close()
+            raise ValueError(f"run_dir={run_dir} already holds checkpoints (steps "
+                             f"{sorted(manager.all_steps())}); pass resume=True to continue "
+                             "that run, or choose another run_dir.")
         if resume and manager.all_steps():
             state, manager = restore_checkpoint(manager, state, log=log or (lambda s: None))
     history = []

@@ -248,6 +248,8 @@ def test_resumed_training_equals_an_uninterrupted_run(tmp_path, base, fresh, dat
     assert [r["step"] for r in rows] == [3, 4]
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
                  nnx.state(full, nnx.Param), nnx.state(resumed, nnx.Param))
+    with pytest.raises(ValueError, match="resume=True"):  # never silently mix two runs
+        train_doc_to_lora(nnx.clone(fresh), base, data, steps=4, run_dir=tmp_path, **options)
     loaded = load_hypernetwork(tmp_path)  # the run folder's final hypernetwork/
     assert loaded.config == fresh.config
     jax.tree.map(np.testing.assert_array_equal, nnx.state(loaded, nnx.Param),
