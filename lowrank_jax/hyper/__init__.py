@@ -1,0 +1,60 @@
+"""Hypernetworks that emit LoRA adapters: Doc-to-LoRA (a document → an adapter in one pass)."""
+
+from lowrank_jax.hyper.doc_to_lora import (
+    DocToLoRA,
+    DocToLoRAConfig,
+    LoRABank,
+    PerceiverResampler,
+    adapted,
+    bank_delta,
+    chunk_encoder,
+    chunk_tokens,
+    default_alpha,
+    encode_chunks,
+    internalize,
+    internalizer,
+)
+from lowrank_jax.hyper.export import (
+    adapter_bytes,
+    export_adapter,
+    kv_cache_bytes,
+    load_hypernetwork,
+    save_hypernetwork,
+)
+from lowrank_jax.hyper.train import (
+    DistillData,
+    build_distill_data,
+    context_distiller,
+    distill_loss,
+    l1_penalty,
+    topk_distill,
+    train_doc_to_lora,
+)
+
+__all__ = [
+    "DistillData",
+    "DocToLoRA",
+    "DocToLoRAConfig",
+    "DocToLoRAConfig",
+    "LoRABank",
+    "PerceiverResampler",
+    "adapted",
+    "adapter_bytes",
+    "bank_delta",
+    "build_distill_data",
+    "chunk_encoder",
+    "chunk_tokens",
+    "context_distiller",
+    "default_alpha",
+    "distill_loss",
+    "encode_chunks",
+    "export_adapter",
+    "internalize",
+    "internalizer",
+    "kv_cache_bytes",
+    "l1_penalty",
+    "load_hypernetwork",
+    "save_hypernetwork",
+    "topk_distill",
+    "train_doc_to_lora",
+]

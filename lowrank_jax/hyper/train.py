@@ -1,0 +1,315 @@
+"""Doc-to-LoRA training: distil the base model that *sees* the document into the base model plus
+the generated adapter that does not (top-k KL + L1 on the generated weights), resumable with the
+package's verified orbax checkpoints (:mod:`lowrank_jax.train.checkpoint`).
+
+.. math:: \\mathcal L = \\frac1D\\sum_d \\frac{\\sum_t w_{dt}\\,
+          \\big(-\\sum_{v\\in\\mathrm{top}k_T} p_T(v)\\log \\mathrm{softmax}(z_S)_v\\big)}
+          {\\sum_t w_{dt}} + \\lambda_1 (\\overline{|A|} + \\overline{|B|})
+
+Every document counts equally whatever its number of answer tokens; the teacher's top-k
+log-probabilities are stored at the *student's* positions (logits at ``t`` predict ``t + 1``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from lowrank_jax.hyper.doc_to_lora import DocToLoRA, LoRABank, adapted, chunk_encoder, chunk_tokens
+
+
+def topk_distill(student_logits, teacher_logp, teacher_idx, weights=None):
+    """Top-k distillation ``−Σ_{v∈topk} p_T(v) log softmax(z_S)_v``, averaged over positions.
+
+    Args:
+        student_logits: ``[N, V]``.
+        teacher_logp: ``[N, k]`` teacher log-probabilities of its top-k tokens (not renormalised).
+        teacher_idx: ``[N, k]`` their token ids.
+        weights: optional ``[N]`` position weights (0 = ignore); the mean is weighted.
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> z = jnp.log(jnp.array([[0.5, 0.25, 0.25]]))
+        >>> round(float(topk_distill(z, jnp.zeros((1, 1)), jnp.zeros((1, 1), jnp.int32))), 4)
+        0.6931
+    """
+    logp = jax.nn.log_softmax(student_logits.astype(jnp.float32), axis=-1)
+    picked = jnp.take_along_axis(logp, teacher_idx, axis=-1)
+    per_position = -jnp.sum(jnp.exp(teacher_logp.astype(jnp.float32)) * picked, axis=-1)
+    if weights is None:
+        return jnp.mean(per_position)
+    weights = weights.astype(jnp.float32)
+    return jnp.sum(per_position * weights) / jnp.maximum(jnp.sum(weights), 1e-9)
+
+
+def l1_penalty(bank: LoRABank):
+    """``mean|A| + mean|B|`` of the merged bank (chunks and bias; linear in every entry)."""
+    return jnp.mean(jnp.abs(bank.a)) + jnp.mean(jnp.abs(bank.b))
+
+
+class DistillData(NamedTuple):
+    """Training / evaluation examples, one question per document (numpy arrays).
+
+    ``features [N, C, L, T, d]`` and ``mask [N, C, T]``: the encoded document chunks;
+    ``queries [N, Q]``: question + answer tokens without the document (right-padded);
+    ``weights [N, Q]``: 1 where the logits predict an answer token; ``teacher_logp`` /
+    ``teacher_idx [N, Q, k]``: the teacher's top-k at those positions.
+    """
+
+    features: Any
+    mask: Any
+    queries: Any
+    weights: Any
+    teacher_logp: Any
+    teacher_idx: Any
+
+
+def _pad(rows: Sequence[Sequence[int]], width: int) -> np.ndarray:
+    out = np.zeros((len(rows), width), np.int32)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = row
+    return out
+
+
+def _teacher_fn(model, top_k: int):
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def run(state, tokens):
+        logits, _ = nnx.merge(graphdef, state)(tokens)
+        return jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), top_k)
+
+    return lambda tokens: run(state, jnp.asarray(tokens))
+
+
+def build_distill_data(model, documents: Sequence[Sequence[int]],
+                       questions: Sequence[Sequence[int]], answers: Sequence[Sequence[int]], *,
+                       layers: Sequence[int], chunk_len: int, max_chunks: int, top_k: int = 16,
+                       batch_size: int = 8) -> DistillData:
+    """Encode the documents and record the teacher (the model reading ``document + question``)
+    on the answer tokens.
+
+    The student sees ``question + answer``; position ``len(question) - 1 + j`` of its logits
+    predicts answer token ``j``, and the teacher's top-k there comes from position
+    ``len(document) + len(question) - 1 + j`` of the teacher's.
+    """
+    n = len(documents)
+    if not (n == len(questions) == len(answers)) or n == 0:
+        raise ValueError(f"documents, questions and answers must be non-empty and equally long; "
+                         f"got {n}, {len(questions)}, {len(answers)}.")
+    if any(len(a) == 0 for a in answers):
+        raise ValueError("every answer needs at least one token.")
+    chunks = [chunk_tokens(doc, chunk_len, max_chunks) for doc in documents]
+    ids = np.stack([c[0] for c in chunks])
+    mask = np.stack([c[1] for c in chunks])
+    encode = chunk_encoder(model, layers)
+    flat = ids.reshape(-1, chunk_len)
+    block = batch_size * max_chunks
+    feats = []
+    for i in range(0, len(flat), block):
+        part = flat[i:i + block]
+        padded = np.concatenate([part, np.zeros((block - len(part), chunk_len), np.int32)])
+        feats.append(np.asarray(encode(padded))[:len(part)])
+    features = np.concatenate(feats).reshape((n, max_chunks) + feats[0].shape[1:])
+    student = [list(q) + list(a) for q, a in zip(questions, answers)]
+    width = max(len(s) for s in student)
+    teacher = [list(d) + s for d, s in zip(documents, student)]
+    teacher_width = max(len(t) for t in teacher)
+    teacher_tokens = _pad(teacher, teacher_width)
+    run = _teacher_fn(model, top_k)
+    logp_all, idx_all = [], []
+    for i in range(0, n, batch_size):
+        block = teacher_tokens[i:i + batch_size]
+        short = batch_size - len(block)
+        if short:
+            block = np.concatenate([block, np.zeros((short, teacher_width), np.int32)])
+        logp, idx = run(block)
+        logp_all.append(np.asarray(logp)[:batch_size - short])
+        idx_all.append(np.asarray(idx)[:batch_size - short])
+    t_logp, t_idx = np.concatenate(logp_all), np.concatenate(idx_all)
+    weights = np.zeros((n, width), np.float32)
+    out_logp = np.zeros((n, width, top_k), np.float32)
+    out_idx = np.zeros((n, width, top_k), np.int32)
+    for i, (d, q, a) in enumerate(zip(documents, questions, answers)):
+        s0, t0 = len(q) - 1, len(d) + len(q) - 1
+        weights[i, s0:s0 + len(a)] = 1.0
+        out_logp[i, s0:s0 + len(a)] = t_logp[i, t0:t0 + len(a)]
+        out_idx[i, s0:s0 + len(a)] = t_idx[i, t0:t0 + len(a)]
+    return DistillData(features, mask, _pad(student, width), weights, out_logp, out_idx)
+
+
+def distill_loss(bank: LoRABank, model, config, batch: DistillData, *, l1_weight: float = 0.1):
+    """``(total, (kl, l1))`` of the student (``model`` + ``bank``) on ``batch``; per-document
+    averaged KL, then the mean over documents."""
+    with adapted(model, bank, config):
+        logits, _ = model(batch.queries)
+    d, q, v = logits.shape
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    picked = jnp.take_along_axis(logp, batch.teacher_idx, axis=-1)
+    per_token = -jnp.sum(jnp.exp(batch.teacher_logp) * picked, axis=-1)  # [D, Q]
+    w = batch.weights.astype(jnp.float32)
+    kl = jnp.mean(jnp.sum(per_token * w, axis=1) / jnp.maximum(jnp.sum(w, axis=1), 1e-9))
+    l1 = l1_penalty(bank)
+    return kl + l1_weight * l1, (kl, l1)
+
+
+@dataclasses.dataclass
+class HyperTrainState:
+    """What a checkpoint holds: ``step``, ``params`` (the hypernetwork's), ``opt_state``."""
+
+    step: int
+    params: Any
+    opt_state: Any
+
+
+def default_optimizer(learning_rate: float = 1e-4, steps: int = 1000, warmup: int = 10,
+                      weight_decay: float = 0.01) -> optax.GradientTransformation:
+    """AdamW (β 0.9/0.999, ε 1e-8) with linear warm-up and cosine decay, as in the paper."""
+    schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, min(warmup, steps - 1),
+                                                  max(steps, 2), learning_rate * 0.1)
+    return optax.chain(optax.clip_by_global_norm(1.0),
+                       optax.adamw(schedule, b1=0.9, b2=0.999, eps=1e-8,
+                                   weight_decay=weight_decay))
+
+
+def _batch(data: DistillData, idx) -> DistillData:
+    return DistillData(*(jnp.asarray(np.asarray(x)[idx]) for x in data))
+
+
+def train_doc_to_lora(hyper: DocToLoRA, model, data: DistillData, *, steps: int,
+                      batch_size: int = 4, learning_rate: float = 1e-4, warmup: int = 10,
+                      l1_weight: float = 0.1, seed: int = 0, run_dir=None, save_every: int = 50,
+                      resume: bool = False, optimizer: optax.GradientTransformation | None = None,
+                      log: Callable[[str], None] | None = None) -> list[dict]:
+    """Train ``hyper`` in place on ``data`` for ``steps`` steps; returns the per-step metrics.
+
+    Only the hypernetwork's parameters get gradients: the base model's state is an input of
+    the jitted step, never differentiated. Step ``t`` draws its documents from
+    ``default_rng((seed, t))``, so a resumed run repeats exactly the batches an uninterrupted
+    run would see.
+
+    Args:
+        hyper: the :class:`DocToLoRA` to train (updated in place).
+        model: the frozen base model.
+        data: :func:`build_distill_data` examples.
+        steps: total optimizer steps (a resumed run continues up to it).
+        batch_size: documents per step.
+        learning_rate, warmup: of :func:`default_optimizer` (ignored with ``optimizer``).
+        l1_weight: ``λ_1`` on the generated weights.
+        seed: batch-order seed.
+        run_dir: folder for ``checkpoints/`` (orbax, verified) and the final
+            ``hypernetwork/``; ``None`` trains in memory.
+        save_every: checkpoint period in steps.
+        resume: continue from the newest good checkpoint in ``run_dir``.
+        optimizer: any optax transform instead of the default.
+        log: called with one line per logged step.
+    """
+    from lowrank_jax.hyper.export import save_hypernetwork
+    from lowrank_jax.train.checkpoint import (
+        checkpoint_manager,
+        restore_checkpoint,
+        save_checkpoint,
+    )
+
+    for key, value in (("steps", steps), ("batch_size", batch_size), ("save_every", save_every)):
+        if not (isinstance(value, int) and value >= 1):
+            raise ValueError(f"{key}={value!r} must be a positive integer.")
+    n = len(data.queries)
+    if batch_size > n:
+        raise ValueError(f"batch_size={batch_size} exceeds the {n} training documents; lower it.")
+    if resume and run_dir is None:
+        raise ValueError("resume=True needs run_dir (where the checkpoints are).")
+    tx = optimizer or default_optimizer(learning_rate, steps, warmup)
+    hyper_graph, params = nnx.split(hyper, nnx.Param)
+    base_graph, base_state = nnx.split(model)
+    config = hyper.config
+
+    @jax.jit
+    def step_fn(params, opt_state, base_state, batch):
+        def loss_fn(p):
+            bank = nnx.merge(hyper_graph, p)(batch.features, batch.mask)
+            return distill_loss(bank, nnx.merge(base_graph, base_state), config, batch,
+                                l1_weight=l1_weight)
+
+        (loss, (kl, l1)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, kl, l1
+
+    state = HyperTrainState(0, params, tx.init(params))
+    manager = None
+    if run_dir is not None:
+        run_dir = pathlib.Path(run_dir)
+        manager = checkpoint_manager(run_dir)
+        if not resume and manager.all_steps():
+            manager.close()
+            raise ValueError(f"run_dir={run_dir} already holds checkpoints (steps "
+                             f"{sorted(manager.all_steps())}); pass resume=True to continue "
+                             "that run, or choose another run_dir.")
+        if resume and manager.all_steps():
+            state, manager = restore_checkpoint(manager, state, log=log or (lambda s: None))
+    history = []
+    while state.step < steps:
+        idx = np.random.default_rng((seed, state.step)).choice(n, batch_size, replace=False)
+        params, opt_state, loss, kl, l1 = step_fn(state.params, state.opt_state, base_state,
+                                                  _batch(data, idx))
+        state = HyperTrainState(state.step + 1, params, opt_state)
+        row = {"step": state.step, "loss": float(loss), "kl": float(kl), "l1": float(l1)}
+        history.append(row)
+        if log is not None and (state.step % 10 == 0 or state.step == steps):
+            log(f"step {state.step}/{steps}: loss {row['loss']:.4f} kl {row['kl']:.4f} "
+                f"l1 {row['l1']:.2e}")
+        if manager is not None and (state.step % save_every == 0 or state.step == steps):
+            save_checkpoint(manager, state)
+    nnx.update(hyper, state.params)
+    if manager is not None:
+        manager.close()
+        save_hypernetwork(hyper, run_dir / "hypernetwork")
+    return history
+
+
+def context_distiller(model, config, *, total_rank: int, steps: int = 50,
+                      learning_rate: float = 1e-3, l1_weight: float = 0.0):
+    """The slow baseline: per-document context distillation into a fresh LoRA.
+
+    Returns ``distill(batch, seed=0) -> LoRABank``: a rank-``total_rank`` adapter on the
+    projections of ``config`` starts from ``A ~ N(0, 1/d_in)``, ``B = 0`` and takes ``steps``
+    Adam steps of :func:`distill_loss` on ``batch`` (one document's queries, ``D = 1``; its
+    ``features`` are not used). The step is compiled once for every document.
+    """
+    tx = optax.adam(learning_rate)
+    graph, state = nnx.split(model)
+    n_layers = len(config.layers)
+
+    @jax.jit
+    def step_fn(params, opt_state, state, batch):
+        def loss_fn(p):
+            return distill_loss(LoRABank(*p), nnx.merge(graph, state), config, batch,
+                                l1_weight=l1_weight)[0]
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    def distill(batch: DistillData, seed: int = 0) -> LoRABank:
+        a0 = jax.random.normal(jax.random.key(seed), (1, n_layers, total_rank, config.d_in))
+        params = (a0 / np.sqrt(config.d_in), jnp.zeros((1, n_layers, total_rank, config.d_out)))
+        opt_state = tx.init(params)
+        batch = DistillData(*(jnp.asarray(x) for x in batch))
+        for _ in range(steps):
+            params, opt_state, _ = step_fn(params, opt_state, state, batch)
+        return LoRABank(*params)
+
+    return distill
+
+
+__all__ = ["DistillData", "HyperTrainState", "build_distill_data", "context_distiller",
+           "default_optimizer", "distill_loss", "l1_penalty", "topk_distill",
+           "train_doc_to_lora"]

@@ -1,0 +1,258 @@
+"""Reproduce Doc-to-LoRA at CPU scale on SmolLM2-135M: needle-in-a-haystack documents.
+
+Each document is filler sentences with one inserted fact, "The secret code of NAME is NN.".
+The question "What is the secret code of NAME? The secret code of NAME is" is answered
+WITHOUT the document by: the base model, the base model with the document in context (the
+ceiling), per-document context distillation (a fresh LoRA, Adam steps on the teacher's top-k;
+the slow baseline) and Doc-to-LoRA (one hypernetwork pass). Test facts are unseen in training:
+held-out names and codes that are multiples of 5 (training codes never are). Also measured:
+time and working memory to internalise one document, and KV-cache bytes saved vs keeping the
+document in context.
+
+Paper: Charakorn et al., Doc-to-LoRA, https://arxiv.org/abs/2602.15902
+
+Usage::
+
+    python -m scripts.reproduce.doc_to_lora            # default
+    python -m scripts.reproduce.doc_to_lora --quick    # fewer documents and steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from lowrank_jax.hyper import (
+    DistillData,
+    DocToLoRA,
+    adapted,
+    adapter_bytes,
+    build_distill_data,
+    context_distiller,
+    internalizer,
+    kv_cache_bytes,
+    train_doc_to_lora,
+)
+from lowrank_jax.models import load_model
+
+FILLER = [
+    "The grass is green and the sky is blue.", "A river flows quietly past the old mill.",
+    "Children played in the park until sunset.", "The market opens early on Saturday.",
+    "Rain fell softly on the tiled roofs.", "An old clock ticked in the hallway.",
+    "The baker sold fresh bread every morning.", "Birds sang in the tall oak trees.",
+    "The train left the station on time.", "Snow covered the distant mountains.",
+    "A cat slept on the warm windowsill.", "The library was calm and full of books.",
+]
+TRAIN_NAMES = ["Alice", "Bob", "Carol", "David", "Emma", "Frank", "Grace", "Henry", "Irene",
+               "James", "Karen", "Louis", "Maria", "Nathan", "Olivia", "Peter", "Rachel",
+               "Simon", "Tina", "Victor"]
+TEST_NAMES = ["Wendy", "Xavier", "Yolanda", "Zachary", "Ursula", "Quentin", "Beatrice", "Oscar"]
+
+
+def make_documents(rng, n, names, codes, min_filler, max_filler):
+    docs = []
+    for _ in range(n):
+        name, code = str(rng.choice(names)), int(rng.choice(codes))
+        k = int(rng.integers(min_filler, max_filler + 1))
+        sentences = [FILLER[i] for i in rng.choice(len(FILLER), k, replace=True)]
+        sentences.insert(int(rng.integers(0, k + 1)), f"The secret code of {name} is {code}.")
+        docs.append({"doc": " ".join(sentences), "name": name, "code": code})
+    return docs
+
+
+def tokenize(tok, docs):
+    documents = [tok.encode(d["doc"] + "\n", add_bos=False) for d in docs]
+    questions = [tok.encode(f"What is the secret code of {d['name']}? The secret code of "
+                            f"{d['name']} is", add_bos=False) for d in docs]
+    answers = [tok.encode(f" {d['code']}", add_bos=False) for d in docs]
+    return documents, questions, answers
+
+
+def answer_scores(logits, tokens, starts, answers):
+    """Per example: exact match (argmax on every answer token) and answer log-prob."""
+    logp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    hits, lps = [], []
+    for i, (s, a) in enumerate(zip(starts, answers)):
+        pos = np.arange(s, s + len(a))
+        hits.append(bool(np.all(logp[i, pos].argmax(-1) == np.asarray(a))))
+        lps.append(float(logp[i, pos, a].sum()))
+    return hits, lps
+
+
+def pad(rows):
+    width = max(len(r) for r in rows)
+    out = np.zeros((len(rows), width), np.int32)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = r
+    return out
+
+
+def compiled_temp_bytes(fn, *args):
+    """Working memory XLA plans for ``fn(*args)`` (temp buffers), or None if unavailable."""
+    try:
+        stats = jax.jit(fn).lower(*args).compile().memory_analysis()
+        return int(stats.temp_size_in_bytes + stats.output_size_in_bytes)
+    except Exception:  # noqa: BLE001 - backends without memory stats
+        return None
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--layers", default="8,12,16")
+    p.add_argument("--rank", type=int, default=4)
+    p.add_argument("--chunk-len", type=int, default=64)
+    p.add_argument("--train-docs", type=int, default=120)
+    p.add_argument("--test-docs", type=int, default=16)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--cd-steps", type=int, default=25)
+    p.add_argument("--cd-lr", type=float, default=5e-3)
+    p.add_argument("--out", default="docs/results/doc_to_lora.json")
+    p.add_argument("--run-dir", default=None, help="checkpoint folder (resumable training)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.train_docs, args.test_docs, args.steps, args.cd_steps = 48, 8, 60, 15
+    layers = [int(x) for x in args.layers.split(",")]
+    t0 = time.time()
+    model, tok = load_model(args.model)
+    rng = np.random.default_rng(0)
+    train_codes = [c for c in range(10, 100) if c % 5]
+    test_codes = [c for c in range(10, 100) if c % 5 == 0]
+    train = make_documents(rng, args.train_docs, TRAIN_NAMES, train_codes, 2, 7)
+    test = make_documents(rng, args.test_docs, TEST_NAMES, test_codes, 2, 7)
+    max_chunks = 2
+    tr, te = tokenize(tok, train), tokenize(tok, test)
+    mean_train, mean_test = np.mean([len(d) for d in tr[0]]), np.mean([len(d) for d in te[0]])
+    print(f"loaded in {time.time() - t0:.0f}s; doc tokens: train mean {mean_train:.0f}, "
+          f"test mean {mean_test:.0f}"
+          f" (max {max(len(d) for d in tr[0] + te[0])}, chunk {args.chunk_len})", flush=True)
+    build = dict(layers=layers, chunk_len=args.chunk_len, max_chunks=max_chunks, top_k=16)
+    t0 = time.time()
+    train_data = build_distill_data(model, *tr, **build)
+    test_data = build_distill_data(model, *te, **build)
+    print(f"teacher + features in {time.time() - t0:.0f}s", flush=True)
+
+    hyper = DocToLoRA.for_model(model, layers=layers, rank=args.rank, d_latent=128,
+                                n_latents=8, num_blocks=2, n_heads=4, rngs=nnx.Rngs(0))
+    t0 = time.time()
+    history = train_doc_to_lora(hyper, model, train_data, steps=args.steps, batch_size=4,
+                                learning_rate=args.lr, warmup=10, l1_weight=0.1,
+                                run_dir=args.run_dir, resume=args.run_dir is not None,
+                                save_every=50,
+                                log=lambda s: print(s, flush=True))
+    train_seconds = time.time() - t0
+    print(f"trained D2L in {train_seconds:.0f}s", flush=True)
+
+    documents, questions, answers = te
+    starts_q = [len(q) - 1 for q in questions]
+    student = jnp.asarray(pad([q + a for q, a in zip(questions, answers)]))
+    with_doc = jnp.asarray(pad([d + q + a for d, q, a in zip(documents, questions, answers)]))
+    starts_doc = [len(d) + len(q) - 1 for d, q in zip(documents, questions)]
+    results = {}
+    results["base (no document)"] = answer_scores(model(student)[0], student, starts_q, answers)
+    results["base + document in context (ceiling)"] = answer_scores(
+        model(with_doc)[0], with_doc, starts_doc, answers)
+
+    # Doc-to-LoRA: one pass per document
+    bank = hyper(jnp.asarray(test_data.features), jnp.asarray(test_data.mask))
+    with adapted(model, bank, hyper.config):
+        logits = model(student)[0]
+    results["Doc-to-LoRA"] = answer_scores(logits, student, starts_q, answers)
+    run = internalizer(model, hyper, chunk_len=args.chunk_len)
+    for d in documents[:2]:  # compile for 1 and 2 chunks
+        run(d).a.block_until_ready()
+    t0 = time.time()
+    for d in documents:
+        run(d).a.block_until_ready()
+    d2l_seconds = (time.time() - t0) / len(documents)
+
+    # per-document context distillation (same layers, same total rank)
+    total_rank = (max_chunks + 1) * args.rank
+    distill = context_distiller(model, hyper.config, total_rank=total_rank, steps=args.cd_steps,
+                                learning_rate=args.cd_lr)
+    cd_hits, cd_lps, cd_times = [], [], []
+    for i in range(len(documents)):
+        one = DistillData(*(np.asarray(x)[i:i + 1] for x in test_data))
+        t0 = time.time()
+        cd_bank = distill(one, seed=i)
+        cd_bank.a.block_until_ready()
+        cd_times.append(time.time() - t0)
+        with adapted(model, cd_bank, hyper.config):
+            lg = model(student[i:i + 1])[0]
+        h, lp = answer_scores(lg, student[i:i + 1], starts_q[i:i + 1], answers[i:i + 1])
+        cd_hits += h
+        cd_lps += lp
+    results["context distillation (per doc)"] = (cd_hits, cd_lps)
+    cd_seconds = float(np.mean(cd_times[1:] if len(cd_times) > 1 else cd_times))
+
+    # memory: what XLA plans for one internalisation vs one context-distillation step
+    graph, state = nnx.split(model)
+    hgraph, hstate = nnx.split(hyper)
+    ids = jnp.zeros((max_chunks, args.chunk_len), jnp.int32)
+
+    def d2l_fn(hstate, state, ids):
+        from lowrank_jax.nn.capture import capture
+
+        m = nnx.merge(graph, state)
+        paths = [f"layers/{i}" for i in layers]
+        with capture(m, paths) as rec:
+            m(ids)
+        feats = jnp.stack([rec.inputs[q][0] for q in paths], axis=1)
+        return nnx.merge(hgraph, hstate)(feats[None], jnp.ones((1,) + ids.shape, bool))
+
+    def cd_fn(ab, state, batch):
+        from lowrank_jax.hyper import distill_loss, LoRABank
+
+        return jax.grad(lambda p: distill_loss(LoRABank(*p), nnx.merge(graph, state),
+                                               hyper.config, batch)[0])(ab)
+
+    one = DistillData(*(jnp.asarray(np.asarray(x)[:1]) for x in test_data))
+    ab = (jnp.zeros((1, len(layers), total_rank, hyper.config.d_in)),
+          jnp.zeros((1, len(layers), total_rank, hyper.config.d_out)))
+    mem_d2l = compiled_temp_bytes(d2l_fn, hstate, state, ids)
+    mem_cd = compiled_temp_bytes(cd_fn, ab, state, one)
+
+    mean_tokens = float(np.mean([len(d) for d in documents]))
+    kv = kv_cache_bytes(model.cfg, mean_tokens)
+    one_bank = run(documents[0])
+    rows = []
+    for name, (hits, lps) in results.items():
+        rows.append({"method": name, "accuracy": float(np.mean(hits)),
+                     "answer_logp": float(np.mean(lps))})
+    report = {
+        "date": time.strftime("%Y-%m-%d"), "quick": args.quick, "model": args.model,
+        "layers": layers, "rank_per_chunk": args.rank, "chunk_len": args.chunk_len,
+        "train_docs": args.train_docs, "test_docs": args.test_docs, "steps": args.steps,
+        "cd_steps": args.cd_steps, "train_seconds": train_seconds, "rows": rows,
+        "internalize_seconds": {"doc_to_lora": d2l_seconds, "context_distillation": cd_seconds},
+        "working_memory_bytes": {"doc_to_lora": mem_d2l, "context_distillation_step": mem_cd},
+        "mean_doc_tokens": mean_tokens, "kv_cache_bytes_mean_doc": kv,
+        "adapter_bytes_one_doc": adapter_bytes(one_bank),
+        "kv_bytes_per_token": kv_cache_bytes(model.cfg, 1),
+        "final_train_loss": history[-1]["loss"] if history else None,
+        "first_train_loss": history[0]["loss"] if history else None,
+    }
+    print("\n| method | accuracy (no doc in prompt) | answer log-prob |")
+    print("|---|---|---|")
+    for r in rows:
+        print(f"| {r['method']} | {r['accuracy']:.3f} | {r['answer_logp']:.2f} |")
+    print(f"\ninternalize one doc: D2L {d2l_seconds:.3f}s, context distillation {cd_seconds:.2f}s "
+          f"({args.cd_steps} steps); working memory D2L {mem_d2l}, CD step {mem_cd} bytes")
+    print(f"KV cache of a {mean_tokens:.0f}-token doc: {kv} bytes; adapter "
+          f"{report['adapter_bytes_one_doc']} bytes")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
