@@ -300,5 +300,5 @@ def calibration_tokens(tokenizer, text: str, n_seq: int, seq_len: int, seed: int
     return np.stack([ids[s:s + seq_len] for s in starts])
 
 
-__all__ = ["CALIBRATED", "FINETUNED", "METHODS", "UNISVQ_BITS", "calibration_tokens", "model_bits_per_weight",
-           "quantize_model"]
+__all__ = ["CALIBRATED", "FINETUNED", "METHODS", "UNISVQ_BITS", "calibration_tokens",
+           "model_bits_per_weight", "quantize_model"]
