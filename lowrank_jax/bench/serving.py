@@ -60,6 +60,28 @@ def _transformers_row(name: str, model_path: str, prompt: list[int], new_tokens:
                met=bool(ours_s / theirs <= 1 / 1.5), model=name)
 
 
+def _cache_step_runner(model, cache_len: int, position: int, donate: bool):
+    """One decode step at ``position`` of a ``cache_len`` KV cache, the cache donated (updated
+    in place, as :func:`~lowrank_jax.models.generate.generate` does) or copied (before)."""
+    from lowrank_jax.models.generate import forward, prepare
+    from lowrank_jax.models.llama import KVCache
+
+    static, state = prepare(model)
+    step = jax.jit(lambda state, token, cache: forward(static, state, token, cache),
+                   donate_argnums=(2,) if donate else ())
+    empty = KVCache.empty(model.cfg, 1, cache_len)
+    holder = [empty.keys, empty.values]
+    token = jax.numpy.zeros((1, 1), jax.numpy.int32)
+
+    def run():  # a fresh length scalar each call: the whole cache (length too) is donated
+        cache = KVCache(holder[0], holder[1], jax.numpy.asarray(position, jax.numpy.int32))
+        logits, cache = step(state, token, cache)
+        holder[0], holder[1] = cache.keys, cache.values
+        return logits
+
+    return run
+
+
 def smollm2_serving(*, quick: bool, reps: int) -> list[dict]:
     """Prefill and decode of SmolLM2 (``tiny`` preset in quick mode): bf16 vs fp32, and fp32
     vs transformers on the same CPU when torch and transformers are installed."""
@@ -82,6 +104,13 @@ def smollm2_serving(*, quick: bool, reps: int) -> list[dict]:
                 "fp32 weights", prefill["bfloat16"], prefill["float32"], model=name),
             row("smollm2_serving", "decode bf16 (per token)", "bf16 weights", "fp32 weights",
                 decode["bfloat16"], decode["float32"], model=name)]
+    cache_len = 64 if quick else 2048
+    steps = time_interleaved({
+        donate: _cache_step_runner(models["float32"][0], cache_len, cache_len // 2, donate)
+        for donate in (True, False)}, reps=reps)
+    rows.append(row("smollm2_serving", f"decode step, {cache_len}-token KV cache fp32",
+                    "cache in place (after)", "cache copied (before)", steps[True],
+                    steps[False], model=name))
     try:
         import torch  # noqa: F401
         import transformers  # noqa: F401
