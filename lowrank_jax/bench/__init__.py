@@ -4,8 +4,15 @@
 project is :func:`time_fn` / :func:`time_interleaved` (the device check uses it too).
 """
 
-from lowrank_jax.bench.suite import BENCHMARKS, check_record, format_table, run_suite, select
+from lowrank_jax.bench.suite import (
+    BENCHMARKS,
+    check_record,
+    format_markdown,
+    format_table,
+    run_suite,
+    select,
+)
 from lowrank_jax.bench.timing import machine_record, time_fn, time_interleaved
 
-__all__ = ["BENCHMARKS", "check_record", "format_table", "machine_record", "run_suite", "select",
-           "time_fn", "time_interleaved"]
+__all__ = ["BENCHMARKS", "check_record", "format_markdown", "format_table", "machine_record",
+           "run_suite", "select", "time_fn", "time_interleaved"]

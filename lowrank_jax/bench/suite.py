@@ -90,7 +90,36 @@ def format_table(record: dict) -> str:
         if "breakdown_fraction" in r:
             parts = ", ".join(f"{k} {100 * v:.0f}%" for k, v in r["breakdown_fraction"].items())
             lines.append(f"{'':20s} {'  packed step time:':44s} {parts}")
+        if "step_ratio_from_update_times" in r:
+            lines.append(f"{'':20s} {'  from update times (step + extra update):':44s} "
+                         f"{r['step_ratio_from_update_times']:.4f}")
     return "\n".join(lines)
+
+
+def format_markdown(record: dict) -> str:
+    """The table as Markdown (for ``docs/results/bench.md``), with the machine line above it."""
+    m = record["machine"]
+    lines = [f"Run {m['date_utc']} UTC on {m['host']} ({m['backend']}, {m['cpu_count']} CPUs, "
+             f"load average {m['load_average']}), jax {m['jax']}, flax {m['flax']}, optax "
+             f"{m['optax']}; {record['reps']} interleaved rounds per measurement, medians.", "",
+             "| benchmark | case | method | baseline | method / baseline time | speedup | "
+             "target |", "|---|---|---|---|---:|---:|---|"]
+    for r in record["rows"]:
+        if "time_ratio" not in r:
+            why = r.get("skipped") or r.get("error", "")
+            lines.append(f"| {r['benchmark']} | {r.get('case', '')} | skipped: {why} | | | | |")
+            continue
+        target = "" if r.get("target") is None else (
+            f"{r['target']}: {'met' if r.get('met') else '**not met**'}")
+        lines.append(f"| {r['benchmark']} | {r['case']} | {r['method']} | {r['baseline']} | "
+                     f"{r['time_ratio']:.3f} | {1 / r['time_ratio']:.2f}x | {target} |")
+        if "breakdown_fraction" in r:
+            parts = ", ".join(f"{k} {100 * v:.0f} %" for k, v in r["breakdown_fraction"].items())
+            lines.append(f"| | packed step time split | {parts} | | | | |")
+        if "step_ratio_from_update_times" in r:
+            lines.append(f"| | same, from update times: (AdamW step + extra update time) / "
+                         f"AdamW step | | | {r['step_ratio_from_update_times']:.4f} | | |")
+    return "\n".join(lines) + "\n"
 
 
 def check_record(record: dict) -> list[str]:
@@ -109,4 +138,5 @@ def check_record(record: dict) -> list[str]:
     return problems
 
 
-__all__ = ["BENCHMARKS", "check_record", "format_table", "run_suite", "select"]
+__all__ = ["BENCHMARKS", "check_record", "format_markdown", "format_table", "run_suite",
+           "select"]

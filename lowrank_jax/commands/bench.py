@@ -16,14 +16,15 @@ def register(subparsers) -> None:
                         "factorized_vs_dense, packed_lora, smollm2_serving, load_time")
     p.add_argument("--reps", type=positive_int, default=None,
                    help="timed rounds per measurement (default 2 quick, 7 full)")
-    p.add_argument("--out", default="runs/bench", help="folder for bench.json")
+    p.add_argument("--out", default="runs/bench",
+                   help="folder for bench.json and bench.md (the table)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     import json
 
-    from lowrank_jax.bench import check_record, format_table, run_suite, select
+    from lowrank_jax.bench import check_record, format_markdown, format_table, run_suite, select
     from lowrank_jax.io.outputs import atomic_write_text, prepare_output
 
     select(args.only)  # a bad name fails before any work
@@ -33,7 +34,8 @@ def run(args) -> int:
     print(format_table(record))
     path = out / "bench.json"
     atomic_write_text(path, json.dumps(record, indent=1, default=str))
-    print(f"wrote {path}")
+    atomic_write_text(out / "bench.md", format_markdown(record))
+    print(f"wrote {path} and {out / 'bench.md'}")
     problems = check_record(record)
     for problem in problems:
         print(f"problem: {problem}")

@@ -35,6 +35,8 @@ def test_quick_suite_runs_every_benchmark_and_writes_finite_ratios(tmp_path, cap
     table = capsys.readouterr().out
     assert "method vs baseline" in table and "packed step time" in table
     assert len([line for line in table.splitlines() if line.startswith("factorized_vs_dense")]) == 3
+    markdown = (tmp_path / "bench.md").read_text()
+    assert markdown.count("| factorized_vs_dense |") == 3 and record["machine"]["jax"] in markdown
 
 
 def test_only_runs_one_benchmark_and_rejects_unknown_names(tmp_path, capsys):
