@@ -3,10 +3,13 @@
 Run on a lent GPU through ``scripts/gpu/check.sh`` (sized to finish in under 6 minutes on one
 H200). Each check is a function ``check(ctx) -> list[dict]`` in :data:`CHECKS`; every check runs
 inside its own try/except, so one failure is recorded and the others still run. Later kernels
-(xkv_decode, lattice_matmul, grouped_lora) add a check by appending a function to ``CHECKS``
-below, or by dropping a module with a ``CHECKS`` list into ``scripts/gpu/checks/``.
+(xkv_decode, lattice_matmul, grouped_lora, subspace_attention) are modules with a ``CHECKS``
+list in ``scripts/gpu/checks/``, discovered at run time. One JSON (``gpu_check.json``) and one
+table come out; ``--dry-run`` runs every check at tiny sizes in Pallas interpret mode on a CPU
+(``tests/gpu/test_gpu_check.py`` runs ``check.sh --dry-run`` so it cannot rot).
 
-Timings: warm-up 3 calls, then the median of ``--reps`` calls, each ``jax.block_until_ready``.
+Timings: :func:`lowrank_jax.bench.time_fn`, the project's one timer (warm-up 3 calls, then the
+median of ``--reps`` calls, each ``jax.block_until_ready``).
 The baseline is ``jax.nn.dot_product_attention(implementation="cudnn")`` (``"xla"`` when cuDNN
 is unavailable), measured in the same run at every length.
 
@@ -23,8 +26,6 @@ import dataclasses
 import importlib.util
 import json
 import os
-import platform as host_platform
-import statistics
 import sys
 import time
 import traceback
@@ -39,6 +40,8 @@ from pallas_kernels.flash_attention import api as flash_api  # noqa: E402
 from pallas_kernels.flash_attention.reference import flash_attention_reference  # noqa: E402
 from pallas_kernels.sparse_attention import api as sale_api  # noqa: E402
 from pallas_kernels.sparse_attention import reference as sale_ref  # noqa: E402
+
+from lowrank_jax.bench import machine_record, time_fn  # the project's one timer
 
 
 @dataclasses.dataclass
@@ -75,18 +78,6 @@ def _random_qkv(ctx: Context, n: int, seed: int = 0, heads=None, kv_heads=None, 
 def _rel_err(x, ref) -> float:
     x, ref = np.asarray(x, np.float32), np.asarray(ref, np.float32)
     return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
-
-
-def time_fn(fn: Callable, *args, reps: int = 10, warmup: int = 3) -> float:
-    """Median wall seconds of ``fn(*args)`` after ``warmup`` calls (results blocked on)."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _flash_blocks(ctx: Context) -> flash_api.BlockSizes:
@@ -293,10 +284,7 @@ def main(argv=None) -> int:
                       deadline=time.time() + args.budget_s)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-            "jax": jax.__version__, "backend": jax.default_backend(),
-            "devices": [d.device_kind for d in jax.devices()], "python": sys.version.split()[0],
-            "host": host_platform.node(), "dry_run": ctx.dry_run, "lengths": ctx.lengths}
+    meta = {**machine_record(), "dry_run": ctx.dry_run, "lengths": ctx.lengths}
     print(json.dumps(meta), flush=True)
     results = run_checks(ctx, CHECKS + discover_extra_checks())
     print_table(results)

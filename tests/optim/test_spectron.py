@@ -343,3 +343,23 @@ def test_nnx_optimizer_on_factorized_llama_reduces_loss():
     losses = [float(train_step(model, optimizer, tokens)) for _ in range(4)]
     assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < losses[0] - 0.05, losses
     assert not np.allclose(a_before, np.asarray(model.layers[0].mlp.up_proj.a[...]))
+
+
+def test_batched_pairs_equal_the_per_pair_loop():
+    """Pairs of equal shape run as one vmapped computation; the result is the per-pair loop's."""
+    keys = jax.random.split(jax.random.key(3), 12)
+    shapes = [((16, 4), (4, 8))] * 3 + [((8, 2), (2, 16))] * 2 + [((5, 3), (3, 7))]
+    params = {f"p{i}": {"a": jax.random.normal(keys[2 * i], sa),
+                        "b": jax.random.normal(keys[2 * i + 1], sb)}
+              for i, (sa, sb) in enumerate(shapes)}
+    grads = jax.tree.map(lambda x: jnp.cos(3.0 * x), params)
+    outs = {}
+    for batched in (True, False):
+        tx = scale_by_spectron(weight_decay=0.1, batch_pairs=batched)
+        state = tx.init(params)
+        for _ in range(2):
+            updates, state = jax.jit(tx.update)(grads, state, params)
+        outs[batched] = (updates, state)
+    for got, want in zip(jax.tree.leaves(outs[True]), jax.tree.leaves(outs[False])):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    assert float(jnp.abs(outs[True][0]["p0"]["a"]).max()) > 0

@@ -1,113 +1,77 @@
 """Device check of the UniSVQ lattice matmul: kernel vs reference, time vs bf16 dense, bandwidth.
 
-``check(out_dir, quick)`` is called by ``scripts/gpu/check.py`` on the device machine. For each
-shape it (1) compares the Pallas kernel (fold and dequant modes) with the XLA reference,
-(2) times the kernel against a bf16 ``jnp.dot`` with the dense weight, and (3) reports the
-kernel's achieved code bandwidth (bytes of packed codes + activations + output per second) as a
-fraction of a device copy bandwidth measured in the same run.
+Picked up by ``scripts/gpu/check.py`` through :data:`CHECKS`. For each shape it (1) compares the
+Pallas kernel (fold and dequant modes) with the XLA reference, (2) times the kernel against a
+bf16 ``jnp.dot`` with the dense weight, and (3) reports the kernel's achieved bandwidth (bytes of
+packed codes + activations + output per second) as a fraction of a device copy bandwidth
+measured in the same run. ``--dry-run``: one tiny shape in interpret mode, no timings.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import time
+import jax
+import jax.numpy as jnp
+
+from lowrank_jax.bench import time_fn  # the project's one timer
 
 
-def _timeit(fn, *args, warmup: int = 3, reps: int = 20) -> float:
-    import jax
-    import numpy as np
-
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
-
-
-def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+def copy_bandwidth(nbytes: int, reps: int) -> float:
     """Measured device copy rate in bytes/s (read + write of a ``nbytes`` buffer)."""
-    import jax
-    import jax.numpy as jnp
-
     x = jnp.ones((nbytes // 4,), jnp.float32)
-    copy = jax.jit(lambda a: a + 1.0)
-    seconds = _timeit(copy, x)
-    return 2 * nbytes / seconds
+    return 2 * nbytes / time_fn(jax.jit(lambda a: a + 1.0), x, reps=reps)
 
 
-def check(out_dir: str, quick: bool) -> dict:
-    """Run the checks; write ``lattice_matmul.json`` into ``out_dir``; return the summary."""
-    import jax
-    import jax.numpy as jnp
-
+def check_lattice_matmul(ctx) -> list[dict]:
     from pallas_kernels.lattice_matmul.api import code_matmul
     from pallas_kernels.lattice_matmul.reference import code_matmul_reference
 
-    shapes = [(4096, 4096)] if quick else [(4096, 4096), (12288, 4096), (4096, 12288)]
-    tokens = [1, 16, 256] if quick else [1, 4, 16, 64, 256, 2048]
-    bandwidth = copy_bandwidth(1 << 28 if quick else 1 << 30)
-    rows, ok = [], True
+    if ctx.dry_run:
+        shapes, tokens, dtype = [(40, 64)], [3], jnp.float32
+        blocks = dict(block_m=16, block_k=8)
+    else:
+        shapes, tokens, dtype = [(4096, 4096), (12288, 4096), (4096, 12288)], [1, 16, 256, 2048], \
+            jnp.bfloat16
+        blocks = {}
+    bandwidth = None if ctx.dry_run else copy_bandwidth(1 << 30, ctx.reps)
+    rows = []
     for m, n in shapes:
-        k = jax.random.split(jax.random.PRNGKey(0), 4)
+        k = jax.random.split(jax.random.key(0), 4)
         codes = jax.random.randint(k[0], (m, n // 4), 0, 256).astype(jnp.uint8)
         affine = jax.random.normal(k[1], (4, 4)) * 0.3 + jnp.eye(4)
         offset = jax.random.normal(k[2], (4,)) * 0.1
-        w_dense = jax.random.normal(k[3], (m, n)).astype(jnp.bfloat16)
+        w_dense = jax.random.normal(k[3], (m, n)).astype(dtype)
         for t in tokens:
-            x = jax.random.normal(jax.random.PRNGKey(t), (t, n)).astype(jnp.bfloat16)
+            if ctx.time_left() < 30:
+                rows.append({"check": "lattice_matmul", "n": t, "skipped": "time budget"})
+                continue
+            x = jax.random.normal(jax.random.key(t), (t, n)).astype(dtype)
             ref = code_matmul_reference(x.astype(jnp.float32), codes, affine, offset)
-            row = {"m": m, "n": n, "t": t}
+            row = {"check": "lattice_matmul", "n": t, "m": m, "k": n, "ok": True}
+            if not ctx.dry_run:
+                dense = jax.jit(lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.float32))
+                row["bf16_dense_s"] = time_fn(dense, x, w_dense, reps=ctx.reps)
             for mode in ("fold", "dequant"):
                 fn = jax.jit(lambda x, c, a, b, mode=mode: code_matmul(
-                    x, c, a, b, mode=mode, implementation="pallas"))
+                    x, c, a, b, mode=mode, implementation="pallas", interpret=ctx.interpret,
+                    **blocks))
                 try:
                     got = fn(x, codes, affine, offset)
                     rel = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
-                    seconds = _timeit(fn, x, codes, affine, offset)
-                    moved = codes.size + x.size * 2 + t * m * 4
-                    row[mode] = {"rel_err": rel, "seconds": seconds,
-                                 "bandwidth_fraction": moved / seconds / bandwidth}
-                    ok = ok and rel < 2e-2
-                except Exception as err:  # report lowering failures instead of dying
-                    row[mode] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
-                    ok = False
-            dense = jax.jit(lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.float32))
-            row["bf16_dense_seconds"] = _timeit(dense, x, w_dense)
-            for mode in ("fold", "dequant"):
-                if "seconds" in row[mode]:
-                    row[mode]["speedup_vs_bf16"] = row["bf16_dense_seconds"] / row[mode]["seconds"]
+                    row[f"{mode}_rel_err"] = rel
+                    row["ok"] = row["ok"] and rel < (1e-5 if ctx.dry_run else 2e-2)
+                    if not ctx.dry_run:
+                        seconds = time_fn(fn, x, codes, affine, offset, reps=ctx.reps)
+                        moved = codes.size + x.size * 2 + t * m * 4
+                        row[f"{mode}_s"] = seconds
+                        row[f"{mode}_bandwidth_fraction"] = moved / seconds / bandwidth
+                        row[f"{mode}_speedup_vs_bf16"] = row["bf16_dense_s"] / seconds
+                except Exception as err:  # noqa: BLE001 - record lowering failures, keep going
+                    row[f"{mode}_error"] = f"{type(err).__name__}: {str(err)[:300]}"
+                    row["ok"] = False
+            if bandwidth is not None:
+                row["copy_bandwidth_GBps"] = bandwidth / 1e9
             rows.append(row)
-    summary = {
-        "device": str(jax.devices()[0]),
-        "copy_bandwidth_GBps": bandwidth / 1e9,
-        "ok": bool(ok),
-        "rows": rows,
-    }
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "lattice_matmul.json"), "w") as f:
-        json.dump(summary, f, indent=1)
-    for row in rows:
-        parts = [f"m={row['m']} n={row['n']} t={row['t']}",
-                 f"bf16 {row['bf16_dense_seconds'] * 1e6:.1f}us"]
-        for mode in ("fold", "dequant"):
-            r = row[mode]
-            parts.append(f"{mode} " + (r["error"][:60] if "error" in r else
-                                       f"{r['seconds'] * 1e6:.1f}us "
-                                       f"bw {100 * r['bandwidth_fraction']:.1f}% "
-                                       f"err {r['rel_err']:.1e}"))
-        print(" | ".join(parts))
-    return summary
+    return rows
 
 
-if __name__ == "__main__":
-    import argparse
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="runs/gpu_checks")
-    parser.add_argument("--quick", action="store_true")
-    a = parser.parse_args()
-    print(json.dumps({k: v for k, v in check(a.out, a.quick).items() if k != "rows"}))
+CHECKS = [check_lattice_matmul]

@@ -19,7 +19,7 @@ def check_subspace_attention(ctx) -> list[dict]:
         subspace_attention,
         subspace_attention_reference,
     )
-    from scripts.gpu.check import time_fn  # the suite's one timer: warm-up, then the median
+    from lowrank_jax.bench import time_fn  # the project's one timer: warm-up, then the median
 
     frames, block = (4, 16) if ctx.dry_run else (16, 64)
     heads, head_dim = (2, 32) if ctx.dry_run else (12, 128)

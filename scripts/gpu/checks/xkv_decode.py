@@ -8,15 +8,12 @@
    reference path (dense reconstruction), Hq = 32, H_kv = 8, D = 128, batch 4, xKV-4 ranks
    (384, 576) — as in the spec's benchmark plan.
 
-``gpu_check.py`` imports ``CHECKS`` from here; ``check(out_dir, quick)`` runs it stand-alone.
+``scripts/gpu/check.py`` imports ``CHECKS`` from here.
 """
 
 from __future__ import annotations
 
 import json
-import statistics
-import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -25,16 +22,7 @@ import numpy as np
 from pallas_kernels.xkv_decode import reconstruct, rope, xkv_decode_attention  # noqa: E402
 from pallas_kernels.xkv_decode.reference import xkv_decode_reference  # noqa: E402
 
-
-def _time(fn, *args, reps=10, warmup=3) -> float:
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+from lowrank_jax.bench import time_fn  # the project's one timer
 
 
 def _case(b, hq, hk, d, length, rk, rv, dtype, seed=0):
@@ -97,9 +85,9 @@ def _rows(dry_run: bool, lengths, reps: int, interpret: bool, time_left=lambda: 
                 interpret=interpret, block_k=nblk, num_splits=splits))
             ref = jax.jit(lambda q, ak, bk, av, bv: xkv_decode_attention(
                 q, ak, bk, av, bv, rope_theta=1e7, implementation="xla"))
-            row["baseline_s"] = _time(dense, qd, keys, vals, reps=reps)
-            row["xkv_pallas_s"] = _time(kernel, q, ak, bk, av, bv, reps=reps)
-            row["xkv_xla_s"] = _time(ref, q, ak, bk, av, bv, reps=reps)
+            row["baseline_s"] = time_fn(dense, qd, keys, vals, reps=reps)
+            row["xkv_pallas_s"] = time_fn(kernel, q, ak, bk, av, bv, reps=reps)
+            row["xkv_xla_s"] = time_fn(ref, q, ak, bk, av, bv, reps=reps)
             row["speedup_vs_dense"] = row["baseline_s"] / row["xkv_pallas_s"]
             row["bytes_dense"] = int(keys.nbytes + vals.nbytes)
             row["bytes_xkv_layer"] = int(ak.nbytes + bk.nbytes + av.nbytes + bv.nbytes)
@@ -118,27 +106,3 @@ def check_xkv_decode(ctx) -> list[dict]:
 
 
 CHECKS = [check_xkv_decode]
-
-
-def check(out_dir, quick: bool) -> dict:
-    """Stand-alone run: writes ``out_dir/xkv_decode.json`` and returns its content."""
-    on_cpu = jax.default_backend() == "cpu"
-    lengths = [80] if on_cpu else ([8192, 32768] if quick else [8192, 32768, 65536, 122880])
-    rows = _rows(on_cpu, lengths, 2 if on_cpu else 10, on_cpu)
-    result = {"backend": jax.default_backend(), "devices": [x.device_kind for x in jax.devices()],
-              "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "rows": rows,
-              "ok": bool(all(r.get("ok", True) for r in rows))}
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "xkv_decode.json").write_text(json.dumps(result, indent=2))
-    return result
-
-
-if __name__ == "__main__":
-    import argparse
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="runs/gpu_check_xkv")
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
-    print(json.dumps(check(args.out, args.quick)["ok"]))

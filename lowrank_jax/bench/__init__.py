@@ -1,0 +1,18 @@
+"""Benchmarks of the library's efficiency claims, each as a ratio to its same-run baseline.
+
+``lowrank-jax bench [--quick] [--only NAME]`` runs :func:`run_suite`; the one timer of the
+project is :func:`time_fn` / :func:`time_interleaved` (the device check uses it too).
+"""
+
+from lowrank_jax.bench.suite import (
+    BENCHMARKS,
+    check_record,
+    format_markdown,
+    format_table,
+    run_suite,
+    select,
+)
+from lowrank_jax.bench.timing import machine_record, time_fn, time_interleaved
+
+__all__ = ["BENCHMARKS", "check_record", "format_markdown", "format_table", "machine_record",
+           "run_suite", "select", "time_fn", "time_interleaved"]

@@ -1,0 +1,102 @@
+"""The package's one timer: warm-up calls, then the median of blocked calls; interleaved.
+
+Benchmarks on a shared machine only compare ratios measured in the same run. To keep a load
+spike from landing on one side of a comparison, :func:`time_interleaved` runs the candidates
+round-robin (``a b c a b c ...``) and takes each one's median.
+
+Example::
+
+    >>> import jax.numpy as jnp
+    >>> x = jnp.ones((8, 8))
+    >>> times = time_interleaved({"one": lambda: x @ x, "two": lambda: (x @ x) @ x}, reps=3)
+    >>> sorted(times), all(t > 0 for t in times.values())
+    (['one', 'two'], True)
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import jax
+
+
+def _positive(name: str, value: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive int (number of timed calls).")
+    return value
+
+
+def time_fn(fn: Callable, *args: Any, reps: int = 10, warmup: int = 3) -> float:
+    """Median wall seconds of ``fn(*args)`` after ``warmup`` calls (each result blocked on).
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> time_fn(lambda a: a + 1, jnp.ones(4), reps=2, warmup=1) > 0
+        True
+    """
+    _positive("reps", reps)
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def time_interleaved(
+    fns: dict[str, Callable[[], Any]], *, reps: int = 5, warmup: int = 1
+) -> dict[str, float]:
+    """Median wall seconds of each zero-argument callable, timed round-robin.
+
+    Args:
+        fns: ``{name: fn}``; each ``fn()`` runs the work once (its result is blocked on).
+        reps: timed rounds (every candidate once per round).
+        warmup: untimed rounds first (compilation, caches).
+
+    Returns:
+        ``{name: median seconds}``.
+    """
+    _positive("reps", reps)
+    for _ in range(warmup):
+        for fn in fns.values():
+            jax.block_until_ready(fn())
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def machine_record() -> dict:
+    """Where and with what a benchmark ran: date (UTC), host, CPU count, versions, devices."""
+    import os
+
+    import flax
+    import optax
+
+    return {
+        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "host": platform.node(),
+        "machine": platform.machine(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "python": sys.version.split()[0],
+        "jax": jax.__version__,
+        "flax": flax.__version__,
+        "optax": optax.__version__,
+        "backend": jax.default_backend(),
+        "devices": [d.device_kind for d in jax.devices()],
+    }
+
+
+__all__ = ["machine_record", "time_fn", "time_interleaved"]
