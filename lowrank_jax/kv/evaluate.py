@@ -12,10 +12,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lowrank_jax.kv.cache import SelectiveConfig, XKVCache, compression_ratio
-from lowrank_jax.kv.compress import xkv_compress, xkv_reconstruct
+from lowrank_jax.kv.cache import SelectiveConfig, XKVCache
 from lowrank_jax.kv.model import ContextKV, prefill_kv, xkv_decode_step, xkv_generate, xkv_prefill
-from lowrank_jax.kv.methods import cache_ratio, compress_kv, get_method, reconstruct_all
+from lowrank_jax.kv.methods import (
+    cache_ratio,
+    compress_kv,
+    get_method,
+    kv_generate,
+    reconstruct_all,
+)
 from lowrank_jax.kv.ranks import (
     DEFAULT_GROUP_SIZE,
     DEFAULT_SINK_TOKENS,
@@ -233,7 +238,81 @@ def xkv_cache_factory(ratio: float, group_size: int = DEFAULT_GROUP_SIZE,
     return XKVCacheFactory(ratio=float(ratio), group_size=group_size, sink_tokens=sink_tokens)
 
 
+@dataclasses.dataclass(frozen=True)
+class KVCacheFactory:
+    """What ``--kv METHOD --kv-ratio R [--kv-group G --kv-sink S]`` builds, for any method of
+    :data:`~lowrank_jax.kv.methods.METHODS` (``group_size`` is used by the xKV family,
+    ``sink_tokens`` by every compressed method).
+
+    Example::
+
+        >>> kv_cache_factory("kivi", 4.0).options()
+        {'sink_tokens': 1}
+    """
+
+    method: str
+    ratio: float | None
+    group_size: int = DEFAULT_GROUP_SIZE
+    sink_tokens: int = DEFAULT_SINK_TOKENS
+
+    def options(self) -> dict:
+        if self.method == "none":
+            return {}
+        out = dict(sink_tokens=self.sink_tokens)
+        if self.method in ("xkv", "xkv_quant", "xkv_quant_energy"):
+            out["group_size"] = self.group_size
+        return out
+
+    def describe(self) -> str:
+        if self.method == "none":
+            return "exact cache"
+        extra = (f", groups of {self.group_size} layers" if "group_size" in self.options()
+                 else "")
+        return (f"{self.method} cache: target ratio {self.ratio:g}x of the fp16 cache, all bytes "
+                f"counted{extra}, {self.sink_tokens} exact sink token(s)")
+
+    def generate(self, model, prompt, *, max_new_tokens: int):
+        return kv_generate(model, prompt, method=self.method, ratio=self.ratio,
+                           max_new_tokens=max_new_tokens, **self.options())
+
+    def perplexity(self, model, ids, *, context_len: int, eval_len: int) -> float:
+        setting = dict(method=self.method, ratio=self.ratio, **self.options())
+        return xkv_perplexity_sweep(model, ids, context_len=context_len, eval_len=eval_len,
+                                    settings=[setting])[0]["perplexity"]
+
+
+def kv_cache_factory(method: str, ratio: float | None = 8.0,
+                     group_size: int = DEFAULT_GROUP_SIZE,
+                     sink_tokens: int = DEFAULT_SINK_TOKENS) -> KVCacheFactory:
+    """The validated object ``--kv METHOD --kv-ratio R --kv-group G --kv-sink S`` maps to."""
+    get_method(method)
+    if method != "none" and not (ratio is not None and ratio > 0):
+        raise ValueError(f"--kv-ratio={ratio} must be > 0 (e.g. 8).")
+    if not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"--kv-group={group_size!r} must be a positive int (default 4).")
+    if not isinstance(sink_tokens, int) or sink_tokens < 0:
+        raise ValueError(f"--kv-sink={sink_tokens!r} must be an int >= 0.")
+    return KVCacheFactory(method, None if ratio is None else float(ratio), group_size,
+                          sink_tokens)
+
+
+def generate_text_with_kv(model, tokenizer, prompt: str, factory: KVCacheFactory, *,
+                          max_new_tokens: int) -> str:
+    """Greedy continuation of ``prompt`` (a string) decoded from ``factory``'s compressed cache,
+    cut at the end token (what ``generate --kv METHOD`` prints)."""
+    ids = tokenizer.encode(prompt)
+    if len(ids) + max_new_tokens > model.cfg.max_seq_len:
+        raise ValueError(f"--max-new-tokens {max_new_tokens} + {len(ids)} prompt tokens exceed "
+                         f"the model's context ({model.cfg.max_seq_len}); lower it.")
+    out = [int(t) for t in factory.generate(model, jnp.asarray([ids], jnp.int32),
+                                            max_new_tokens=max_new_tokens)[0]]
+    if tokenizer.eos_id in out:
+        out = out[: out.index(tokenizer.eos_id)]
+    return tokenizer.decode(out)
+
+
 __all__ = [
-    "XKVCacheFactory", "xkv_cache_factory", "xkv_perplexity", "xkv_perplexity_sweep",
+    "KVCacheFactory", "XKVCacheFactory", "generate_text_with_kv", "kv_cache_factory",
+    "xkv_cache_factory", "xkv_perplexity", "xkv_perplexity_sweep",
     "xkv_windowed_perplexity",
 ]

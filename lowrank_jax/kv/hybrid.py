@@ -43,7 +43,8 @@ from lowrank_jax.kv.quantized import (
 from lowrank_jax.kv.ranks import DEFAULT_GROUP_SIZE, DEFAULT_VALUE_RANK_SCALE, layer_groups
 
 FULL_BITS = 16  # "not quantized": the factor is stored in the 16-bit float dtype
-DEFAULT_FACTOR_BITS = 4
+# 8-bit A and B: on the exploration window at 8x, 8/8 beat 4/8 and 4/4 (docs/results/kv_cache.md)
+DEFAULT_FACTOR_BITS = 8
 DEFAULT_BASIS_BITS = 8
 DEFAULT_QUANT_GROUP = 32
 
@@ -181,7 +182,8 @@ def xkv_quant_compress(
             try:
                 _check_bits(bits)
             except ValueError:
-                raise ValueError(f"{name}={bits!r} must be 2, 4, 8 or {FULL_BITS} (fp16).") from None
+                raise ValueError(
+                    f"{name}={bits!r} must be 2, 4, 8 or {FULL_BITS} (fp16).") from None
     if allocation not in ("uniform", "energy"):
         raise ValueError(f"allocation={allocation!r} must be 'uniform' or 'energy'.")
     if (ratio is None) == (rank is None):

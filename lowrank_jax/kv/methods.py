@@ -12,7 +12,7 @@ arrays a cache holds, and :func:`cache_ratio` is ``reference_bytes / stored_byte
 ``per_layer_svd``       the same with ``G = 1``
 ``kivi``                KIVI quantized cache (keys per channel, values per token, residual
                         window); picks bits / group / window for the ratio
-``xkv_quant``           xKV with 4-bit token factors and 8-bit bases (ranks for the ratio)
+``xkv_quant``           xKV with 8-bit token factors and bases (ranks for the ratio)
 ``xkv_quant_energy``    ``xkv_quant`` with ranks allocated by spectrum energy across layer
                         groups and K vs V
 ======================  ==================================================================
@@ -102,7 +102,8 @@ def _kivi(keys, values, *, ratio, rope_theta, sink_tokens=0, bits=None, group_si
                                       dtype=dtype)
         bits, group_size, residual = chosen["bits"], chosen["group_size"], chosen["residual"]
     return kivi_compress(keys, values, rope_theta=rope_theta, bits=bits,
-                         group_size=group_size or 32, residual=128 if residual is None else residual,
+                         group_size=group_size or 32,
+                         residual=128 if residual is None else residual,
                          sink_tokens=sink_tokens, dtype=dtype)
 
 

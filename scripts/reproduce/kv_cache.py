@@ -36,9 +36,12 @@ CURVE = [
     ("per-layer SVD + sink", "per_layer_svd", {}),
     ("xKV + sink", "xkv", {}),
     ("KIVI", "kivi", {}),
-    ("xKV 4/8-bit factors", "xkv_quant", {}),
-    ("xKV 4/8-bit, energy ranks", "xkv_quant_energy", {}),
+    ("xKV 8-bit factors + sink", "xkv_quant", {}),
 ]
+
+
+# the run's order: the goal's ratios first, so that an interrupted run has the rows that matter
+_PRIORITY = {8.0: 0, 16.0: 1, 4.0: 2, 2.0: 3}
 
 
 def _parse_setting(text: str) -> tuple[str, dict]:
@@ -87,21 +90,25 @@ def main(argv=None) -> int:
     if args.settings:
         labelled += [_parse_setting(s) for s in args.settings]
     else:
-        labelled += [(f"{label}", dict(method=m, ratio=r, **opts))
-                     for label, m, opts in CURVE for r in args.ratios]
+        labelled += sorted(((label, dict(method=m, ratio=r, **opts))
+                            for label, m, opts in CURVE for r in args.ratios),
+                           key=lambda item: _PRIORITY.get(item[1]["ratio"], 9))
     records = []
-    for w, ids in enumerate(tqdm(windows, desc="windows")):
-        for (label, setting) in labelled:
+    # settings outer, windows inner: an interrupted run still has whole rows (all windows)
+    for label, setting in tqdm(labelled, desc="settings"):
+        for w, ids in enumerate(windows):
             try:
                 rec = xkv_perplexity_sweep(model, ids, context_len=args.context,
                                            eval_len=args.eval, settings=[setting])[0]
-            except ValueError as err:  # e.g. KIVI cannot reach 8x
-                rec = dict(method=setting["method"], target_ratio=setting["ratio"],
-                           unreachable=str(err))
+            except ValueError as err:  # e.g. KIVI cannot reach 8x: say so, once
+                records.append(dict(method=setting["method"], target_ratio=setting["ratio"],
+                                    unreachable=str(err), label=label, window=w))
+                print(_line(label, records[-1]), flush=True)
+                break
             records.append(dict(rec, label=label, window=w))
             print(_line(label, records[-1]), flush=True)
-        with open(os.path.join(args.out, "records.json"), "w") as f:
-            json.dump(records, f, indent=1, default=str)
+            with open(os.path.join(args.out, "records.json"), "w") as f:
+                json.dump(records, f, indent=1, default=str)
     rows = _summarize(labelled, records)
     print("\n| method | target | actual | ppl | vs exact | K err | V err | per-window ppl |")
     print("|---|---|---|---|---|---|---|---|")

@@ -132,7 +132,8 @@ def test_quantized_factors_buy_rank_and_energy_allocation_follows_the_spectrum()
     keys = jnp.asarray(low.reshape(2, 1, 96, 2, 16), jnp.float32)
     _, values = _kv((2, 1, 96, 2, 16), seed=6)
     fp16 = methods.compress_kv("xkv", keys, values, rope_theta=1e4, ratio=4.0, group_size=2)
-    quant = xkv_quant_compress(keys, values, rope_theta=1e4, ratio=4.0, group_size=2)
+    quant = xkv_quant_compress(keys, values, rope_theta=1e4, ratio=4.0, group_size=2,
+                               factor_bits=4)
     assert sum(quant.ranks[0]) > 2 * sum(fp16.ranks[0])  # 4-bit A, 8-bit B: > 2x the rank
     energy = xkv_quant_compress(keys, values, rope_theta=1e4, ratio=4.0, group_size=2,
                                 allocation="energy")
