@@ -17,12 +17,16 @@ def add_model_arguments(parser, *, kv_help: str) -> None:
                         help="rank ratio for --projection factorized (default 0.5)")
     parser.add_argument("--attention", default="reference", choices=("reference", "flash", "sale"),
                         help="attention implementation (Pallas kernels: flash, sale)")
-    parser.add_argument("--kv", default="none", choices=("none", "xkv"), help=kv_help)
+    from lowrank_jax.kv.methods import METHODS
+
+    parser.add_argument("--kv", default="none", choices=tuple(METHODS), help=kv_help)
     parser.add_argument("--kv-ratio", type=positive_float, default=8.0,
-                        help="xKV compression ratio")
+                        help="target KV-cache compression against the exact fp16 cache, every "
+                             "byte counted; the method picks its ranks/bits to meet it")
     parser.add_argument("--kv-group", type=positive_int, default=4, help="layers per xKV group")
     parser.add_argument("--kv-sink", type=non_negative_int, default=1,
-                        help="leading prompt tokens kept exact by xKV (0 = the paper's xKV)")
+                        help="leading prompt tokens kept exact by the --kv method (0 = the "
+                             "papers' xKV / KIVI)")
 
 
 def load_model_from_args(args):

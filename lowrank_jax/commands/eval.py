@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--max-tokens {args.max_tokens} must be at least 2.")
         ids = ids[: args.max_tokens]
     window = min(args.window, model.cfg.max_seq_len)
-    if getattr(args, "kv", "none") == "xkv":
+    if getattr(args, "kv", "none") != "none":
         return _eval_xkv(args, model, ids, window, source)
     result = perplexity(model, ids, window=window, stride=args.stride,
                         progress=not getattr(args, "no_progress", False))
@@ -62,14 +62,13 @@ def run(args: argparse.Namespace) -> int:
 
 def _eval_xkv(args, model, ids, window: int, source: str) -> int:
     """Per window: prefill ``window - kv_eval_tokens - 1`` tokens, compress, score the rest."""
-    from lowrank_jax.kv import xkv_cache_factory, xkv_windowed_perplexity
+    from lowrank_jax.kv import kv_cache_factory, xkv_windowed_perplexity
 
-    factory = xkv_cache_factory(args.kv_ratio, args.kv_group, args.kv_sink)
+    factory = kv_cache_factory(args.kv, args.kv_ratio, args.kv_group, args.kv_sink)
     ppl, n_windows = xkv_windowed_perplexity(model, ids, factory, window=window,
                                              eval_len=args.kv_eval_tokens,
                                              progress=not args.no_progress)
-    print(f"perplexity {ppl:.3f} with an xKV cache (ratio "
-          f"{args.kv_ratio}, groups of {args.kv_group}, {args.kv_sink} exact sink token(s)): "
+    print(f"perplexity {ppl:.3f} with a {factory.describe()}: "
           f"{n_windows} window(s) of {window}, last {args.kv_eval_tokens} tokens of each scored, "
           f"on {source}")
     return 0

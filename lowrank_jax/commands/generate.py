@@ -38,7 +38,8 @@ def register(subparsers) -> None:
     parser.add_argument("--top-p", type=positive_float, default=1.0,
                         help="nucleus mass in (0, 1] (with T > 0)")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="sampling seed")
-    add_model_arguments(parser, kv_help="compress the prompt's KV cache with xKV (cross-layer SVD)")
+    add_model_arguments(parser, kv_help="compress the prompt's KV cache with this method "
+                                        "(lowrank_jax.kv.METHODS)")
     parser.set_defaults(func=run)
 
 
@@ -66,26 +67,15 @@ def run(args: argparse.Namespace, *, cache_factory=None) -> int:
     if args.chat or (not args.raw and getattr(tokenizer, "chat_template", None)):
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
 
-    if getattr(args, "kv", "none") == "xkv":
-        import jax.numpy as jnp
-
-        from lowrank_jax.kv import xkv_cache_factory
+    if getattr(args, "kv", "none") != "none":
+        from lowrank_jax.kv import generate_text_with_kv, kv_cache_factory
 
         if args.temperature > 0:
-            raise ValueError("--kv xkv generates greedily; drop --temperature.")
-        factory = xkv_cache_factory(args.kv_ratio, args.kv_group, args.kv_sink)
-        ids = tokenizer.encode(prompt)
-        if len(ids) + args.max_new_tokens > model.cfg.max_seq_len:
-            raise ValueError(f"--max-new-tokens {args.max_new_tokens} + {len(ids)} prompt tokens "
-                             f"exceed the model's context ({model.cfg.max_seq_len}); lower it.")
-        out = [int(t) for t in factory.generate(model, jnp.asarray([ids], jnp.int32),
-                                                max_new_tokens=args.max_new_tokens)[0]]
-        if tokenizer.eos_id in out:
-            out = out[: out.index(tokenizer.eos_id)]
-        print(tokenizer.decode(out))
-        print(f"[xKV cache: ratio {args.kv_ratio}, groups of {args.kv_group} layers, "
-              f"{args.kv_sink} exact sink token(s)]",
-              file=sys.stderr)
+            raise ValueError(f"--kv {args.kv} generates greedily; drop --temperature.")
+        factory = kv_cache_factory(args.kv, args.kv_ratio, args.kv_group, args.kv_sink)
+        print(generate_text_with_kv(model, tokenizer, prompt, factory,
+                                    max_new_tokens=args.max_new_tokens))
+        print(f"[{factory.describe()}]", file=sys.stderr)
         return 0
 
     def stream(token_id: int, piece: str) -> None:

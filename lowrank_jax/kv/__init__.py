@@ -1,5 +1,32 @@
-"""KV-cache compression: xKV cross-layer low-rank factors with selective reconstruction."""
+"""KV-cache compression: xKV cross-layer low-rank factors with selective reconstruction, a
+KIVI-style quantized cache, xKV with quantized factors, and the :data:`METHODS` registry that
+meets a target ratio with every stored byte counted."""
 
+from lowrank_jax.kv.evaluate import KVCacheFactory, generate_text_with_kv, kv_cache_factory
+from lowrank_jax.kv.hybrid import QuantizedXKVCache, xkv_quant_compress, xkv_quant_reconstruct
+from lowrank_jax.kv.methods import (
+    ExactCache,
+    KVMethod,
+    ReconstructDecodeKV,
+    cache_ratio,
+    compress_kv,
+    decode_step,
+    get_method,
+    kv_generate,
+    reconstruct_all,
+    reference_bytes,
+    start_decode,
+    stored_bytes,
+)
+from lowrank_jax.kv.quantized import (
+    KIVICache,
+    QuantizedArray,
+    choose_kivi_settings,
+    dequantize,
+    kivi_compress,
+    kivi_reconstruct,
+    quantize,
+)
 from lowrank_jax.kv.xkv import (
     DEFAULT_GROUP_SIZE,
     DEFAULT_SINK_TOKENS,
@@ -31,6 +58,12 @@ from lowrank_jax.kv.xkv import (
 )
 
 __all__ = [
+    "ExactCache", "KIVICache", "KVCacheFactory", "KVMethod", "generate_text_with_kv",
+    "kv_cache_factory", "QuantizedArray", "QuantizedXKVCache",
+    "ReconstructDecodeKV", "cache_ratio", "choose_kivi_settings", "compress_kv", "decode_step",
+    "dequantize", "get_method", "kivi_compress", "kivi_reconstruct", "kv_generate", "quantize",
+    "reconstruct_all", "reference_bytes", "start_decode", "stored_bytes", "xkv_quant_compress",
+    "xkv_quant_reconstruct",
     "DEFAULT_GROUP_SIZE", "DEFAULT_SINK_TOKENS", "METHODS", "ContextKV", "PrefillKV",
     "SelectiveConfig", "SelectiveState", "XKVCache", "XKVCacheFactory", "XKVDecodeKV",
     "choose_ranks", "compressed_bytes", "compression_ratio", "layer_groups",

@@ -12,14 +12,19 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lowrank_jax.kv.cache import SelectiveConfig, XKVCache, compression_ratio
-from lowrank_jax.kv.compress import xkv_compress, xkv_reconstruct
+from lowrank_jax.kv.cache import SelectiveConfig, XKVCache
 from lowrank_jax.kv.model import ContextKV, prefill_kv, xkv_decode_step, xkv_generate, xkv_prefill
+from lowrank_jax.kv.methods import (
+    cache_ratio,
+    compress_kv,
+    get_method,
+    kv_generate,
+    reconstruct_all,
+)
 from lowrank_jax.kv.ranks import (
     DEFAULT_GROUP_SIZE,
     DEFAULT_SINK_TOKENS,
     DEFAULT_VALUE_RANK_SCALE,
-    METHODS,
 )
 from pallas_kernels.xkv_decode.reference import rope
 
@@ -29,10 +34,28 @@ def _block_logits(model, tokens, context_keys, context_values):
     return model(tokens, cache=ContextKV(context_keys, context_values))[0]
 
 
-def _method_group_size(method: str, group_size: int) -> int:
-    if method not in METHODS:
-        raise ValueError(f"method={method!r} is unknown; choose from {METHODS}.")
-    return 1 if method == "per_layer_svd" else group_size
+def _setting(setting, group_size: int, sink_tokens: int, value_rank_scale: float) -> dict:
+    """A sweep setting (tuple or dict) as ``dict(method=, ratio=, options...)``."""
+    if isinstance(setting, dict):
+        out = dict(setting)
+    else:
+        out = dict(method=setting[0], ratio=setting[1])
+        if len(setting) > 2:
+            out["sink_tokens"] = int(setting[2])
+        if len(setting) > 3:
+            out["group_size"] = int(setting[3])
+    method = out.get("method")
+    get_method(method)
+    if method in ("xkv", "per_layer_svd"):
+        out.setdefault("sink_tokens", sink_tokens)
+        out.setdefault("group_size", group_size)
+        out.setdefault("value_rank_scale", value_rank_scale)
+        if method == "per_layer_svd":
+            out["group_size"] = 1
+    elif method.startswith("xkv_quant"):
+        out.setdefault("sink_tokens", sink_tokens)
+        out.setdefault("group_size", group_size)
+    return out
 
 
 def xkv_perplexity_sweep(
@@ -52,17 +75,19 @@ def xkv_perplexity_sweep(
         model: a Llama.
         ids: ``[T]`` or ``[b, T]`` token ids with ``T >= context_len + eval_len + 1``.
         context_len, eval_len: ``C`` and ``E``.
-        settings: ``(method, ratio[, sink_tokens[, group_size]])`` tuples, method in
-            ``METHODS`` (``ratio`` ignored for ``"none"``; omitted entries take the keyword
-            defaults below).
+        settings: ``(method, ratio[, sink_tokens[, group_size]])`` tuples or
+            ``dict(method=, ratio=, **options)`` (options go to the method's compress), method
+            in :data:`~lowrank_jax.kv.methods.METHODS` (``ratio`` ignored for ``"none"``;
+            omitted entries take the keyword defaults below). Every method stores 16-bit
+            floats; ``compression_ratio`` is against the exact fp16 cache.
         group_size: ``G`` for ``"xkv"``.
         value_rank_scale: ``r_v / r_k``.
         sink_tokens: exact leading tokens for settings that do not give their own.
 
     Returns:
-        One dict per setting: ``method, target_ratio, sink_tokens, group_size,
-        compression_ratio, rank_k,
-        rank_v (first group), key_error, value_error`` (relative Frobenius error of the pre-RoPE
+        One dict per setting: ``method, target_ratio, sink_tokens, group_size, options,
+        compression_ratio, rank_k, rank_v (first group), ranks (every group), bits (KIVI),
+        key_error, value_error`` (relative Frobenius error of the pre-RoPE
         context K / V over all layers) ``, nll, perplexity, tokens``.
     """
     ids = jnp.asarray(ids)
@@ -80,31 +105,25 @@ def xkv_perplexity_sweep(
     targets = ids[:, context_len + 1: context_len + eval_len + 1]
     positions = jnp.arange(context_len)
     results = []
+    rel = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))  # noqa: E731
     for setting in settings:
-        method, ratio = setting[:2]
-        sink = int(setting[2]) if len(setting) > 2 else sink_tokens
-        gs = _method_group_size(method, int(setting[3]) if len(setting) > 3 else group_size)
-        if method == "none":
-            ctx_k, ctx_v, info = keys, values, dict(compression_ratio=1.0, rank_k=None,
-                                                    rank_v=None, key_error=0.0,
-                                                    value_error=0.0)
-        else:
-            cache = xkv_compress(keys, values, rope_theta=theta, ratio=ratio, group_size=gs,
-                                 value_rank_scale=value_rank_scale, sink_tokens=sink)
-            n = cache.n_layers
-            ctx_k = jnp.stack([xkv_reconstruct(cache, l, "k") for l in range(n)])
-            ctx_v = jnp.stack([xkv_reconstruct(cache, l, "v") for l in range(n)])
-            rel = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
-            info = dict(compression_ratio=compression_ratio(cache), rank_k=cache.ranks[0][0],
-                        rank_v=cache.ranks[0][1], key_error=rel(ctx_k, keys),
-                        value_error=rel(ctx_v, values))
+        options = _setting(setting, group_size, sink_tokens, value_rank_scale)
+        method, ratio = options.pop("method"), options.pop("ratio", None)
+        cache = compress_kv(method, keys, values, rope_theta=theta, ratio=ratio, **options)
+        ctx_k, ctx_v = reconstruct_all(method, cache)
+        ranks = getattr(cache, "ranks", None)
+        info = dict(compression_ratio=cache_ratio(cache),
+                    rank_k=ranks[0][0] if ranks else None, rank_v=ranks[0][1] if ranks else None,
+                    ranks=[list(r) for r in ranks] if ranks else None,
+                    bits=getattr(cache, "bits", None),
+                    key_error=rel(ctx_k, keys), value_error=rel(ctx_v, values))
         ctx_k = jax.vmap(lambda k: rope(k, positions, theta))(ctx_k)
         logits = _block_logits(model, inputs, ctx_k, ctx_v.astype(jnp.float32))
         logp = jax.nn.log_softmax(logits, axis=-1)
         nll = -float(jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1)))
         results.append(dict(method=method, target_ratio=None if method == "none" else ratio,
-                            sink_tokens=None if method == "none" else sink,
-                            group_size=None if method == "none" else gs, nll=nll,
+                            sink_tokens=options.get("sink_tokens"),
+                            group_size=options.get("group_size"), options=options, nll=nll,
                             perplexity=math.exp(nll), tokens=int(targets.size), **info))
     return results
 
@@ -219,7 +238,81 @@ def xkv_cache_factory(ratio: float, group_size: int = DEFAULT_GROUP_SIZE,
     return XKVCacheFactory(ratio=float(ratio), group_size=group_size, sink_tokens=sink_tokens)
 
 
+@dataclasses.dataclass(frozen=True)
+class KVCacheFactory:
+    """What ``--kv METHOD --kv-ratio R [--kv-group G --kv-sink S]`` builds, for any method of
+    :data:`~lowrank_jax.kv.methods.METHODS` (``group_size`` is used by the xKV family,
+    ``sink_tokens`` by every compressed method).
+
+    Example::
+
+        >>> kv_cache_factory("kivi", 4.0).options()
+        {'sink_tokens': 1}
+    """
+
+    method: str
+    ratio: float | None
+    group_size: int = DEFAULT_GROUP_SIZE
+    sink_tokens: int = DEFAULT_SINK_TOKENS
+
+    def options(self) -> dict:
+        if self.method == "none":
+            return {}
+        out = dict(sink_tokens=self.sink_tokens)
+        if self.method in ("xkv", "xkv_quant", "xkv_quant_energy"):
+            out["group_size"] = self.group_size
+        return out
+
+    def describe(self) -> str:
+        if self.method == "none":
+            return "exact cache"
+        extra = (f", groups of {self.group_size} layers" if "group_size" in self.options()
+                 else "")
+        return (f"{self.method} cache: target ratio {self.ratio:g}x of the fp16 cache, all bytes "
+                f"counted{extra}, {self.sink_tokens} exact sink token(s)")
+
+    def generate(self, model, prompt, *, max_new_tokens: int):
+        return kv_generate(model, prompt, method=self.method, ratio=self.ratio,
+                           max_new_tokens=max_new_tokens, **self.options())
+
+    def perplexity(self, model, ids, *, context_len: int, eval_len: int) -> float:
+        setting = dict(method=self.method, ratio=self.ratio, **self.options())
+        return xkv_perplexity_sweep(model, ids, context_len=context_len, eval_len=eval_len,
+                                    settings=[setting])[0]["perplexity"]
+
+
+def kv_cache_factory(method: str, ratio: float | None = 8.0,
+                     group_size: int = DEFAULT_GROUP_SIZE,
+                     sink_tokens: int = DEFAULT_SINK_TOKENS) -> KVCacheFactory:
+    """The validated object ``--kv METHOD --kv-ratio R --kv-group G --kv-sink S`` maps to."""
+    get_method(method)
+    if method != "none" and not (ratio is not None and ratio > 0):
+        raise ValueError(f"--kv-ratio={ratio} must be > 0 (e.g. 8).")
+    if not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"--kv-group={group_size!r} must be a positive int (default 4).")
+    if not isinstance(sink_tokens, int) or sink_tokens < 0:
+        raise ValueError(f"--kv-sink={sink_tokens!r} must be an int >= 0.")
+    return KVCacheFactory(method, None if ratio is None else float(ratio), group_size,
+                          sink_tokens)
+
+
+def generate_text_with_kv(model, tokenizer, prompt: str, factory: KVCacheFactory, *,
+                          max_new_tokens: int) -> str:
+    """Greedy continuation of ``prompt`` (a string) decoded from ``factory``'s compressed cache,
+    cut at the end token (what ``generate --kv METHOD`` prints)."""
+    ids = tokenizer.encode(prompt)
+    if len(ids) + max_new_tokens > model.cfg.max_seq_len:
+        raise ValueError(f"--max-new-tokens {max_new_tokens} + {len(ids)} prompt tokens exceed "
+                         f"the model's context ({model.cfg.max_seq_len}); lower it.")
+    out = [int(t) for t in factory.generate(model, jnp.asarray([ids], jnp.int32),
+                                            max_new_tokens=max_new_tokens)[0]]
+    if tokenizer.eos_id in out:
+        out = out[: out.index(tokenizer.eos_id)]
+    return tokenizer.decode(out)
+
+
 __all__ = [
-    "XKVCacheFactory", "xkv_cache_factory", "xkv_perplexity", "xkv_perplexity_sweep",
+    "KVCacheFactory", "XKVCacheFactory", "generate_text_with_kv", "kv_cache_factory",
+    "xkv_cache_factory", "xkv_perplexity", "xkv_perplexity_sweep",
     "xkv_windowed_perplexity",
 ]

@@ -13,9 +13,6 @@ DEFAULT_VALUE_RANK_SCALE = 1.5  # r_v / r_k = 576 / 384 in the paper's default s
 # perplexity loss; keeping it exact costs one token of cache and closes most of the gap; see
 # docs/results/xkv.md). ``xkv_compress`` itself defaults to the paper (0).
 DEFAULT_SINK_TOKENS = 1
-METHODS = ("xkv", "per_layer_svd", "none")
-
-
 
 
 def layer_groups(n_layers: int, group_size: int) -> tuple[tuple[int, ...], ...]:
@@ -150,6 +147,6 @@ def predicted_compression_ratio(
 
 
 __all__ = [
-    "DEFAULT_GROUP_SIZE", "DEFAULT_SINK_TOKENS", "DEFAULT_VALUE_RANK_SCALE", "METHODS",
-    "choose_ranks", "layer_groups", "predicted_compression_ratio",
+    "DEFAULT_GROUP_SIZE", "DEFAULT_SINK_TOKENS", "DEFAULT_VALUE_RANK_SCALE", "choose_ranks", "layer_groups",
+    "predicted_compression_ratio",
 ]

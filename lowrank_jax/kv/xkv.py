@@ -57,11 +57,11 @@ from lowrank_jax.kv.ranks import (
     DEFAULT_GROUP_SIZE,
     DEFAULT_SINK_TOKENS,
     DEFAULT_VALUE_RANK_SCALE,
-    METHODS,
     choose_ranks,
     layer_groups,
     predicted_compression_ratio,
 )
+from lowrank_jax.kv.methods import METHODS
 from lowrank_jax.kv.selective import selective_decode_attention
 
 __all__ = [

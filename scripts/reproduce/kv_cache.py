@@ -1,0 +1,223 @@
+"""KV cache at 2-16x fewer bytes: exact, per-layer SVD, xKV, KIVI and xKV with quantized factors.
+
+Every method meets its target ratio against the exact fp16 cache with all bytes counted
+(factors, bases, scales, minima, exact sink / window tokens). For each window of English text
+(``lowrank_jax.data.corpus_text()``), prefill ``--context`` tokens exactly, compress with each
+method, and score the next ``--eval`` tokens attending to the rebuilt context plus the exact new
+tokens (``lowrank_jax.kv.xkv_perplexity_sweep``, same protocol for all).
+
+Held-out protocol: settings are chosen with ``--split explore`` (windows at odd eighths of the
+corpus); the reported table uses ``--split heldout`` (windows at 0, 1/4, 1/2, 3/4), never used
+for a choice.
+
+Usage::
+
+    python -m scripts.reproduce.kv_cache                         # held-out table + plot
+    python -m scripts.reproduce.kv_cache --split explore --settings "xkv_quant:8:factor_bits=8"
+    python -m scripts.reproduce.kv_cache --quick                 # 1 short window (plumbing)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+
+import numpy as np
+from tqdm import tqdm
+
+from lowrank_jax.kv import xkv_perplexity_sweep
+from scripts._shared import corpus_windows, load_model_and_codec
+
+# (label, method, options): the curve's rows; every ratio in --ratios is tried for each
+CURVE = [
+    ("per-layer SVD + sink", "per_layer_svd", {}),
+    ("xKV + sink", "xkv", {}),
+    ("KIVI", "kivi", {}),
+    ("xKV 8-bit factors + sink", "xkv_quant", {}),
+]
+
+
+# the run's order: the goal's ratios first, so that an interrupted run has the rows that matter
+_PRIORITY = {8.0: 0, 16.0: 1, 4.0: 2, 2.0: 3}
+
+
+def _parse_setting(text: str) -> tuple[str, dict]:
+    """``method:ratio[:key=value,...]`` → ``(label, setting dict)``."""
+    parts = text.split(":")
+    setting = dict(method=parts[0], ratio=float(parts[1]))
+    if len(parts) > 2 and parts[2]:
+        for item in parts[2].split(","):
+            key, value = item.split("=")
+            for cast in (int, float):
+                try:
+                    value = cast(value)
+                    break
+                except ValueError:
+                    continue
+            if value in ("True", "False"):
+                value = value == "True"
+            setting[key] = value
+    return text, setting
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--split", default="heldout", choices=("heldout", "explore"))
+    parser.add_argument("--windows", type=int, default=4)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--eval", type=int, default=128)
+    parser.add_argument("--ratios", type=float, nargs="+", default=[2.0, 4.0, 8.0, 16.0])
+    parser.add_argument("--settings", nargs="*", default=None,
+                        help="'method:ratio[:key=value,...]' instead of the curve")
+    parser.add_argument("--quick", action="store_true", help="1 window of 256+32, ratios 2, 4")
+    parser.add_argument("--out", default="runs/reproduce_kv_cache")
+    parser.add_argument("--skip-exact", action="store_true",
+                        help="leave out the exact row (a second process sharing a run)")
+    parser.add_argument("--summarize", action="store_true",
+                        help="only rebuild the table and plot from --out/records.json (e.g. "
+                             "of an interrupted run)")
+    args = parser.parse_args(argv)
+    if args.summarize:
+        return _summarize_only(args.out)
+    if args.quick:
+        args.windows, args.context, args.eval, args.ratios = 1, 256, 32, [2.0, 4.0]
+    os.makedirs(args.out, exist_ok=True)
+    t0 = time.time()
+    model, encode, _ = load_model_and_codec(args.model)
+    length = args.context + args.eval + 1
+    if args.split == "heldout":
+        windows = corpus_windows(encode, args.windows, length)
+    else:  # odd eighths of the corpus: disjoint from the held-out windows (at i/4)
+        windows = corpus_windows(encode, 8, length)[1::2][: args.windows]
+    labelled = [] if args.skip_exact else [("exact cache", dict(method="none", ratio=None))]
+    if args.settings:
+        labelled += [_parse_setting(s) for s in args.settings]
+    else:
+        labelled += sorted(((label, dict(method=m, ratio=r, **opts))
+                            for label, m, opts in CURVE for r in args.ratios),
+                           key=lambda item: _PRIORITY.get(item[1]["ratio"], 9))
+    records = []
+    # settings outer, windows inner: an interrupted run still has whole rows (all windows)
+    for label, setting in tqdm(labelled, desc="settings"):
+        for w, ids in enumerate(windows):
+            try:
+                rec = xkv_perplexity_sweep(model, ids, context_len=args.context,
+                                           eval_len=args.eval, settings=[setting])[0]
+            except ValueError as err:  # e.g. KIVI cannot reach 8x: say so, once
+                records.append(dict(method=setting["method"], target_ratio=setting["ratio"],
+                                    unreachable=str(err), label=label, window=w))
+                print(_line(label, records[-1]), flush=True)
+                break
+            records.append(dict(rec, label=label, window=w))
+            print(_line(label, records[-1]), flush=True)
+            with open(os.path.join(args.out, "records.json"), "w") as f:
+                json.dump(records, f, indent=1, default=str)
+    rows = _summarize(labelled, records)
+    print("\n| method | target | actual | ppl | vs exact | K err | V err | per-window ppl |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(_row(r))
+    result = dict(model=args.model, split=args.split, windows=len(windows),
+                  context=args.context, eval=args.eval, rows=rows, records=records,
+                  seconds=time.time() - t0)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    _plot(rows, os.path.join(args.out, "ppl_vs_bytes.png"))
+    print(f"\nwrote {args.out}/results.json ({time.time() - t0:.0f} s)")
+    return 0
+
+
+def _summarize_only(out: str) -> int:
+    with open(os.path.join(out, "records.json")) as f:
+        records = json.load(f)
+    labelled = []
+    for r in records:
+        key = (r["label"], r["target_ratio"])
+        if key not in [(lab, st["ratio"]) for lab, st in labelled]:
+            labelled.append((r["label"], dict(method=r["method"], ratio=r["target_ratio"])))
+    rows = _summarize(labelled, records)
+    print("| method | target | actual | ppl | vs exact | K err | V err | per-window ppl |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in sorted(rows, key=lambda r: (r["target"] or 0, r["label"])):
+        print(_row(r))
+    _plot(rows, os.path.join(out, "ppl_vs_bytes.png"))
+    print(f"wrote {out}/ppl_vs_bytes.png")
+    return 0
+
+
+def _line(label, rec) -> str:
+    if "unreachable" in rec:
+        return f"  w{rec['window']} {label} @ {rec['target_ratio']}x: unreachable"
+    return (f"  w{rec['window']} {label} @ {rec['target_ratio']}: {rec['compression_ratio']:.2f}x "
+            f"ppl {rec['perplexity']:.3f} K {rec['key_error']:.3f} V {rec['value_error']:.3f} "
+            f"ranks {rec.get('rank_k')}/{rec.get('rank_v')}")
+
+
+def _summarize(labelled, records) -> list[dict]:
+    rows = []
+    exact = None
+    for label, setting in labelled:
+        sel = [r for r in records if r["label"] == label and r["target_ratio"] == setting["ratio"]]
+        if any("unreachable" in r for r in sel):
+            rows.append(dict(label=label, method=setting["method"], target=setting["ratio"],
+                             unreachable=sel[0]["unreachable"]))
+            continue
+        ppl = math.exp(float(np.mean([r["nll"] for r in sel])))
+        if setting["method"] == "none":
+            exact = {r["window"]: r["nll"] for r in sel}
+        # the exact cache on the same windows (an interrupted row may have fewer)
+        base = None if exact is None else math.exp(float(np.mean([exact[r["window"]]
+                                                                   for r in sel])))
+        rows.append(dict(
+            label=label, method=setting["method"], target=setting["ratio"],
+            actual=float(np.min([r["compression_ratio"] for r in sel])), perplexity=ppl,
+            vs_exact=None if base is None else ppl / base - 1.0,
+            key_error=float(np.mean([r["key_error"] for r in sel])),
+            value_error=float(np.mean([r["value_error"] for r in sel])),
+            windows=[r["perplexity"] for r in sel], ranks=sel[0].get("ranks"),
+            options=sel[0].get("options")))
+    return rows
+
+
+def _row(r) -> str:
+    target = "–" if r["target"] is None else f"{r['target']:g}×"
+    if "unreachable" in r:
+        return f"| {r['label']} | {target} | unreachable | – | – | – | – | – |"
+    vs = "–" if r["method"] == "none" else f"{100 * r['vs_exact']:+.1f} %"
+    wins = " / ".join(f"{p:.2f}" for p in r["windows"])
+    return (f"| {r['label']} | {target} | {r['actual']:.2f}× | {r['perplexity']:.2f} | {vs} | "
+            f"{r['key_error']:.3f} | {r['value_error']:.3f} | {wins} |")
+
+
+def _plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    exact = [r for r in rows if r["method"] == "none"]
+    if exact:
+        ax.axhline(exact[0]["perplexity"], color="k", ls="--", label="exact cache (fp16)")
+        for frac, ls in ((1.03, ":"), (1.10, "-.")):
+            ax.axhline(exact[0]["perplexity"] * frac, color="grey", ls=ls, lw=0.8,
+                       label=f"exact +{round(100 * (frac - 1))} %")
+    for label in dict.fromkeys(r["label"] for r in rows if r["method"] != "none"):
+        pts = [(r["actual"], r["perplexity"]) for r in rows
+               if r["label"] == label and "unreachable" not in r]
+        if pts:
+            ax.plot(*zip(*sorted(pts)), marker="o", label=label)
+    ax.set_xlabel("KV-cache compression (exact fp16 bytes / stored bytes, all counted)")
+    ax.set_ylabel("perplexity (held-out windows)")
+    ax.set_xscale("log", base=2)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

