@@ -5,7 +5,8 @@ Asymmetric ``b``-bit quantization of a group ``x_G`` of numbers:
 .. math::
 
     s = \\frac{\\max x_G - \\min x_G}{2^b - 1},\\qquad
-    q = \\mathrm{round}\\Big(\\frac{x - \\min x_G}{s}\\Big) \\in \\{0, \\dots, 2^b - 1\\},\\qquad \\hat x = \\min x_G + s\\,q.
+    q = \\mathrm{round}\\Big(\\frac{x - \\min x_G}{s}\\Big) \\in \\{0, \\dots, 2^b - 1\\},\\qquad
+    \\hat x = \\min x_G + s\\,q.
 
 KIVI groups **keys per channel** (a group is ``group_size`` consecutive tokens of one channel:
 keys have outlier channels, so the range is set per channel) and **values per token** (a group

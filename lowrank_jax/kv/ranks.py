@@ -147,6 +147,7 @@ def predicted_compression_ratio(
 
 
 __all__ = [
-    "DEFAULT_GROUP_SIZE", "DEFAULT_SINK_TOKENS", "DEFAULT_VALUE_RANK_SCALE", "choose_ranks", "layer_groups",
+    "DEFAULT_GROUP_SIZE", "DEFAULT_SINK_TOKENS", "DEFAULT_VALUE_RANK_SCALE", "choose_ranks",
+    "layer_groups",
     "predicted_compression_ratio",
 ]

@@ -3,7 +3,8 @@
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-ORDER = ["main_job", "bench", "spectron", "real_checkpoints", "sharding", "lora_toolkit", "continual",
+ORDER = ["main_job", "bench", "spectron", "real_checkpoints", "sharding", "lora_toolkit",
+         "continual",
          "loda", "crispedit", "attention_kernels", "xkv", "unisvq", "plora", "analysis"]
 
 HEADER = """# Benchmarks and reproductions

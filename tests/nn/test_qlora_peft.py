@@ -6,6 +6,7 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from lowrank_jax.io.peft import export_peft, import_peft
@@ -37,13 +38,9 @@ def test_finetune_quantize_trains_and_exports_a_smaller_state(tmp_path):
     assert runs["nf4"]["quantize"] == "nf4"
 
 
-def test_qlora_adapter_matches_hf_peft_on_the_dequantized_base(tmp_path):
-    try:
-        import torch
-        import transformers
-        from peft import PeftModel
-    except ImportError as err:
-        raise AssertionError(f"this test needs torch, transformers and peft: {INSTALL}") from err
+def _qlora_adapter_and_dequantized_base(tmp_path):
+    """A QLoRA model (NF4 base, non-zero adapters) exported as PEFT, and its base dequantized and
+    saved as a HF folder: ``(our logits, tokens, base model)``."""
     from lowrank_jax.models.hub import save_model
 
     model = Llama(CFG, rngs=nnx.Rngs(0))
@@ -57,16 +54,30 @@ def test_qlora_adapter_matches_hf_peft_on_the_dequantized_base(tmp_path):
     assert dequantize_model(base) == 7
     save_model(base, tmp_path / "base")
     tokens = np.arange(10, dtype=np.int32)[None] % 64
-    ours = np.asarray(model(jnp.asarray(tokens))[0])
+    return np.asarray(model(jnp.asarray(tokens))[0]), tokens, base
+
+
+def test_qlora_adapter_on_the_dequantized_base_gives_our_logits(tmp_path):
+    ours, tokens, base = _qlora_adapter_and_dequantized_base(tmp_path)
+    import_peft(base, tmp_path / "adapter")
+    np.testing.assert_allclose(np.asarray(base(jnp.asarray(tokens))[0]), ours, atol=1e-4)
+
+
+@pytest.mark.hf
+def test_qlora_adapter_matches_hf_peft_on_the_dequantized_base(tmp_path):
+    try:
+        import torch
+        import transformers
+        from peft import PeftModel
+    except ImportError as err:
+        raise AssertionError(f"this test needs torch, transformers and peft: {INSTALL}") from err
+    ours, tokens, _ = _qlora_adapter_and_dequantized_base(tmp_path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"),
                                                             torch_dtype=torch.float32)
     peft_model = PeftModel.from_pretrained(hf, str(tmp_path / "adapter")).eval()
     with torch.no_grad():
         theirs = peft_model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
     np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4)
-    # and our own import on the dequantized base agrees too
-    import_peft(base, tmp_path / "adapter")
-    np.testing.assert_allclose(np.asarray(base(jnp.asarray(tokens))[0]), ours, atol=1e-4)
 
 
 def test_merge_command_reports_the_requantization_error(tmp_path, capsys):
