@@ -335,3 +335,28 @@ def test_clear_errors(tmp_path, base, fresh):
     bank = LoRABank(jnp.zeros((2, 2, 4, 128)), jnp.zeros((2, 2, 4, 64)))
     with pytest.raises(ValueError, match="batch of 3"):
         _logits(base, jnp.zeros((3, 4), jnp.int32), bank, fresh.config)
+
+
+@pytest.mark.hf
+def test_exported_adapter_matches_hf_peft(tmp_path, base, trained):
+    try:
+        import torch
+        import transformers
+        from peft import PeftModel
+    except ImportError as err:
+        raise AssertionError("this test needs torch, transformers and peft: "
+                             "pip install torch transformers peft") from err
+    from lowrank_jax.models.hub import save_model
+
+    bank = _internalize(base, trained, DOC)
+    save_model(base, tmp_path / "base")
+    export_adapter(base, bank, trained.config, tmp_path / "ad",
+                   base_model_name_or_path=str(tmp_path / "base"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"),
+                                                            torch_dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(hf, str(tmp_path / "ad")).eval()
+    with torch.no_grad():
+        theirs = peft_model(torch.tensor(np.asarray(QUERY), dtype=torch.long)).logits.numpy()
+    ours = np.asarray(_logits(base, QUERY, bank, trained.config))
+    assert np.abs(ours - np.asarray(_logits(base))).max() > 1e-3  # the adapter acts
+    np.testing.assert_allclose(theirs, ours, rtol=1e-4, atol=1e-4)
