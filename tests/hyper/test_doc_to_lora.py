@@ -236,6 +236,7 @@ def test_training_lowers_the_loss_and_never_touches_the_base(base, fresh, data):
     jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, nnx.state(base)))
 
 
+@pytest.mark.slow
 def test_resumed_training_equals_an_uninterrupted_run(tmp_path, base, fresh, data):
     options = dict(batch_size=2, learning_rate=1e-2, warmup=1)
     full = nnx.clone(fresh)

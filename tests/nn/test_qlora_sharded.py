@@ -61,7 +61,8 @@ def spec(tree, *names):
     return P(*(spec + (None,) * (value.ndim - len(spec))))  # jit drops trailing Nones
 
 
-@pytest.mark.parametrize("method,codes", [("rtn4", "codes"), ("nf4", "packed")])
+@pytest.mark.parametrize("method,codes", [("rtn4", "codes"),
+                                          pytest.param("nf4", "packed", marks=pytest.mark.slow)])
 def test_sharded_qlora_equals_one_device(method, codes):
     single, lora_1, _ = train(method)
     mesh = sharding.make_mesh(2, 2, 2)

@@ -39,7 +39,7 @@ def test_train_step_lowers_loss_on_fixed_batch(tmp_path, optimizer):
     assert losses[-1] < losses[0] - 0.5, losses
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "spectron"])
+@pytest.mark.parametrize("optimizer", ["adamw", pytest.param("spectron", marks=pytest.mark.slow)])
 def test_resume_is_bit_identical(tmp_path, optimizer):
     full = train(small_config(tmp_path / "full", "train.steps=8", f"optimizer.name={optimizer}"),
                  progress=False, log=lambda *_: None)

@@ -3,6 +3,7 @@
 import jax
 import numpy as np
 import optax
+import pytest
 
 from lowrank_jax.data import batch_at, corpus_bytes
 from lowrank_jax.optim import spectron_with_adamw
@@ -15,6 +16,7 @@ SMALL = [
 ]
 
 
+@pytest.mark.slow
 def test_cli_spectron_config_is_spectron_with_adamw_bit_for_bit(tmp_path):
     steps = 20
     cfg = load_config("tiny", SMALL + [

@@ -31,7 +31,10 @@ def single_device_losses(tmp_path_factory):
     return run(tmp_path_factory.mktemp("single"), (1, 1, 1)).losses
 
 
-@pytest.mark.parametrize("mesh", [(8, 1, 1), (2, 4, 1), (2, 2, 2), (1, 1, 8)])
+@pytest.mark.parametrize("mesh", [  # all three axes at once in the default run, the rest slow
+    pytest.param((8, 1, 1), marks=pytest.mark.slow),
+    pytest.param((2, 4, 1), marks=pytest.mark.slow),
+    (2, 2, 2), pytest.param((1, 1, 8), marks=pytest.mark.slow)])
 def test_sharded_losses_match_single_device(tmp_path, single_device_losses, mesh):
     result = run(tmp_path, mesh)
     np.testing.assert_allclose(result.losses, single_device_losses, rtol=1e-5)
@@ -41,6 +44,7 @@ def test_sharded_losses_match_single_device(tmp_path, single_device_losses, mesh
     assert value.sharding.spec == jax.sharding.PartitionSpec("fsdp", None)
 
 
+@pytest.mark.slow  # tests/multihost moves checkpoints between meshes and processes by default
 def test_checkpoint_from_222_restores_on_811(tmp_path, single_device_losses):
     first = run(tmp_path, (2, 2, 2), stop_after=10, name="ckpt")
     assert first.state.step == 10

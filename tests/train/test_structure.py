@@ -153,6 +153,7 @@ def test_export_refuses_run_without_salaad_state(tmp_path, capsys):
     assert "no config.yaml" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_salaad_on_a_mesh_matches_one_device(tmp_path):
     steps = ["train.steps=3", "train.checkpoint_every=100"]  # ADMM block at count 2
     one = train(load_config("tiny", TINY + steps + [f"run_dir={tmp_path / 'one'}"]), **QUIET)
