@@ -9,6 +9,18 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
+# One persistent compilation cache for the run's workers: many tests build the same small models
+# and steps from fresh closures, which hit the cache by their HLO instead of compiling again.
+# LOWRANK_JAX_TEST_CACHE=0 turns it off; any other value is the cache folder.
+_cache = os.environ.get("LOWRANK_JAX_TEST_CACHE")
+if _cache != "0":
+    import tempfile  # noqa: E402
+
+    jax.config.update("jax_compilation_cache_dir", _cache or os.path.join(
+        tempfile.gettempdir(), f"lowrank_jax_test_xla_cache_{os.getuid()}"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
 # jaxtyping run-time checks of the public API's shape/dtype annotations (design.md rule 5): every
 # annotated function of these packages is wrapped in jaxtyped(typechecker=beartype.beartype)
 # when it is imported (typeguard 4 cannot parse jaxtyping shape strings, so beartype checks).
