@@ -65,6 +65,16 @@ def resolve_implementation(implementation: str, interpret: bool | None = None) -
     return resolve(implementation, interpret)[0]
 
 
+def check_tile(name: str, value, example: str) -> None:
+    """Raise a clear ``ValueError`` unless ``value`` is a power of two >= 8 (a tile size every
+    backend accepts: Triton needs powers of two, TPU multiples of 8)."""
+    if not (isinstance(value, int) and value >= 8 and value & (value - 1) == 0):
+        raise ValueError(
+            f"BlockSizes.{name}={value!r} must be a power of two >= 8 "
+            f"(Triton needs power-of-two tiles, TPU needs multiples of 8); e.g. {example}."
+        )
+
+
 def check_block(op: str, name: str, block: int, dim: int, dim_name: str) -> None:
     """Raise a clear ``ValueError`` unless ``block`` is a positive divisor of ``dim``."""
     if not isinstance(block, int) or block < 1 or dim % block:

@@ -24,10 +24,6 @@ from pallas_kernels.flash_attention.reference import (
 IMPLEMENTATIONS = ("auto", "pallas", "xla")
 
 
-def _is_power_of_two(x: int) -> bool:
-    return isinstance(x, int) and x > 0 and x & (x - 1) == 0
-
-
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
     """Tile sizes of the flash kernels (forward and backward use the same tiles).
@@ -47,12 +43,7 @@ class BlockSizes:
 
     def __post_init__(self):
         for name in ("block_q", "block_k"):
-            value = getattr(self, name)
-            if not _is_power_of_two(value) or value < 8:
-                raise ValueError(
-                    f"BlockSizes.{name}={value!r} must be a power of two >= 8 "
-                    "(Triton needs power-of-two tiles, TPU needs multiples of 8); e.g. 64 or 128."
-                )
+            _dispatch.check_tile(name, getattr(self, name), "64 or 128")
 
     @classmethod
     def get_default(cls) -> "BlockSizes":

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
+from pallas_kernels import _dispatch
 from pallas_kernels._dispatch import IMPLEMENTATIONS, resolve_implementation
 from pallas_kernels.flash_attention.api import _backend_platform, padded_head_dim
 from pallas_kernels.subspace_attention import kernel as _kernel
@@ -18,10 +19,6 @@ from pallas_kernels.subspace_attention.reference import (
     lookup_tables,
     subspace_attention_blocked,
 )
-
-
-def _is_power_of_two(x) -> bool:
-    return isinstance(x, int) and x > 0 and x & (x - 1) == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,12 +41,7 @@ class BlockSizes:
 
     def __post_init__(self):
         for name in ("block_q", "block_k"):
-            value = getattr(self, name)
-            if not _is_power_of_two(value) or value < 8:
-                raise ValueError(
-                    f"BlockSizes.{name}={value!r} must be a power of two >= 8 "
-                    "(Triton needs power-of-two tiles, TPU needs multiples of 8); e.g. 16 or 64."
-                )
+            _dispatch.check_tile(name, getattr(self, name), "16 or 64")
 
     @classmethod
     def get_default(cls) -> "BlockSizes":
