@@ -243,7 +243,7 @@ def _dense_kernel(linear) -> np.ndarray:
 
     if isinstance(linear, FactorizedLinear):
         return np.asarray(linear.dense_kernel())
-    if isinstance(linear, LoRALinear):
+    if isinstance(linear, LoRALinear) and not linear.merged:  # a merged kernel holds the delta
         return np.asarray(linear.kernel[...] + linear.delta().astype(linear.kernel[...].dtype))
     return np.asarray(linear.kernel[...])
 

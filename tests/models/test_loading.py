@@ -55,6 +55,22 @@ def test_safetensors_round_trip_gives_identical_logits(tmp_path):
     np.testing.assert_array_equal(call(loaded, TOKENS), call(model, TOKENS))
 
 
+def test_lora_model_saves_the_same_weights_merged_or_not(tmp_path):
+    from lowrank_jax.nn.inject import apply_lora, merge_lora, lora_layers
+
+    model = tiny_model()
+    apply_lora(model, {"q_proj": 2, "down_proj": 2}, rngs=nnx.Rngs(1))
+    for _, layer in lora_layers(model):  # a non-zero adapter, so a double count shows
+        layer.lora_b[...] = 0.1 * jnp.ones_like(layer.lora_b[...])
+    want = call(model, TOKENS)
+    save_hf_checkpoint(model, tmp_path / "unmerged")
+    assert merge_lora(model) == 4
+    save_hf_checkpoint(model, tmp_path / "merged")
+    for name in ("unmerged", "merged"):
+        np.testing.assert_allclose(call(load_hf_checkpoint(tmp_path / name), TOKENS), want,
+                                   rtol=1e-5, atol=1e-5, err_msg=name)
+
+
 def test_sharded_safetensors_folder_loads(tmp_path):
     from safetensors.numpy import save_file
 
