@@ -57,6 +57,8 @@ def maybe_initialize_distributed() -> bool:
             "MEGASCALE_COORDINATOR_ADDRESS")
     if not any(k in os.environ for k in keys):
         return False
+    if jax.distributed.is_initialized():  # a second command in the same process
+        return True
     if not os.environ.get("JAX_CPU_COLLECTIVES_IMPLEMENTATION"):
         # CPU devices of several processes need gloo to meet in a collective (no effect on
         # GPU / TPU devices)
@@ -157,6 +159,41 @@ def param_shardings(params, mesh):
         return NamedSharding(mesh, spec)
 
     return jax.tree_util.tree_map_with_path(one, params)
+
+
+def place_on_mesh(tree, mesh):
+    """``tree`` with every array that is not already on ``mesh`` replicated over it.
+
+    Optimizer states hold scalars (step counts) and small arrays (projectors, bases) that come
+    out of an eager ``init`` on one local device; a step jitted on a mesh that spans several
+    processes needs every input on that mesh.
+    """
+    replicated_sharding = replicated(mesh)
+
+    def one(x):
+        if not isinstance(x, jax.Array):
+            return x
+        sharding = getattr(x, "sharding", None)
+        if isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
+            return x
+        return jax.device_put(x, replicated_sharding)
+
+    return jax.tree.map(one, tree)
+
+
+def shard_model(model, mesh) -> None:
+    """Put every array of the NNX ``model`` (in place) on ``mesh`` by the rules of this module.
+
+    Every process must call it with the same model values (a model loaded or built the same
+    way on every process, e.g. from one checkpoint and one seed); each keeps only the shards of
+    its own devices. Raises a ``ValueError`` naming the parameter when a dimension does not
+    divide its mesh axes.
+    """
+    from flax import nnx
+
+    state = nnx.state(model)
+    shardings = param_shardings(state, mesh)
+    nnx.update(model, jax.tree.map(lambda x, s: jax.device_put(x, s), state, shardings))
 
 
 def batch_sharding(mesh) -> NamedSharding:
