@@ -132,10 +132,7 @@ def run(args) -> int:
     adapter_dir = os.path.join(args.out, "adapter")
     config = export_adapter(model, adapter_dir, base_model_name_or_path=base_name,
                             initial_adapters=result.initial_adapters or None)
-    if args.save_merged:
-        if result.initial_adapters:
-            raise ValueError(f"--save-merged with --method {args.method}: not supported yet "
-                             "(the method rewrites the base); use lora, balora, gap or lokra.")
+    if args.save_merged:  # PiSSA / OLoRA: the residual base plus the adapter, the tuned weight
         save_merged(model, args.save_merged)
     if not multihost.is_main_process():
         return 0

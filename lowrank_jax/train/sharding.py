@@ -161,6 +161,48 @@ def param_shardings(params, mesh):
     return jax.tree_util.tree_map_with_path(one, params)
 
 
+def _param_key(path) -> tuple[str, ...]:
+    names = _path_names(path)
+    while names and names[-1] in ("value", "raw_value"):  # NNX Variable accessors
+        names = names[:-1]
+    return tuple(names)
+
+
+def state_shardings(state, params, mesh):
+    """``NamedSharding`` for every leaf of an optimizer ``state`` (arrays or ShapeDtypeStructs)
+    of ``params``, by the rules of this module.
+
+    A state leaf that mirrors a parameter — its path ends with the parameter's path (optax and
+    our transforms keep moments in trees shaped like the params) and it has the same shape —
+    gets that parameter's sharding; every other leaf (step counts, projectors, bases, factored
+    statistics) is replicated.
+    """
+    rules = {_param_key(path): (tuple(leaf.shape), NamedSharding(
+        mesh, logical_spec(path, leaf.shape))) for path, leaf in
+        jax.tree_util.tree_leaves_with_path(params)}
+    replicated_sharding = replicated(mesh)
+
+    def one(path, leaf):
+        names = _param_key(path)
+        for start in range(len(names)):
+            hit = rules.get(names[start:])
+            if hit is not None and hit[0] == tuple(leaf.shape):
+                return hit[1]
+        return replicated_sharding
+
+    return jax.tree_util.tree_map_with_path(one, state)
+
+
+def init_optimizer_state(tx, params, mesh):
+    """``tx.init(params)`` with its state created on ``mesh`` by :func:`state_shardings`.
+
+    A plain ``jax.jit(tx.init)`` on an Auto mesh leaves the sharding of the zeros it creates to
+    XLA, which replicates them (every device would hold the whole optimizer state).
+    """
+    abstract = jax.eval_shape(tx.init, params)
+    return jax.jit(tx.init, out_shardings=state_shardings(abstract, params, mesh))(params)
+
+
 def place_on_mesh(tree, mesh):
     """``tree`` with every array that is not already on ``mesh`` replicated over it.
 
