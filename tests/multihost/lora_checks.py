@@ -96,6 +96,21 @@ def _crispedit_projector(params):
     return build_projector(factors, energy=0.5)
 
 
+def _direct_export_error(model) -> str:
+    """What ``export_peft`` says about a model sharded over processes ("" in one process)."""
+    import tempfile
+
+    from lowrank_jax.io.peft import export_peft
+
+    if jax.process_count() == 1:
+        return ""
+    try:
+        export_peft(model, tempfile.mkdtemp())
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
 def optimizer_checks(mesh) -> dict:
     """One step of BaLoRA, Janus and CrispEdit on the sharded tiny model.
 
@@ -103,13 +118,15 @@ def optimizer_checks(mesh) -> dict:
     out shardings (as :mod:`lowrank_jax.train` compiles its steps; without them XLA's
     propagation may replicate a moment on an Auto mesh, e.g. Janus' rectified ``lora_b``).
     Returns ``{name: {"init_checked", "checked", "problems", "updates"}}`` with the updates
-    gathered to numpy (collective: every process calls this).
+    gathered to numpy (collective: every process calls this), and ``"export_error"``: what
+    ``export_peft`` says about the sharded model.
     """
     from lowrank_jax import optim
     from lowrank_jax.train import multihost
     from lowrank_jax.train import sharding as shard_lib
 
     model = _model(mesh)
+    results = {"export_error": _direct_export_error(model)}
     lora = nnx.state(model, nnx.LoRAParam)
     kernels = {}  # the edited kernels, as {"layers": {0: {"mlp": {"down_proj": {...}}}}}
     for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
@@ -127,7 +144,6 @@ def optimizer_checks(mesh) -> dict:
         "crispedit": (optim.crispedit_adam(_crispedit_projector(kernels), 1e-2), kernels, {}),
     }
     sharding_of = lambda tree: jax.tree.map(lambda x: x.sharding, tree)  # noqa: E731
-    results = {}
     for name, (tx, params, extra) in cases.items():
         state = shard_lib.init_optimizer_state(tx, params, mesh)
         init_checked, init_problems = rule_violations(state, params, mesh)
@@ -157,12 +173,14 @@ def main(argv: list[str]) -> int:
         return status
     results = optimizer_checks(shard_lib.make_mesh(2, 4))
     if multihost.is_main_process():
+        export_error = results.pop("export_error")
         np.savez(os.path.join(out, "updates.npz"), **{
             f"{name}:{key}": value for name, r in results.items()
             for key, value in r["updates"].items()})
         with open(os.path.join(out, "optimizer_checks.json"), "w") as f:
-            json.dump({name: {k: v for k, v in r.items() if k != "updates"}
-                       for name, r in results.items()}, f)
+            json.dump({"export_error": export_error} | {
+                name: {k: v for k, v in r.items() if k != "updates"}
+                for name, r in results.items()}, f)
     return cli_main(rest)
 
 
