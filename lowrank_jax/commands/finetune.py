@@ -4,6 +4,11 @@ Parses arguments and calls :func:`lowrank_jax.train.finetune.finetune` (or
 :func:`lowrank_jax.train.jobs.run_jobs` with ``--jobs``); the adapter is saved in HuggingFace
 PEFT format (``adapter_config.json`` + ``adapter_model.safetensors``), loadable with
 ``peft.PeftModel.from_pretrained``.
+
+``--mesh data=2,fsdp=4`` shards the model, adapters and optimizer state over a device mesh; the
+same command runs as several processes (``lowrank-jax launch --processes 2 -- finetune --mesh
+...``, or one per host of a pod / cluster): the adapter is gathered and written once, by
+process 0.
 """
 
 from __future__ import annotations
@@ -57,6 +62,12 @@ def register(subparsers) -> None:
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.add_argument("--overwrite", action="store_true",
                    help="write into an output folder that is not empty or holds another run")
+    p.add_argument("--mesh", default=None,
+                   help="device mesh, e.g. data=2,fsdp=4 (default: one device); with several "
+                        "processes (lowrank-jax launch, a pod, SLURM) it spans all of them")
+    p.add_argument("--save-merged", default=None, metavar="DIR",
+                   help="also save the model with the adapters merged into its weights (a HF "
+                        "folder that --model reads)")
     p.add_argument("--jobs", default=None, metavar="JOBS.yaml",
                    help="train several LoRA jobs at once on one base (PLoRA packing); see "
                         "lowrank_jax/train/jobs.py for the file format")
@@ -67,8 +78,12 @@ def run(args) -> int:
     from lowrank_jax.io.outputs import atomic_write_text, prepare_output
     from lowrank_jax.io.validate import check_jobs_file, check_regex, check_text_file
 
+    mesh = _mesh_of(args)
     if getattr(args, "jobs", None):
         from lowrank_jax.train.jobs import load_jobs, run_jobs
+
+        if mesh is not None:
+            raise ValueError("--jobs trains packed jobs on one device; drop --mesh (or --jobs).")
 
         prepare_output(check_jobs_file(args.jobs, args.out)[1], command="finetune",
                        overwrite=args.overwrite)
@@ -76,13 +91,21 @@ def run(args) -> int:
         run_jobs(load_jobs(args.jobs), model=args.model, out=args.out,
                  progress=not args.no_progress, log=print)
         return 0
-    from lowrank_jax.io.peft import export_peft
     from lowrank_jax.nn.rank_plan import plan_ranks
-    from lowrank_jax.train.finetune import finetune, load_model_and_tokens, token_batches
+    from lowrank_jax.train import multihost
+    from lowrank_jax.train.finetune import (
+        export_adapter,
+        finetune,
+        load_model_and_tokens,
+        save_merged,
+        token_batches,
+    )
 
     check_regex(args.targets, "--targets")
     check_text_file(args.data, "--data")
-    prepare_output(args.out, command="finetune", overwrite=args.overwrite)
+    multihost.on_main_process(  # files are written once, by process 0
+        lambda: prepare_output(args.out, command="finetune", overwrite=args.overwrite),
+        what="checking --out")
     lr = args.lr if args.lr is not None else (1e-4 if args.method == "balora" else 1e-3)
     model, tokens, base_name = load_model_and_tokens(args.model, args.data)
     if getattr(args, "quantize", None):
@@ -104,10 +127,15 @@ def run(args) -> int:
     result = finetune(model, batch_fn, method=args.method, targets=args.targets,
                       rank=args.rank, alpha=args.alpha, steps=args.steps, lr=lr,
                       seed=args.seed, ranks=ranks, lokra_lambda=args.lokra_lambda,
-                      progress=not args.no_progress, description=f"finetune {args.method}")
+                      progress=not args.no_progress, description=f"finetune {args.method}",
+                      mesh=mesh)
     adapter_dir = os.path.join(args.out, "adapter")
-    config = export_peft(model, adapter_dir, base_model_name_or_path=base_name,
-                         initial_adapters=result.initial_adapters or None)
+    config = export_adapter(model, adapter_dir, base_model_name_or_path=base_name,
+                            initial_adapters=result.initial_adapters or None)
+    if args.save_merged:  # PiSSA / OLoRA: the residual base plus the adapter, the tuned weight
+        save_merged(model, args.save_merged)
+    if not multihost.is_main_process():
+        return 0
     summary = {
         "model": args.model, "method": args.method, "steps": args.steps, "lr": lr,
         "rank": args.rank, "alpha": args.alpha, "targets": args.targets,
@@ -122,4 +150,17 @@ def run(args) -> int:
           f"(mean of the last 10 steps) in {args.steps} steps, {result.seconds:.1f} s; "
           f"{len(result.adapted)} modules adapted")
     print(f"PEFT adapter: {adapter_dir} (load with peft.PeftModel.from_pretrained)")
+    if args.save_merged:
+        print(f"merged model: {args.save_merged} (pass it as --model)")
     return 0
+
+
+def _mesh_of(args):
+    """The ``--mesh`` (``None`` without one), after joining the other processes if any."""
+    from lowrank_jax.train import sharding
+
+    sharding.maybe_initialize_distributed()
+    if not getattr(args, "mesh", None):
+        return None
+    sizes = sharding.parse_mesh(args.mesh)
+    return sharding.make_mesh(sizes["data"], sizes["fsdp"], sizes["tensor"])

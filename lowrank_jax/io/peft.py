@@ -139,6 +139,14 @@ def export_peft(
     if unknown:
         raise ValueError(f"export_peft: initial_adapters names unknown paths {unknown[:4]}; "
                          f"adapted paths: {[p for p, _ in layers][:8]}")
+    spread = [p for p, m in layers if not getattr(m.lora_a[...], "is_fully_addressable", True)
+              or not getattr(m.lora_b[...], "is_fully_addressable", True)]
+    if spread:
+        raise ValueError(
+            f"export_peft: the adapters of {spread[:2]} are sharded over several processes; "
+            "gather them first: lowrank_jax.train.finetune.export_adapter(model, folder) (every "
+            "process calls it, process 0 writes) or export_peft("
+            "lowrank_jax.train.multihost.host_copy(model), folder) on process 0.")
     tensors, ranks, alphas = {}, {}, {}
     for path, layer in layers:
         a = np.asarray(layer.lora_a[...], np.float32)

@@ -2,6 +2,13 @@
 
 The application behind ``lowrank-jax finetune``, callable from Python with the same defaults.
 Only ``nnx.LoRAParam`` leaves train (``nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)``).
+
+On a ``(data, fsdp, tensor)`` mesh (``mesh=``, the CLI's ``--mesh``; one process or several) the
+model, its adapters and the optimizer state are sharded by the rules of
+:mod:`lowrank_jax.train.sharding`, the step is compiled with those shardings as in and out
+shardings (they never drift), and each process builds only its rows of each batch.
+:func:`export_adapter` / :func:`save_merged` gather the arrays that span several processes and
+write once, from process 0.
 """
 
 from __future__ import annotations
@@ -28,11 +35,43 @@ class FinetuneResult:
     memory: dict[str, int] = dataclasses.field(default_factory=dict)  # nn.qlora.memory_bytes
 
 
-def token_batches(tokens: np.ndarray, batch_size: int, seq_len: int, seed: int):
-    """``step -> (inputs, targets)`` windows drawn reproducibly from ``tokens``."""
-    from lowrank_jax.data import batch_at
+@dataclasses.dataclass(frozen=True)
+class TokenBatches:
+    """``step -> (inputs, targets)`` windows drawn reproducibly from ``tokens``.
 
-    return lambda step: batch_at(tokens, step, batch_size, seq_len, seed=seed)
+    ``rows=`` builds only some rows of the batch (the ones a process's devices hold), with the
+    same values as the whole batch's rows.
+    """
+
+    tokens: np.ndarray
+    batch_size: int
+    seq_len: int
+    seed: int
+
+    def __call__(self, step: int, rows: slice | None = None):
+        from lowrank_jax.data import batch_at
+
+        return batch_at(self.tokens, step, self.batch_size, self.seq_len, seed=self.seed,
+                        rows=rows)
+
+
+def token_batches(tokens: np.ndarray, batch_size: int, seq_len: int, seed: int) -> TokenBatches:
+    """``step -> (inputs, targets)`` windows drawn reproducibly from ``tokens``."""
+    return TokenBatches(tokens, batch_size, seq_len, seed)
+
+
+def _global_batch(batch_fn, step: int, sharding):
+    """The batch of ``step`` as two arrays on ``sharding``; each process builds its own rows."""
+    import jax
+
+    from lowrank_jax.train import multihost
+
+    if isinstance(batch_fn, TokenBatches):
+        return multihost.sharded_batch(batch_fn.tokens, step, batch_fn.batch_size,
+                                       batch_fn.seq_len, batch_fn.seed, sharding)
+    arrays = [np.asarray(a) for a in batch_fn(step)]  # any batch_fn: the same on every process
+    return tuple(jax.make_array_from_callback(a.shape, sharding, lambda index, a=a: a[index])
+                 for a in arrays)
 
 
 def finetune(
@@ -51,6 +90,7 @@ def finetune(
     lokra_lambda: float = 1e-3,
     progress: bool = True,
     description: str = "finetune",
+    mesh=None,
 ) -> FinetuneResult:
     """Add adapters to ``model`` (in place), initialise them by ``method``, train them.
 
@@ -67,6 +107,11 @@ def finetune(
         ranks: optional per-path ranks (CSPLoRA plan).
         lokra_lambda: penalty weight for ``lokra``.
         progress: show a tqdm bar.
+        mesh: a ``(data, fsdp, tensor)`` mesh (:func:`lowrank_jax.train.sharding.make_mesh`),
+            possibly spanning several processes: the model (adapters included) and the
+            optimizer state are sharded by the rules of :mod:`lowrank_jax.train.sharding`; the
+            batch is split over ``data`` x ``fsdp``. Every process calls :func:`finetune` with
+            the same arguments.
 
     Returns:
         A :class:`FinetuneResult`.
@@ -85,6 +130,17 @@ def finetune(
         raise ValueError(f"method={method!r} is unknown; use one of {', '.join(METHODS)}.")
     if steps < 1:
         raise ValueError(f"steps={steps} must be >= 1.")
+    batch_spec = None
+    if mesh is not None:
+        from lowrank_jax.train import sharding as shard_lib
+
+        split = mesh.shape["data"] * mesh.shape["fsdp"]
+        rows = len(np.asarray(batch_fn(0)[0])) if not isinstance(batch_fn, TokenBatches) \
+            else batch_fn.batch_size
+        if rows % split:
+            raise ValueError(f"batch size {rows} is not divisible by the mesh's data x fsdp = "
+                             f"{split}; use a multiple of {split} (--batch-size).")
+        batch_spec = shard_lib.batch_sharding(mesh)
     adapted = apply_lora(model, LoRARule(targets, rank=rank, alpha=alpha), ranks=ranks,
                          rngs=nnx.Rngs(seed))
     init_key = jax.random.key(seed)
@@ -100,20 +156,30 @@ def finetune(
                    for p, m in lora_layers(model)}
     base = optax.adamw(lr, weight_decay=weight_decay)
     tx = balora(base) if method == "balora" else base
+    if mesh is not None:
+        shard_lib.shard_model(model, mesh)
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)
+    if mesh is not None:  # step counts come out of init on one device
+        nnx.update(optimizer, shard_lib.place_on_mesh(nnx.state(optimizer), mesh))
     from lowrank_jax.nn.qlora import memory_bytes
 
     memory = memory_bytes(model, optimizer)
     penalty = lokra_lambda if method == "lokra" else 0.0
 
-    step_fn = _train_step(penalty)
+    if mesh is None:
+        step_fn = _train_step(penalty)
+        batch_of = lambda step: tuple(jnp.asarray(a) for a in batch_fn(step))  # noqa: E731
+    else:
+        step_fn = _sharded_train_step(model, optimizer, penalty, batch_spec)
+        batch_of = lambda step: _global_batch(batch_fn, step, batch_spec)  # noqa: E731
+    main = jax.process_index() == 0
 
     losses = []
     start = time.perf_counter()
-    bar = tqdm(range(steps), desc=description, disable=not progress, leave=False)
+    bar = tqdm(range(steps), desc=description, disable=not (progress and main), leave=False)
     for step in bar:
-        inputs, labels = batch_fn(step)
-        loss = float(step_fn(model, optimizer, jnp.asarray(inputs), jnp.asarray(labels)))
+        inputs, labels = batch_of(step)
+        loss = float(step_fn(model, optimizer, inputs, labels))
         if not np.isfinite(loss):
             raise FloatingPointError(f"{method}: loss became {loss} at step {step}; lower --lr.")
         losses.append(loss)
@@ -126,10 +192,8 @@ def finetune(
 _STEP_CACHE: dict[float, Callable] = {}
 
 
-def _train_step(penalty: float):
-    """One jitted AdamW step on the LoRA params (cached so repeated runs do not recompile)."""
-    if penalty in _STEP_CACHE:
-        return _STEP_CACHE[penalty]
+def _update(model, optimizer, inputs, labels, penalty: float):
+    """Loss and gradient of the LoRA params, then one optimizer update (in place)."""
     from flax import nnx
 
     from lowrank_jax.nn.lokra import lokra_regularizer
@@ -142,15 +206,76 @@ def _train_step(penalty: float):
             loss = loss + penalty * lokra_regularizer(model)
         return loss
 
-    @nnx.jit
-    def step_fn(model, optimizer, inputs, labels):
-        loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, nnx.LoRAParam))(
-            model, inputs, labels)
-        optimizer.update(model, grads)
-        return loss
+    loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, nnx.LoRAParam))(
+        model, inputs, labels)
+    optimizer.update(model, grads)
+    return loss
 
+
+def _train_step(penalty: float):
+    """One jitted AdamW step on the LoRA params (cached so repeated runs do not recompile)."""
+    if penalty in _STEP_CACHE:
+        return _STEP_CACHE[penalty]
+    from flax import nnx
+
+    step_fn = nnx.jit(lambda model, optimizer, inputs, labels: _update(
+        model, optimizer, inputs, labels, penalty))
     _STEP_CACHE[penalty] = step_fn
     return step_fn
+
+
+def _sharded_train_step(model, optimizer, penalty: float, batch_sharding):
+    """The step of :func:`_train_step` on a mesh: compiled with the current shardings of the
+    model and optimizer state as in *and* out shardings, so they stay on the rules."""
+    import jax
+    from flax import nnx
+
+    graphdef, state = nnx.split((model, optimizer))
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+
+    def pure(state, inputs, labels):
+        model, optimizer = nnx.merge(graphdef, state)
+        loss = _update(model, optimizer, inputs, labels, penalty)
+        return nnx.state((model, optimizer)), loss
+
+    jitted = jax.jit(pure, in_shardings=(shardings, batch_sharding, batch_sharding),
+                     out_shardings=(shardings, None), donate_argnums=0)
+
+    def step_fn(model, optimizer, inputs, labels):
+        new_state, loss = jitted(nnx.state((model, optimizer)), inputs, labels)
+        nnx.update((model, optimizer), new_state)
+        return loss
+
+    return step_fn
+
+
+def export_adapter(model, folder, *, base_model_name_or_path=None, initial_adapters=None) -> dict:
+    """:func:`lowrank_jax.io.peft.export_peft` of ``model``, in one process or several.
+
+    Arrays sharded over several processes are gathered first
+    (:func:`lowrank_jax.train.multihost.host_copy`, a collective: every process calls this);
+    process 0 writes the folder; every process returns the PEFT config.
+    """
+    from lowrank_jax.io.peft import export_peft
+    from lowrank_jax.train import multihost
+
+    local = multihost.host_copy(model)
+    return multihost.on_main_process(
+        lambda: export_peft(local, folder, base_model_name_or_path=base_model_name_or_path,
+                            initial_adapters=initial_adapters), what="exporting the adapter")
+
+
+def save_merged(model, folder) -> str:
+    """Merge the adapters of a copy of ``model`` into its kernels and save it as a model folder
+    (:func:`lowrank_jax.models.hub.save_model`; ``--model`` reads it). ``model`` is left as it
+    is. Multi-process: gathered, then written by process 0 (every process calls this)."""
+    from lowrank_jax.models.hub import save_model
+    from lowrank_jax.nn import remove_lora
+    from lowrank_jax.train import multihost
+
+    local = multihost.host_copy(model)
+    remove_lora(local, merge=True)  # merge_lora, then plain nnx.Linear layers
+    return multihost.on_main_process(lambda: save_model(local, folder), what="saving the merge")
 
 
 def load_model_and_tokens(model_name: str, data: str | None = None):
@@ -187,4 +312,5 @@ def load_model_and_tokens(model_name: str, data: str | None = None):
     return model, tokens, name
 
 
-__all__ = ["FinetuneResult", "METHODS", "finetune", "load_model_and_tokens", "token_batches"]
+__all__ = ["FinetuneResult", "METHODS", "TokenBatches", "export_adapter", "finetune",
+           "load_model_and_tokens", "save_merged", "token_batches"]

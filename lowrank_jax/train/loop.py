@@ -21,7 +21,6 @@ import numpy as np
 import optax
 import yaml
 from flax import nnx
-from jax.sharding import NamedSharding
 
 from lowrank_jax.data import (
     batch_at,
@@ -67,12 +66,8 @@ def init_state(cfg: RunConfig, mesh=None) -> tuple[TrainState, optax.GradientTra
     else:
         shardings = shard_lib.param_shardings(abstract, mesh)
         params = jax.jit(lambda: make()[1], out_shardings=shardings)()
-        opt_state = jax.jit(tx.init)(params)
-        # scalars (step counts) come out on one device: replicate them over the mesh
-        replicated = shard_lib.replicated(mesh)
-        on_mesh = lambda x: (x if isinstance(getattr(x, "sharding", None), NamedSharding)
-                             and x.sharding.mesh == mesh else jax.device_put(x, replicated))
-        opt_state = jax.tree.map(on_mesh, opt_state)
+        # moments on their parameters' shardings, the rest (step counts) replicated
+        opt_state = shard_lib.init_optimizer_state(tx, params, mesh)
     return TrainState(graphdef, params, opt_state, 0), tx
 
 

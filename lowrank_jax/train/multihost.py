@@ -16,8 +16,9 @@ others in collectives. What this module adds on top of ``jax.distributed``:
   the first checkpoint barrier;
 - :func:`sharded_batch`: each process builds only its own rows of a global batch (the batch of
   step ``t`` depends only on ``(seed, t)``, so restarts see the same data);
-- :func:`gather_to_host`: a pytree of arrays that are not fully addressable, as numpy on
-  every process (for merging and exporting adapters);
+- :func:`gather_to_host` / :func:`host_copy`: a pytree (an NNX model) of arrays that are not
+  fully addressable, as whole numpy arrays on every process (for merging, exporting adapters,
+  saving a merged model);
 - :func:`install_interrupt_watchdog`: a SIGTERM that arrives while the main thread is stuck in a
   collective (a peer is gone) ends the process after a bounded time, with a message, instead of
   waiting forever for the interrupt checkpoint.
@@ -314,13 +315,37 @@ def gather_to_host(tree):
     import jax
 
     def one(leaf):
-        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+        if not isinstance(leaf, jax.Array):
+            return leaf
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):  # RNG keys stay keys
+            return jax.random.wrap_key_data(one(jax.random.key_data(leaf)),
+                                            impl=jax.random.key_impl(leaf))
+        if not leaf.is_fully_addressable:
             from jax.experimental import multihost_utils
 
             return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
-        return np.asarray(leaf) if isinstance(leaf, jax.Array) else leaf
+        return np.asarray(leaf)
 
     return jax.tree.map(one, tree)
+
+
+def host_copy(model):
+    """A copy of the NNX ``model`` whose arrays are whole arrays on this process's first
+    device, on every process.
+
+    The model (left unchanged) may be sharded over several processes: its arrays are gathered
+    with :func:`gather_to_host` (a collective: every process calls this). The copy can be
+    merged, exported or saved with code that reads arrays on the host (``np.asarray``), which
+    fails on an array that is not fully addressable.
+    """
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    graphdef, state = nnx.split(model)
+    local = jax.tree.map(lambda x: jnp.asarray(x) if isinstance(x, np.ndarray) else x,
+                         gather_to_host(state))
+    return nnx.merge(graphdef, local)
 
 
 # ----------------------------------------------------------------------------- SIGTERM
@@ -371,6 +396,7 @@ def install_interrupt_watchdog(timeout_s: float = 60.0, *, log=None) -> None:
     _WATCHDOG["thread"] = thread
 
 
-__all__ = ["check_shared_folder", "free_port", "gather_to_host", "install_interrupt_watchdog",
+__all__ = ["check_shared_folder", "free_port", "gather_to_host", "host_copy",
+           "install_interrupt_watchdog",
            "is_main_process", "launch", "on_main_process", "process_env", "process_index",
            "sharded_batch"]

@@ -57,6 +57,8 @@ def maybe_initialize_distributed() -> bool:
             "MEGASCALE_COORDINATOR_ADDRESS")
     if not any(k in os.environ for k in keys):
         return False
+    if jax.distributed.is_initialized():  # a second command in the same process
+        return True
     if not os.environ.get("JAX_CPU_COLLECTIVES_IMPLEMENTATION"):
         # CPU devices of several processes need gloo to meet in a collective (no effect on
         # GPU / TPU devices)
@@ -157,6 +159,83 @@ def param_shardings(params, mesh):
         return NamedSharding(mesh, spec)
 
     return jax.tree_util.tree_map_with_path(one, params)
+
+
+def _param_key(path) -> tuple[str, ...]:
+    names = _path_names(path)
+    while names and names[-1] in ("value", "raw_value"):  # NNX Variable accessors
+        names = names[:-1]
+    return tuple(names)
+
+
+def state_shardings(state, params, mesh):
+    """``NamedSharding`` for every leaf of an optimizer ``state`` (arrays or ShapeDtypeStructs)
+    of ``params``, by the rules of this module.
+
+    A state leaf that mirrors a parameter — its path ends with the parameter's path (optax and
+    our transforms keep moments in trees shaped like the params) and it has the same shape —
+    gets that parameter's sharding; every other leaf (step counts, projectors, bases, factored
+    statistics) is replicated.
+    """
+    rules = {_param_key(path): (tuple(leaf.shape), NamedSharding(
+        mesh, logical_spec(path, leaf.shape))) for path, leaf in
+        jax.tree_util.tree_leaves_with_path(params)}
+    replicated_sharding = replicated(mesh)
+
+    def one(path, leaf):
+        names = _param_key(path)
+        for start in range(len(names)):
+            hit = rules.get(names[start:])
+            if hit is not None and hit[0] == tuple(leaf.shape):
+                return hit[1]
+        return replicated_sharding
+
+    return jax.tree_util.tree_map_with_path(one, state)
+
+
+def init_optimizer_state(tx, params, mesh):
+    """``tx.init(params)`` with its state created on ``mesh`` by :func:`state_shardings`.
+
+    A plain ``jax.jit(tx.init)`` on an Auto mesh leaves the sharding of the zeros it creates to
+    XLA, which replicates them (every device would hold the whole optimizer state).
+    """
+    abstract = jax.eval_shape(tx.init, params)
+    return jax.jit(tx.init, out_shardings=state_shardings(abstract, params, mesh))(params)
+
+
+def place_on_mesh(tree, mesh):
+    """``tree`` with every array that is not already on ``mesh`` replicated over it.
+
+    Optimizer states hold scalars (step counts) and small arrays (projectors, bases) that come
+    out of an eager ``init`` on one local device; a step jitted on a mesh that spans several
+    processes needs every input on that mesh.
+    """
+    replicated_sharding = replicated(mesh)
+
+    def one(x):
+        if not isinstance(x, jax.Array):
+            return x
+        sharding = getattr(x, "sharding", None)
+        if isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
+            return x
+        return jax.device_put(x, replicated_sharding)
+
+    return jax.tree.map(one, tree)
+
+
+def shard_model(model, mesh) -> None:
+    """Put every array of the NNX ``model`` (in place) on ``mesh`` by the rules of this module.
+
+    Every process must call it with the same model values (a model loaded or built the same
+    way on every process, e.g. from one checkpoint and one seed); each keeps only the shards of
+    its own devices. Raises a ``ValueError`` naming the parameter when a dimension does not
+    divide its mesh axes.
+    """
+    from flax import nnx
+
+    state = nnx.state(model)
+    shardings = param_shardings(state, mesh)
+    nnx.update(model, jax.tree.map(lambda x, s: jax.device_put(x, s), state, shardings))
 
 
 def batch_sharding(mesh) -> NamedSharding:

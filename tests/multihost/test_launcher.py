@@ -62,10 +62,21 @@ def test_all_succeed_and_environment():
 
 
 @pytest.mark.no_typecheck
-def test_bad_arguments():
+def test_bad_arguments(tmp_path, capsys):
     with pytest.raises(ValueError, match="processes=0 must be a positive integer"):
         launch(["true"], processes=0, devices_per_process=1)
     assert cli_main(["launch", "--processes", "2"]) == 2
+    finetune = ["finetune", "--model", "tiny", "--mesh", "data=2,fsdp=4", "--steps", "1",
+                "--out", str(tmp_path / "ft")]
+    assert cli_main(finetune + ["--batch-size", "6"]) == 2
+    assert ("batch size 6 is not divisible by the mesh's data x fsdp = 8; use a multiple of 8"
+            in capsys.readouterr().err)
+    assert cli_main(finetune + ["--mesh", "data=3"]) == 2
+    assert "needs 3 devices, but 8 are available" in capsys.readouterr().err
+    jobs = tmp_path / "jobs.yaml"
+    jobs.write_text("jobs: []\n")
+    assert cli_main(finetune + ["--jobs", str(jobs)]) == 2
+    assert "--jobs trains packed jobs on one device; drop --mesh" in capsys.readouterr().err
 
 
 def test_each_process_builds_its_rows_of_the_same_batch():
