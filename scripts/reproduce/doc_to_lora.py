@@ -5,7 +5,9 @@ The question "What is the secret code of NAME? The secret code of NAME is" is an
 WITHOUT the document by: the base model, the base model with the document in context (the
 ceiling), per-document context distillation (a fresh LoRA, Adam steps on the teacher's top-k;
 the slow baseline) and Doc-to-LoRA (one hypernetwork pass). Test facts are unseen in training:
-held-out names and codes that are multiples of 5 (training codes never are). Also measured:
+held-out (name, code) pairs -- test names never occur in training; codes come from the closed
+vocabulary 10..99 that training also uses, so the hypernetwork must read the code from the
+document (a document-independent adapter can only guess, 1 in 90). Also measured:
 time and working memory to internalise one document, and KV-cache bytes saved vs keeping the
 document in context.
 
@@ -76,14 +78,17 @@ def tokenize(tok, docs):
 
 
 def answer_scores(logits, tokens, starts, answers):
-    """Per example: exact match (argmax on every answer token) and answer log-prob."""
+    """Per example: exact match (argmax on every answer token), answer log-prob, and the
+    fraction of the code's digit tokens that are the argmax (partial learning)."""
     logp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
-    hits, lps = [], []
+    hits, lps, digits = [], [], []
     for i, (s, a) in enumerate(zip(starts, answers)):
         pos = np.arange(s, s + len(a))
-        hits.append(bool(np.all(logp[i, pos].argmax(-1) == np.asarray(a))))
+        right = logp[i, pos].argmax(-1) == np.asarray(a)
+        hits.append(bool(np.all(right)))
         lps.append(float(logp[i, pos, a].sum()))
-    return hits, lps
+        digits.append(float(np.mean(right[1:])))  # a[0] is the space token
+    return hits, lps, digits
 
 
 def pad(rows):
@@ -110,9 +115,9 @@ def main(argv=None):
     p.add_argument("--layers", default="8,12,16")
     p.add_argument("--rank", type=int, default=4)
     p.add_argument("--chunk-len", type=int, default=64)
-    p.add_argument("--train-docs", type=int, default=120)
+    p.add_argument("--train-docs", type=int, default=400)
     p.add_argument("--test-docs", type=int, default=16)
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--steps", type=int, default=700)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--cd-steps", type=int, default=25)
     p.add_argument("--cd-lr", type=float, default=5e-3)
@@ -125,10 +130,9 @@ def main(argv=None):
     t0 = time.time()
     model, tok = load_model(args.model)
     rng = np.random.default_rng(0)
-    train_codes = [c for c in range(10, 100) if c % 5]
-    test_codes = [c for c in range(10, 100) if c % 5 == 0]
-    train = make_documents(rng, args.train_docs, TRAIN_NAMES, train_codes, 2, 7)
-    test = make_documents(rng, args.test_docs, TEST_NAMES, test_codes, 2, 7)
+    codes = list(range(10, 100))  # the closed answer vocabulary (pairs held out via names)
+    train = make_documents(rng, args.train_docs, TRAIN_NAMES, codes, 2, 7)
+    test = make_documents(rng, args.test_docs, TEST_NAMES, codes, 2, 7)
     max_chunks = 2
     tr, te = tokenize(tok, train), tokenize(tok, test)
     mean_train, mean_test = np.mean([len(d) for d in tr[0]]), np.mean([len(d) for d in te[0]])
@@ -162,11 +166,19 @@ def main(argv=None):
     results["base + document in context (ceiling)"] = answer_scores(
         model(with_doc)[0], with_doc, starts_doc, answers)
 
-    # Doc-to-LoRA: one pass per document
-    bank = hyper(jnp.asarray(test_data.features), jnp.asarray(test_data.mask))
-    with adapted(model, bank, hyper.config):
-        logits = model(student)[0]
-    results["Doc-to-LoRA"] = answer_scores(logits, student, starts_q, answers)
+    # Doc-to-LoRA: one pass per document; on the first training documents too (seen facts),
+    # which separates "did not fit" from "did not generalise"
+    def d2l_scores(data, questions, answers):
+        tokens = jnp.asarray(pad([q + a for q, a in zip(questions, answers)]))
+        bank = hyper(jnp.asarray(data.features), jnp.asarray(data.mask))
+        with adapted(model, bank, hyper.config):
+            logits = model(tokens)[0]
+        return answer_scores(logits, tokens, [len(q) - 1 for q in questions], answers)
+
+    results["Doc-to-LoRA"] = d2l_scores(test_data, questions, answers)
+    seen = DistillData(*(np.asarray(x)[:len(documents)] for x in train_data))
+    results["Doc-to-LoRA on training documents (seen facts)"] = d2l_scores(
+        seen, tr[1][:len(documents)], tr[2][:len(documents)])
     run = internalizer(model, hyper, chunk_len=args.chunk_len)
     for d in documents[:2]:  # compile for 1 and 2 chunks
         run(d).a.block_until_ready()
@@ -179,7 +191,7 @@ def main(argv=None):
     total_rank = (max_chunks + 1) * args.rank
     distill = context_distiller(model, hyper.config, total_rank=total_rank, steps=args.cd_steps,
                                 learning_rate=args.cd_lr)
-    cd_hits, cd_lps, cd_times = [], [], []
+    cd_hits, cd_lps, cd_digits, cd_times = [], [], [], []
     for i in range(len(documents)):
         one = DistillData(*(np.asarray(x)[i:i + 1] for x in test_data))
         t0 = time.time()
@@ -188,10 +200,11 @@ def main(argv=None):
         cd_times.append(time.time() - t0)
         with adapted(model, cd_bank, hyper.config):
             lg = model(student[i:i + 1])[0]
-        h, lp = answer_scores(lg, student[i:i + 1], starts_q[i:i + 1], answers[i:i + 1])
+        h, lp, dg = answer_scores(lg, student[i:i + 1], starts_q[i:i + 1], answers[i:i + 1])
         cd_hits += h
         cd_lps += lp
-    results["context distillation (per doc)"] = (cd_hits, cd_lps)
+        cd_digits += dg
+    results["context distillation (per doc)"] = (cd_hits, cd_lps, cd_digits)
     cd_seconds = float(np.mean(cd_times[1:] if len(cd_times) > 1 else cd_times))
 
     # memory: what XLA plans for one internalisation vs one context-distillation step
@@ -225,9 +238,9 @@ def main(argv=None):
     kv = kv_cache_bytes(model.cfg, mean_tokens)
     one_bank = run(documents[0])
     rows = []
-    for name, (hits, lps) in results.items():
+    for name, (hits, lps, digits) in results.items():
         rows.append({"method": name, "accuracy": float(np.mean(hits)),
-                     "answer_logp": float(np.mean(lps))})
+                     "answer_logp": float(np.mean(lps)), "digit_accuracy": float(np.mean(digits))})
     report = {
         "date": time.strftime("%Y-%m-%d"), "quick": args.quick, "model": args.model,
         "layers": layers, "rank_per_chunk": args.rank, "chunk_len": args.chunk_len,
@@ -240,11 +253,14 @@ def main(argv=None):
         "kv_bytes_per_token": kv_cache_bytes(model.cfg, 1),
         "final_train_loss": history[-1]["loss"] if history else None,
         "first_train_loss": history[0]["loss"] if history else None,
+        "train_curve": [{"step": h["step"], "kl": h["kl"]} for h in history
+                        if h["step"] % 50 == 0 or h["step"] == 1],
     }
-    print("\n| method | accuracy (no doc in prompt) | answer log-prob |")
-    print("|---|---|---|")
+    print("\n| method | accuracy (no doc in prompt) | digit accuracy | answer log-prob |")
+    print("|---|---|---|---|")
     for r in rows:
-        print(f"| {r['method']} | {r['accuracy']:.3f} | {r['answer_logp']:.2f} |")
+        print(f"| {r['method']} | {r['accuracy']:.3f} | {r['digit_accuracy']:.3f} | "
+              f"{r['answer_logp']:.2f} |")
     print(f"\ninternalize one doc: D2L {d2l_seconds:.3f}s, context distillation {cd_seconds:.2f}s "
           f"({args.cd_steps} steps); working memory D2L {mem_d2l}, CD step {mem_cd} bytes")
     print(f"KV cache of a {mean_tokens:.0f}-token doc: {kv} bytes; adapter "

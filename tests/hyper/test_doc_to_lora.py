@@ -236,6 +236,32 @@ def test_training_lowers_the_loss_and_never_touches_the_base(base, fresh, data):
     jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, nnx.state(base)))
 
 
+def test_trained_adapter_carries_each_documents_fact(base, data):
+    """The answer of document i is its own first token (one-hot teacher) and every question
+    is the same, so only the document's features can tell the answers apart. After training,
+    each document's own adapter must beat another document's adapter: were the features cut
+    off from the heads (or the B scalers stuck at 0), both losses would be equal."""
+    idx = np.zeros_like(data.teacher_idx)
+    idx[:, 2, 0] = np.asarray(data.queries)[:, 3]  # position 2 predicts d[0]
+    logp = np.full(data.teacher_logp.shape, -1e9, np.float32)
+    logp[..., 0] = 0.0  # p = 1 on the document's own token
+    weights = np.zeros_like(data.weights)
+    weights[:, 2] = 1.0
+    onehot = data._replace(teacher_logp=logp, teacher_idx=idx, weights=weights)
+    hyper = _hyper(base, rank=4, d_latent=32)
+    batch = DistillData(*(jnp.asarray(x) for x in onehot))
+    init = float(distill_loss(_generate(hyper, batch.features, batch.mask), base, hyper.config,
+                              batch)[1][0])
+    train_doc_to_lora(hyper, base, onehot, steps=20, batch_size=4, learning_rate=3e-2, warmup=2,
+                      l1_weight=0.0)
+    own = _generate(hyper, batch.features, batch.mask)
+    swapped = _generate(hyper, batch.features[::-1], batch.mask[::-1])  # doc i gets doc 3-i's
+    own_kl = float(distill_loss(own, base, hyper.config, batch)[1][0])
+    swapped_kl = float(distill_loss(swapped, base, hyper.config, batch)[1][0])
+    assert own_kl < init - 0.5, (init, own_kl)
+    assert own_kl < swapped_kl - 0.25, (own_kl, swapped_kl)
+
+
 @pytest.mark.slow
 def test_resumed_training_equals_an_uninterrupted_run(tmp_path, base, fresh, data):
     options = dict(batch_size=2, learning_rate=1e-2, warmup=1)
