@@ -292,5 +292,5 @@ def serve_command(args, model, tokenizer) -> int:
     return 0
 
 
-__all__ = ["AdapterServer", "TARGETS", "generate_batch", "generate_with_adapters", "read_peft_adapter",
-           "serve_command"]
+__all__ = ["AdapterServer", "TARGETS", "generate_batch", "generate_with_adapters",
+           "read_peft_adapter", "serve_command"]
