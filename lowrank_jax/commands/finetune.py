@@ -40,6 +40,9 @@ def register(subparsers) -> None:
                    help="QLoRA: quantize the base first (NF4 64-blocks, RTN 4-bit groups of 64, "
                         "UniSVQ 2-bit Hessian-free lattice rounding); a quantized --model folder "
                         "needs no flag")
+    p.add_argument("--save-base", default=None, metavar="DIR",
+                   help="with --quantize: also write the quantized base as a folder (NF4, RTN-4 "
+                        "or UniSVQ-2 codes + tokenizer) that --model DIR loads later")
     p.add_argument("--data", default=None,
                    help="UTF-8 text file to fine-tune on (default: the embedded byte corpus)")
     p.add_argument("--method", default="lora", choices=METHODS)
@@ -109,12 +112,17 @@ def run(args) -> int:
     lr = args.lr if args.lr is not None else (1e-4 if args.method == "balora" else 1e-3)
     model, tokens, base_name = load_model_and_tokens(args.model, args.data)
     if getattr(args, "quantize", None):
-        from lowrank_jax.nn.qlora import quantize_base
+        from lowrank_jax.nn.qlora import quantize_base, save_quantized_base
 
         if args.method not in ("lora", "balora", "lokra"):
             raise ValueError(f"--method {args.method} rewrites the base weights; with --quantize "
                              "use lora, balora or lokra.")
         quantize_base(model, args.quantize)
+        if args.save_base:
+            print(f"quantized base: {save_quantized_base(model, args.model, args.save_base)}")
+    elif getattr(args, "save_base", None):
+        raise ValueError("--save-base writes the quantized base; it needs --quantize "
+                         "nf4|rtn4|unisvq2.")
     if len(tokens) < args.seq_len + 2:
         raise ValueError(f"--data has {len(tokens)} tokens, fewer than --seq-len + 2 = "
                          f"{args.seq_len + 2}; pass more text or a smaller --seq-len.")

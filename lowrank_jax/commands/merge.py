@@ -36,7 +36,6 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     import numpy as np
-    from flax import nnx
 
     from lowrank_jax.io.outputs import atomic_write_text, prepare_output
     from lowrank_jax.io.peft import import_peft
@@ -44,7 +43,6 @@ def run(args) -> int:
     from lowrank_jax.models import english_eval_text, load_model, perplexity, save_model
     from lowrank_jax.nn.merge import merge_report
     from lowrank_jax.nn.qlora import quantize_base
-    from lowrank_jax.quant.nf4 import NF4Linear
 
     check_text_file(args.data, "--data")
     if not os.path.isdir(args.adapter):
@@ -71,15 +69,9 @@ def run(args) -> int:
     merged, report = merge_report(
         model, lambda m: perplexity(m, ids, window=window, progress=False).perplexity,
         target=args.to)
-    nf4 = any(isinstance(m, NF4Linear) for _, m in nnx.iter_modules(merged))
     model_dir = os.path.join(args.out, "model")
-    if nf4:
-        report["saved"] = None
-        print("note: the quantized folder format has no NF4 layout yet; the merged NF4 model "
-              "is measured but not saved (use --to fp to save a dense merge).")
-    else:
-        save_model(merged, model_dir, tokenizer=tokenizer)
-        report["saved"] = model_dir
+    save_model(merged, model_dir, tokenizer=tokenizer)  # fp: HF folder; quantized: its folder
+    report["saved"] = model_dir
     atomic_write_text(os.path.join(args.out, "report.json"), json.dumps(report, indent=2))
     print(f"merge --to {args.to}: perplexity {report['ppl_adapter']:.3f} (adapter on its base) "
           f"-> {report['ppl_merged']:.3f} merged ({report['ppl_added']:+.3f}); mean relative "

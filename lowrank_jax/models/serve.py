@@ -23,6 +23,7 @@ References:
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Sequence
 
@@ -171,19 +172,82 @@ class AdapterServer:
         return self._forward(self.model, tokens)
 
 
-def generate_with_adapters(model, tokenizer, prompts: Sequence[str], adapters: Sequence[str], *,
-                           max_rank: int | None = None, stream=None, **generate_kwargs):
-    """Answer ``prompts[i]`` with adapter ``adapters[i]`` (PEFT folders), all adapters resident.
+def generate_batch(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 64,
+                   temperature: float = 0.0, top_p: float = 1.0, key=None,
+                   eos_ids: Sequence[int] = (), stop_at_eos: bool = True):
+    """Continue several token-id prompts **in one batch**, one compiled decode step for all.
 
-    One :class:`AdapterServer` holds every adapter; requests run through the same compiled
-    prefill / decode steps (only the slot id changes between them, so nothing recompiles).
-    ``max_rank`` defaults to the largest adapter rank rounded up to 8.
+    Prompts may differ in length and are never padded: one prefill runs the common prefix of
+    ``min(len)`` positions, then every decode step feeds example ``b`` its next prompt token
+    while position ``p < len_b`` (teacher forcing the rest of its prompt) and its own sampled
+    token after, so every example sees exactly the positions it would see alone. With the model's
+    adapter ids set (:meth:`AdapterServer.set_ids`), example ``b`` runs with its own adapter.
+    Greedy decoding (``temperature=0``) gives each example the tokens it gets alone (a test).
 
     Returns:
-        One :class:`~lowrank_jax.models.generate.GenerationResult` per prompt.
+        One :class:`~lowrank_jax.models.generate.GenerationResult` per prompt (``text`` is
+        ``None``: decode the ids with the tokenizer).
     """
-    from lowrank_jax.models.generate import generate
+    import jax
 
+    from lowrank_jax.models.generate import GenerationResult, _decode_step, _sample, prepare
+    from lowrank_jax.models.llama import KVCache
+
+    cfg = model.cfg
+    prompts = [[int(t) for t in p] for p in prompts]
+    if not prompts or any(not p for p in prompts):
+        raise ValueError("generate_batch: give at least one prompt, each of at least one token.")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1.")
+    lengths = [len(p) for p in prompts]
+    if max(lengths) >= cfg.max_seq_len:
+        raise ValueError(f"a prompt has {max(lengths)} tokens but the model's context is "
+                         f"{cfg.max_seq_len}; shorten the prompt.")
+    budget = [min(max_new_tokens, cfg.max_seq_len - n) for n in lengths]
+    n_batch, lo = len(prompts), min(lengths)
+    key = jax.random.key(0) if key is None else key
+    eos_set = {int(i) for i in eos_ids}
+    static, state = prepare(model)
+    step = functools.partial(_decode_step, static)  # jitted: logits[:, -1] and the cache
+    cache = KVCache.empty(cfg, n_batch, max(n + k for n, k in zip(lengths, budget)))
+    logits, cache = step(state, jnp.asarray([p[:lo] for p in prompts], jnp.int32), cache)
+    temperature_arr, top_p_arr = jnp.float32(temperature), jnp.float32(top_p)
+    new_ids: list[list[int]] = [[] for _ in prompts]
+    stopped = [False] * n_batch
+    pos = lo  # the position the next fed token takes
+    while True:
+        key, sub = jax.random.split(key)
+        sampled = np.asarray(_sample(logits, sub, temperature_arr, top_p_arr))
+        feed = []
+        for b, prompt in enumerate(prompts):
+            if pos < lengths[b]:  # still inside its prompt: feed the prompt's own token
+                feed.append(prompt[pos])
+                continue
+            done = stopped[b] or len(new_ids[b]) >= budget[b]
+            if not done:
+                token = int(sampled[b])
+                new_ids[b].append(token)
+                stopped[b] = stop_at_eos and token in eos_set
+            feed.append(new_ids[b][-1] if new_ids[b] else 0)  # finished rows: ignored filler
+        if all(s or len(ids) >= k for s, ids, k in zip(stopped, new_ids, budget)):
+            break
+        logits, cache = step(state, jnp.asarray(feed, jnp.int32)[:, None], cache)
+        pos += 1
+    return [GenerationResult(ids, None, s, None) for ids, s in zip(new_ids, stopped)]
+
+
+def generate_with_adapters(model, tokenizer, prompts: Sequence[str], adapters: Sequence[str], *,
+                           max_rank: int | None = None, **generate_kwargs):
+    """Answer ``prompts[i]`` with adapter ``adapters[i]`` (PEFT folders) in **one batch**.
+
+    One :class:`AdapterServer` holds every adapter (slot ``i`` = ``adapters[i]``); the prompts
+    run together through :func:`generate_batch` with example ``i`` routed to slot ``i`` (the
+    grouped multi-LoRA forward). ``max_rank`` defaults to the largest adapter rank rounded up
+    to 8. ``generate_kwargs``: those of :func:`generate_batch`.
+
+    Returns:
+        One :class:`~lowrank_jax.models.generate.GenerationResult` per prompt (with its text).
+    """
     if len(prompts) != len(adapters):
         raise ValueError(f"--adapter was given {len(adapters)} times but --prompt "
                          f"{len(prompts)} times; give one prompt per adapter.")
@@ -194,13 +258,13 @@ def generate_with_adapters(model, tokenizer, prompts: Sequence[str], adapters: S
     server = AdapterServer(model, slots=len(adapters), max_rank=max_rank)
     for slot, folder in enumerate(adapters):
         server.load(slot, folder)
-    results = []
-    for slot, prompt in enumerate(prompts):
-        server.set_ids([slot])
-        results.append(generate(model, tokenizer, prompt,
-                                stream=None if stream is None else stream(slot),
-                                **generate_kwargs))
-    return results
+    server.set_ids(list(range(len(adapters))))
+    eos = getattr(tokenizer, "eos_id", None)
+    generate_kwargs.setdefault("eos_ids", () if eos is None else (eos,))
+    ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+    results = generate_batch(model, ids, **generate_kwargs)
+    return [r._replace(text=tokenizer.decode(r.token_ids)) if tokenizer is not None else r
+            for r in results]
 
 
 def serve_command(args, model, tokenizer) -> int:
@@ -223,9 +287,10 @@ def serve_command(args, model, tokenizer) -> int:
         ids = [t for t in result.token_ids if t != tokenizer.eos_id]
         print(f"[adapter {folder}]")
         print(tokenizer.decode(ids))
-    print(f"[{len(results)} adapter(s) resident, one compiled model]", file=sys.stderr)
+    print(f"[{len(results)} adapter(s) resident, one batch, one compiled model]",
+          file=sys.stderr)
     return 0
 
 
-__all__ = ["AdapterServer", "TARGETS", "generate_with_adapters", "read_peft_adapter",
-           "serve_command"]
+__all__ = ["AdapterServer", "TARGETS", "generate_batch", "generate_with_adapters",
+           "read_peft_adapter", "serve_command"]

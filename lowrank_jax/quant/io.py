@@ -19,6 +19,7 @@ from lowrank_jax.models.llama import (
     replace_projections,
 )
 from lowrank_jax.quant.layers import QuantizedLinear, RTNLinear, VQLinear, dense_weight
+from lowrank_jax.quant.nf4 import NF4Linear, NF4Weight
 from lowrank_jax.quant.rtn import rtn_from_arrays, rtn_to_arrays
 from lowrank_jax.quant.unisvq import UniSVQWeight
 
@@ -62,6 +63,15 @@ def save_quantized(model: Llama, folder: str | os.PathLike, *, tokenizer=None,
             arrays[prefix + ".codes"] = np.asarray(lin.codes[...], np.uint8)
             for name in ("scale_in", "scale_out", "codebook"):
                 arrays[f"{prefix}.{name}"] = np.asarray(getattr(lin, name)[...], np.float16)
+        elif isinstance(lin, NF4Linear):  # QLoRA's NF4 base (lowrank_jax.quant.nf4)
+            w = lin.weight()
+            meta = {"method": "nf4", "shape": [lin.out_features, lin.in_features],
+                    "block_size": lin.block_size, "double_quant": lin.double_quant}
+            arrays[prefix + ".packed"] = np.asarray(w.packed, np.uint8)
+            arrays[prefix + ".absmax"] = np.asarray(w.absmax)
+            if lin.double_quant:
+                arrays[prefix + ".absmax_scale"] = np.asarray(w.absmax_scale, np.float32)
+                arrays[prefix + ".absmax_offset"] = np.asarray(w.absmax_offset, np.float32)
         elif isinstance(lin, RTNLinear):
             meta = {"method": "rtn", "shape": [lin.out_features, lin.in_features],
                     "bits": lin.bits, "group_size": lin.group_size,
@@ -148,6 +158,13 @@ def load_quantized(folder: str | os.PathLike) -> tuple[Llama, Any]:
                 for n in ("codes", "codebook", "scale_in", "scale_out"))
             return VQLinear(VQWeight(codes, codebook, s_in, s_out, meta["block_in"],
                                      meta["block_out"]))
+        if meta["method"] == "nf4":
+            dq = meta["double_quant"]
+            return NF4Linear(NF4Weight(
+                jnp.asarray(arrays[prefix + ".packed"]), jnp.asarray(arrays[prefix + ".absmax"]),
+                jnp.asarray(arrays[prefix + ".absmax_scale"]) if dq else None,
+                jnp.asarray(arrays[prefix + ".absmax_offset"]) if dq else None,
+                meta["block_size"]))
         if meta["method"] == "rtn":
             sub = {k: arrays[f"{prefix}.{k}"] for k in ("codes", "scale", "zero")}
             return RTNLinear(

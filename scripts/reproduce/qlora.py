@@ -8,8 +8,10 @@ into a re-quantized base (``lowrank_jax.nn.merge.merge_report``) and report the 
 re-quantization adds.
 
 Train text: the first 90 % of the embedded stdlib-docstring corpus; held-out: its last 10 %
-(disjoint). UniSVQ-2 uses the Hessian-free lattice rounding (nearest codeword after the RHT, no
-calibration, no block fine-tuning: seconds instead of the full pipeline's minutes).
+(disjoint). UniSVQ-2 runs the library's calibrated pipeline (``quant.quantize_model``: Hessians
+from ``--calib-seqs`` windows of ``--calib-len`` training tokens, LDLQ with ``--tune-iters`` passes,
+``--block-steps`` Adam steps of block fine-tuning; ``--unisvq-layers N`` quantizes only the first N
+blocks); ``--unisvq-rounding`` restores the Hessian-free nearest-codeword rounding of round 2.
 
 Usage::
 
@@ -44,6 +46,15 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--eval-tokens", type=int, default=2048)
     p.add_argument("--bases", default=",".join(BASES))
+    p.add_argument("--calib-seqs", type=int, default=32, help="UniSVQ calibration windows")
+    p.add_argument("--calib-len", type=int, default=128, help="tokens per calibration window")
+    p.add_argument("--tune-iters", type=int, default=3, help="UniSVQ LDLQ tune passes")
+    p.add_argument("--block-steps", type=int, default=20,
+                   help="UniSVQ block fine-tuning Adam steps per block")
+    p.add_argument("--unisvq-layers", type=int, default=None,
+                   help="quantize only the first N blocks with UniSVQ (default all)")
+    p.add_argument("--unisvq-rounding", action="store_true",
+                   help="UniSVQ without calibration (Hessian-free rounding, round 2's row)")
     p.add_argument("--img", default=os.path.join("docs", "img", "qlora_loss.png"))
     p.add_argument("--render", default=None, metavar="RESULTS.json",
                    help="only print the table and redraw the plot from a (partial) results.json")
@@ -64,6 +75,8 @@ def main(argv=None) -> int:
     from lowrank_jax.models import load_model, perplexity
     from lowrank_jax.nn.merge import merge_report
     from lowrank_jax.nn.qlora import quantize_base
+    from lowrank_jax.quant.pipeline import calibration_tokens
+    from lowrank_jax.quant.unisvq import UniSVQConfig
     from lowrank_jax.train.finetune import finetune, token_batches
 
     os.makedirs(args.out, exist_ok=True)
@@ -76,10 +89,17 @@ def main(argv=None) -> int:
     rows, curves = [], {}
     for name in args.bases.split(","):
         model, _ = load_model(args.model)
-        start = time.perf_counter()
-        if name != "fp32":
+        start, cpu0 = time.perf_counter(), time.process_time()
+        if name == "unisvq2" and not args.unisvq_rounding:
+            calib = calibration_tokens(tok, text[:cut], args.calib_seqs, args.calib_len)
+            layers = (None if args.unisvq_layers is None
+                      else list(range(min(args.unisvq_layers, len(model.layers)))))
+            quantize_base(model, name, calib_tokens=calib, layers=layers,
+                          cfg=UniSVQConfig(tune_iters=args.tune_iters,
+                                           finetune_steps=args.block_steps))
+        elif name != "fp32":
             quantize_base(model, name)
-        q_seconds = time.perf_counter() - start
+        q_seconds, q_cpu = time.perf_counter() - start, time.process_time() - cpu0
         before = ppl(model)
         result = finetune(model, token_batches(train_ids, args.batch_size, args.seq_len, 0),
                           targets=r"(q|k|v|o|gate|up|down)_proj", rank=args.rank,
@@ -90,7 +110,14 @@ def main(argv=None) -> int:
                "loss_first": result.losses[0],
                "loss_last10": float(np.mean(result.losses[-10:])),
                "train_seconds": result.seconds, "quantize_seconds": q_seconds,
+               "quantize_cpu_seconds": q_cpu,
                **{f"{k}_bytes": v for k, v in result.memory.items()}}
+        if name == "unisvq2":
+            row["unisvq"] = ("rounding" if args.unisvq_rounding else
+                             f"calibrated {args.calib_seqs}x{args.calib_len}, "
+                             f"{args.tune_iters} tune, {args.block_steps} FT steps, "
+                             f"{'all' if args.unisvq_layers is None else args.unisvq_layers} "
+                             "blocks")
         if name != "fp32":
             _, report = merge_report(model, ppl, target="quantized")
             row.update(merged_ppl=report["ppl_merged"], merge_ppl_added=report["ppl_added"],

@@ -81,6 +81,54 @@ def test_rank_above_max_is_a_clear_error(folders):
         server.load(0, folders[1] + "-missing")
 
 
+def alone_tokens(folder, prompt, n, tokenizer=None):
+    from lowrank_jax.models.generate import generate
+
+    model = base()
+    import_peft(model, folder)
+    out = generate(model, tokenizer, prompt, max_new_tokens=n, stop_at_eos=tokenizer is not None)
+    return [t for t in out.token_ids if tokenizer is None or t != tokenizer.eos_id]
+
+
+def test_generate_batch_with_two_adapters_equals_each_alone(folders):
+    from lowrank_jax.models.serve import generate_batch
+
+    a, b, _ = folders
+    server = AdapterServer(base(), slots=2, max_rank=8)
+    server.load(0, a)
+    server.load(1, b)
+    prompts = [[5, 9, 2], [7, 1, 3, 3, 8, 4]]  # unequal lengths: no padding, exact positions
+    for ids, order in (([0, 1], (a, b)), ([1, 0], (b, a))):
+        server.set_ids(ids)
+        results = generate_batch(server.model, prompts, max_new_tokens=6)
+        for result, prompt, folder in zip(results, prompts, order):
+            assert result.token_ids == alone_tokens(folder, prompt, 6)
+
+
+def test_generate_batch_stops_each_example_at_its_eos(folders):
+    from lowrank_jax.models.serve import generate_batch
+
+    server = AdapterServer(base(), slots=1, max_rank=8)
+    server.load(0, folders[0])
+    server.set_ids([0, 0])
+    prompts = [[5, 9, 2], [7, 1]]
+    free = generate_batch(server.model, prompts, max_new_tokens=5)
+    eos = free[0].token_ids[1]  # the 2nd token of example 0 becomes its end token
+    stopped = generate_batch(server.model, prompts, max_new_tokens=5, eos_ids=[eos])
+    for one, alone in zip(stopped, free):  # each row ends at its own first end token
+        cut = alone.token_ids.index(eos) + 1 if eos in alone.token_ids else 5
+        assert one.token_ids == alone.token_ids[:cut]
+        assert one.stopped_at_eos == (eos in alone.token_ids)
+    assert stopped[0].stopped_at_eos and len(stopped[0].token_ids) <= 2
+
+
+def test_generate_batch_rejects_empty_prompts():
+    from lowrank_jax.models.serve import generate_batch
+
+    with pytest.raises(ValueError, match="at least one token"):
+        generate_batch(base(), [[1, 2], []])
+
+
 def test_generate_command_serves_two_adapters(folders, monkeypatch, capsys):
     from lowrank_jax.cli import main
     from lowrank_jax.commands import generate as generate_command
@@ -96,5 +144,9 @@ def test_generate_command_serves_two_adapters(folders, monkeypatch, capsys):
     code = main(["generate", "--model", "x", "--raw", "--max-new-tokens", "3",
                  "--adapter", a, "--prompt", "ab", "--adapter", b, "--prompt", "cd"])
     assert code == 0
-    out = capsys.readouterr().out
-    assert f"[adapter {a}]" in out and f"[adapter {b}]" in out
+    captured = capsys.readouterr()
+    assert "one batch" in captured.err
+    tok = SmallBytes()
+    expected = "".join(f"[adapter {f}]\n{tok.decode(alone_tokens(f, tok.encode(p), 3, tok))}\n"
+                       for f, p in ((a, "ab"), (b, "cd")))
+    assert captured.out == expected
