@@ -6,7 +6,6 @@ Every function returns rows (see :mod:`lowrank_jax.bench.suite`) whose ``time_ra
 
 from __future__ import annotations
 
-import time
 
 import jax
 import jax.numpy as jnp
@@ -133,7 +132,9 @@ def _prefill_runner(model: Llama, tokens):
 
 def decode_runners(model: Llama, prompt: list[int], new_tokens: int, tokenizer=None,
                    stepwise: bool = False):
-    """Two zero-argument greedy :func:`generate` calls: ``new_tokens`` tokens and 1 token.
+    """Two zero-argument greedy :func:`generate` calls: ``new_tokens`` tokens, and the same call
+    stopped at its first token (an end token chosen to be that token: the same shapes, so no
+    second compilation).
 
     Their time difference over ``new_tokens - 1`` is the decode time per token with prefill,
     sampling setup and compilation excluded. ``stepwise=True`` passes a ``stream`` callback,
@@ -142,12 +143,14 @@ def decode_runners(model: Llama, prompt: list[int], new_tokens: int, tokenizer=N
     if new_tokens < 2:
         raise ValueError(f"new_tokens={new_tokens} must be >= 2 (a decode step after prefill).")
     stream = (lambda token, text: None) if stepwise else None
+    first = generate(model, tokenizer, prompt, max_new_tokens=new_tokens, stop_at_eos=False,
+                     stream=stream).token_ids[0]  # also compiles the timed calls
 
-    def call(n):
-        return lambda: generate(model, tokenizer, prompt, max_new_tokens=n, stop_at_eos=False,
-                                stream=stream).token_ids
+    def call(stop: bool):
+        return lambda: generate(model, tokenizer, prompt, max_new_tokens=new_tokens,
+                                stop_at_eos=stop, eos_ids=[first], stream=stream).token_ids
 
-    return call(new_tokens), call(1)
+    return call(False), call(True)
 
 
 def decode_interleaved(models: dict[str, Llama], prompt: list[int], new_tokens: int,
