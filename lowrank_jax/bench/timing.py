@@ -50,6 +50,21 @@ def time_fn(fn: Callable, *args: Any, reps: int = 10, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def time_once(fn: Callable, *args: Any) -> tuple[float, Any]:
+    """``(wall seconds, result)`` of one call ``fn(*args)``, blocked on: for one-shot costs
+    (loading a file, a first call that compiles) where repeating would measure something else.
+
+    Example::
+
+        >>> seconds, out = time_once(lambda a: a * 2, 21)
+        >>> out, seconds >= 0
+        (42, True)
+    """
+    start = time.perf_counter()
+    out = jax.block_until_ready(fn(*args))
+    return time.perf_counter() - start, out
+
+
 def time_interleaved(
     fns: dict[str, Callable[[], Any]], *, reps: int = 5, warmup: int = 1
 ) -> dict[str, float]:
@@ -99,4 +114,4 @@ def machine_record() -> dict:
     }
 
 
-__all__ = ["machine_record", "time_fn", "time_interleaved"]
+__all__ = ["machine_record", "time_fn", "time_interleaved", "time_once"]

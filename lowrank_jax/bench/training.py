@@ -6,7 +6,6 @@ Every function returns rows (see :mod:`lowrank_jax.bench.suite`) whose ``time_ra
 
 from __future__ import annotations
 
-import time
 
 import jax
 import jax.numpy as jnp
@@ -131,26 +130,42 @@ def _prefill_runner(model: Llama, tokens):
     return lambda: run(state, tokens)
 
 
-def decode_seconds_per_token(model: Llama, prompt: list[int], new_tokens: int,
-                             tokenizer=None) -> float:
-    """Median interval between consecutive tokens of one greedy :func:`generate` call (the
-    decode step a user waits for; prefill and compilation excluded)."""
-    stamps: list[float] = []
-    generate(model, tokenizer, prompt, max_new_tokens=new_tokens, stop_at_eos=False,
-             stream=lambda token, text: stamps.append(time.perf_counter()))
-    return float(np.median(np.diff(stamps)))
+def decode_runners(model: Llama, prompt: list[int], new_tokens: int, tokenizer=None,
+                   stepwise: bool = False):
+    """Two zero-argument greedy :func:`generate` calls: ``new_tokens`` tokens, and the same call
+    stopped at its first token (an end token chosen to be that token: the same shapes, so no
+    second compilation).
+
+    Their time difference over ``new_tokens - 1`` is the decode time per token with prefill,
+    sampling setup and compilation excluded. ``stepwise=True`` passes a ``stream`` callback,
+    which runs one jitted step per token from Python (the path before the compiled loop).
+    """
+    if new_tokens < 2:
+        raise ValueError(f"new_tokens={new_tokens} must be >= 2 (a decode step after prefill).")
+    stream = (lambda token, text: None) if stepwise else None
+    first = generate(model, tokenizer, prompt, max_new_tokens=new_tokens, stop_at_eos=False,
+                     stream=stream).token_ids[0]  # also compiles the timed calls
+
+    def call(stop: bool):
+        return lambda: generate(model, tokenizer, prompt, max_new_tokens=new_tokens,
+                                stop_at_eos=stop, eos_ids=[first], stream=stream).token_ids
+
+    return call(False), call(True)
 
 
 def decode_interleaved(models: dict[str, Llama], prompt: list[int], new_tokens: int,
-                       reps: int, tokenizer=None) -> dict[str, float]:
-    """Per-token decode seconds of each model, generate calls round-robin, median of rounds."""
-    for model in models.values():  # compile (same cache length as the timed calls)
-        decode_seconds_per_token(model, prompt, new_tokens, tokenizer)
-    samples = {name: [] for name in models}
-    for _ in range(reps):
-        for name, model in models.items():
-            samples[name].append(decode_seconds_per_token(model, prompt, new_tokens, tokenizer))
-    return {name: float(np.median(v)) for name, v in samples.items()}
+                       reps: int, tokenizer=None, stepwise: tuple[str, ...] = ()
+                       ) -> dict[str, float]:
+    """Per-token decode seconds of each model, all generate calls round-robin (medians):
+    ``(t(new_tokens) - t(1)) / (new_tokens - 1)``. Names in ``stepwise`` use the per-token
+    Python loop."""
+    fns = {}
+    for name, model in models.items():
+        many, one = decode_runners(model, prompt, new_tokens, tokenizer, name in stepwise)
+        fns[(name, "many")], fns[(name, "one")] = many, one
+    times = time_interleaved(fns, reps=reps)
+    return {name: max(times[(name, "many")] - times[(name, "one")], 1e-9) / (new_tokens - 1)
+            for name in models}
 
 
 def factorized_vs_dense(*, quick: bool, reps: int) -> list[dict]:
@@ -191,5 +206,5 @@ def factorized_vs_dense(*, quick: bool, reps: int) -> list[dict]:
     return rows
 
 
-__all__ = ["decode_interleaved", "decode_seconds_per_token", "factorized_vs_dense", "row",
+__all__ = ["decode_interleaved", "decode_runners", "factorized_vs_dense", "row",
            "spectron_overhead", "train_step_runner"]

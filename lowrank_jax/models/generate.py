@@ -174,6 +174,64 @@ def _sample(logits, key, temperature, top_p):
     return jnp.where(temperature > 0, sampled, greedy)
 
 
+def _stepwise(static, state, logits, cache, key, temperature, top_p, max_new_tokens,
+              decode_step, tokenizer, stream, return_logits, stop_at_eos, eos_set):
+    """One jitted decode step per token from Python: for ``stream`` (every token on the host)
+    and for custom caches (whose structure may change between steps)."""
+    new_ids: list[int] = []
+    kept_logits = []
+    emitted = ""
+    for step in range(max_new_tokens):
+        key, sub = jax.random.split(key)
+        token = int(_sample(logits, sub, temperature, top_p)[0])
+        if return_logits:
+            kept_logits.append(np.asarray(logits[0]))
+        new_ids.append(token)
+        if stream is not None:
+            piece = ""
+            if tokenizer is not None:
+                text = tokenizer.decode(new_ids)
+                if not text.endswith("\ufffd"):
+                    piece, emitted = text[len(emitted):], text
+            stream(token, piece)
+        if stop_at_eos and token in eos_set:
+            return new_ids, kept_logits, True
+        if step + 1 < max_new_tokens:
+            logits, cache = decode_step(static, state, jnp.asarray([[token]], jnp.int32), cache)
+    return new_ids, kept_logits, False
+
+
+@functools.partial(jax.jit, static_argnums=(0, 8, 9), donate_argnums=3)
+def _decode_loop(static, state, logits, cache, key, temperature, top_p, stops, n, keep):
+    """Tokens ``[n]``, how many were made, their logits, and the cache: the greedy / top-p
+    decode loop as one ``lax.while_loop`` (same key splits and steps as :func:`_stepwise`)."""
+    vocab = logits.shape[-1]
+
+    def sample(logits, key, i, buf, kept):
+        key, sub = jax.random.split(key)
+        token = _sample(logits, sub, temperature, top_p)[0].astype(jnp.int32)
+        if keep:
+            kept = kept.at[i].set(logits[0])
+        return key, token, buf.at[i].set(token), kept, jnp.any(token == stops)
+
+    buf = jnp.zeros((n,), jnp.int32)
+    kept = jnp.zeros((n if keep else 0, vocab), jnp.float32)
+    key, token, buf, kept, done = sample(logits, key, 0, buf, kept)
+
+    def cond(carry):
+        return (carry[0] < n) & ~carry[-1]
+
+    def body(carry):
+        i, token, cache, key, buf, kept, _ = carry
+        logits, cache = forward(static, state, token.reshape(1, 1), cache)
+        key, token, buf, kept, done = sample(logits[:, -1], key, i, buf, kept)
+        return i + 1, token, cache, key, buf, kept, done
+
+    i, _, cache, _, buf, kept, _ = jax.lax.while_loop(
+        cond, body, (jnp.int32(1), token, cache, key, buf, kept, done))
+    return buf, i, kept, cache
+
+
 def _as_ids(tokenizer, prompt) -> list[int]:
     if isinstance(prompt, str):
         if tokenizer is None:
@@ -200,8 +258,10 @@ def generate(
 ) -> GenerationResult:
     """Continue ``prompt`` token by token with the KV cache.
 
-    One jitted prefill over the prompt fills the cache; then one jitted decode step per new
-    token (same shapes every step, so it compiles once).
+    One jitted prefill over the prompt fills the cache; then the whole decode loop runs as one
+    compiled ``lax.while_loop`` with the KV cache donated (updated in place): no per-token
+    Python dispatch. With ``stream`` the tokens must reach the host one by one, so one jitted
+    decode step runs per token instead (same tokens: same key splits, same steps).
 
     Args:
         model: the decoder.
@@ -265,28 +325,18 @@ def generate(
     temperature_arr = jnp.float32(temperature)
     top_p_arr = jnp.float32(top_p)
 
-    new_ids: list[int] = []
-    kept_logits = []
-    emitted = ""
-    stopped = False
-    for step in range(max_new_tokens):
-        key, sub = jax.random.split(key)
-        token = int(_sample(logits, sub, temperature_arr, top_p_arr)[0])
-        if return_logits:
-            kept_logits.append(np.asarray(logits[0]))
-        new_ids.append(token)
-        if stream is not None:
-            piece = ""
-            if tokenizer is not None:
-                text = tokenizer.decode(new_ids)
-                if not text.endswith("\ufffd"):
-                    piece, emitted = text[len(emitted):], text
-            stream(token, piece)
-        if stop_at_eos and token in eos_set:
-            stopped = True
-            break
-        if step + 1 < max_new_tokens:
-            logits, cache = decode_step(static, state, jnp.asarray([[token]], jnp.int32), cache)
+    if stream is None and cache_factory is None:  # one compiled loop, no per-token host work
+        stops = sorted(eos_set) if stop_at_eos else []
+        buf, count, kept, _ = _decode_loop(
+            static, state, logits, cache, key, temperature_arr, top_p_arr,
+            jnp.asarray(stops or [-1], jnp.int32), max_new_tokens, return_logits)
+        new_ids = [int(i) for i in np.asarray(buf[:int(count)])]
+        stopped = bool(stop_at_eos and new_ids[-1] in eos_set)
+        kept_logits = list(np.asarray(kept[:len(new_ids)])) if return_logits else []
+    else:
+        new_ids, kept_logits, stopped = _stepwise(
+            static, state, logits, cache, key, temperature_arr, top_p_arr, max_new_tokens,
+            decode_step, tokenizer, stream, return_logits, stop_at_eos, eos_set)
     text = tokenizer.decode(new_ids) if tokenizer is not None else None
     return GenerationResult(
         new_ids, text, stopped, np.stack(kept_logits) if return_logits else None

@@ -71,7 +71,9 @@ def make_packed_step(graph, rest, ids, tx, k_jobs: int):
 
     One forward over the concatenated batches of all jobs (``ids`` says which rows belong to
     which job), loss = sum of per-job mean next-token losses
-    (:func:`~lowrank_jax.train.multi_job.packed_loss`), one update with ``tx``.
+    (:func:`~lowrank_jax.train.multi_job.packed_loss`), one update with ``tx``. The frozen base
+    ``rest`` is a jit argument, not a closure: closed over, its arrays became compile-time
+    constants that XLA constant-folds (minutes for SmolLM2's embedding on CPU).
     """
     import jax
     import jax.numpy as jnp
@@ -82,8 +84,8 @@ def make_packed_step(graph, rest, ids, tx, k_jobs: int):
     from lowrank_jax.train.multi_job import packed_loss
 
     @jax.jit
-    def step(lora, opt, x, y):
-        def loss_fn(lora):
+    def jitted(lora, opt, rest, x, y):
+        def loss_fn(lora):  # fresh Variables in this trace: set_adapter_ids mutates them
             m = nnx.merge(graph, lora, jax.tree.map(lambda v: v, rest))
             set_adapter_ids(m, ids)
             logits, _ = m(x)
@@ -93,6 +95,9 @@ def make_packed_step(graph, rest, ids, tx, k_jobs: int):
         (_, per_job), grads = jax.value_and_grad(loss_fn, has_aux=True)(lora)
         updates, opt = tx.update(grads, opt, lora)
         return optax.apply_updates(lora, updates), opt, per_job
+
+    def step(lora, opt, x, y):
+        return jitted(lora, opt, rest, x, y)
 
     return step
 

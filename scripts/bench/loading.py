@@ -22,22 +22,14 @@ import json
 import os
 import platform
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-
-def timed(fn, *args, repeats: int = 1):
-    """Best wall time of ``repeats`` calls (blocking on the result) and the last result."""
-    best, out = float("inf"), None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = fn(*args)
-        jax.block_until_ready(out)
-        best = min(best, time.perf_counter() - start)
-    return best, out
+from lowrank_jax.bench import time_fn, time_once
 
 
 def forward_flops(cfg, tokens: int) -> float:
@@ -56,9 +48,7 @@ def reference_matmul_seconds(flops: float, repeats: int = 3) -> tuple[float, int
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
     b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
     matmul = jax.jit(lambda x, y: x @ y)
-    jax.block_until_ready(matmul(a, b))
-    seconds, _ = timed(matmul, a, b, repeats=repeats)
-    return seconds, n
+    return time_fn(matmul, a, b, reps=repeats, warmup=1), n
 
 
 def swap_to_gguf_rope_order(model) -> None:
@@ -96,22 +86,11 @@ def main(argv=None) -> int:
 
     # ---------------------------------------------------------------- load
     path = resolve_model(args.model)
-    start = time.perf_counter()
-    with open(path, "rb") as f:
-        raw = f.read()
-    read_s = time.perf_counter() - start
-    results["file_mb"] = len(raw) / 2**20
-    del raw
-    start = time.perf_counter()
-    model, meta = load_gguf(path)
-    jax.block_until_ready(model.embed_tokens.embedding[...])
-    load_s = time.perf_counter() - start
-    start = time.perf_counter()
-    tokenizer = BPETokenizer.from_gguf_metadata(meta)
-    tokenizer_s = time.perf_counter() - start
-    start = time.perf_counter()
-    gguf_metadata(open_gguf(path))
-    parse_s = time.perf_counter() - start
+    read_s, raw_mb = time_once(lambda: len(Path(path).read_bytes()) / 2**20)
+    results["file_mb"] = raw_mb
+    load_s, (model, meta) = time_once(load_gguf, path)  # blocks on every array it returns
+    tokenizer_s, tokenizer = time_once(BPETokenizer.from_gguf_metadata, meta)
+    parse_s, _ = time_once(lambda: gguf_metadata(open_gguf(path)))
     cfg = model.cfg
     results.update(read_file_s=read_s, load_model_s=load_s, gguf_parse_s=parse_s,
                    tokenizer_s=tokenizer_s)
@@ -130,9 +109,10 @@ def main(argv=None) -> int:
     first = ids[:window]
     flops = forward_flops(cfg, window)
     ref_s, ref_n = reference_matmul_seconds(flops)
-    first_s, _ = timed(lambda: perplexity(model, first, window=window, progress=False))
-    steady_s, res_first = timed(
-        lambda: perplexity(model, first, window=window, progress=False), repeats=2)
+    first_s, _ = time_once(lambda: perplexity(model, first, window=window, progress=False))
+    res_first = perplexity(model, first, window=window, progress=False)
+    steady_s = time_fn(lambda: perplexity(model, first, window=window, progress=False).nll,
+                       reps=2, warmup=0)
     results.update(eval_tokens=window, eval_flops=flops, reference_matmul_n=ref_n,
                    reference_matmul_s=ref_s, eval_first_call_s=first_s, eval_steady_s=steady_s,
                    eval_tokens_per_s=window / steady_s, ppl_first_window=res_first.perplexity)
@@ -162,14 +142,11 @@ def main(argv=None) -> int:
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}])
     max_new = 24 if args.quick else 96
     bar = tqdm(total=max_new, desc="generate", unit="tok", leave=False)
-    start = time.perf_counter()
-    out = generate(model, tokenizer, prompt, max_new_tokens=max_new,
-                   stream=lambda token, piece: bar.update(1))
-    gen_s = time.perf_counter() - start
+    gen_s, out = time_once(lambda: generate(model, tokenizer, prompt, max_new_tokens=max_new,
+                                            stream=lambda token, piece: bar.update(1)))
     bar.close()
-    start = time.perf_counter()
-    out2 = generate(model, tokenizer, prompt, max_new_tokens=max_new)
-    gen_steady_s = time.perf_counter() - start
+    gen_steady_s, out2 = time_once(
+        lambda: generate(model, tokenizer, prompt, max_new_tokens=max_new))
     assert out2.token_ids == out.token_ids
     results.update(chat_question=question, chat_answer=out.text, chat_new_tokens=len(out.token_ids),
                    generate_first_call_s=gen_s, generate_steady_s=gen_steady_s,

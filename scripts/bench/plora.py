@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import jax
@@ -32,6 +31,7 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
+from lowrank_jax.bench import time_once
 from lowrank_jax.data import batch_at, corpus_bytes
 from lowrank_jax.models.llama import Llama, LlamaConfig
 from lowrank_jax.nn import LoRARule, apply_lora, lora_layers
@@ -73,13 +73,16 @@ def _xent(logits, targets):
 def _time_steps(step, state, batches) -> tuple[float, object, list]:
     state, loss = step(*state, *batches[0])  # warm-up / compile
     jax.block_until_ready(loss)
-    losses = []
-    start = time.perf_counter()
-    for batch in batches[1:]:
-        state, loss = step(*state, *batch)
-        losses.append(loss)
-    jax.block_until_ready(losses)
-    return time.perf_counter() - start, state, [np.asarray(x) for x in losses]
+
+    def run(state):
+        losses = []
+        for batch in batches[1:]:
+            state, loss = step(*state, *batch)
+            losses.append(loss)
+        return state, losses
+
+    seconds, (state, losses) = time_once(run, state)  # the package's one timer
+    return seconds, state, [np.asarray(x) for x in losses]
 
 
 def run_sequential(tokens, k_jobs, batch, seq_len, steps, bar, model_name="tiny"):

@@ -1,0 +1,47 @@
+"""generate's compiled decode loop (one lax.while_loop) gives the tokens of the per-token loop."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from lowrank_jax.models.generate import generate
+from lowrank_jax.models.llama import Llama, LlamaConfig
+
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = LlamaConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48,
+                      max_seq_len=64)
+    return Llama(cfg, rngs=nnx.Rngs(0))
+
+
+def stepwise(model, **kwargs):
+    """The per-token path: a stream callback forces one jitted step per token from Python."""
+    return generate(model, None, PROMPT, stream=lambda token, text: None, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(max_new_tokens=7),
+    dict(max_new_tokens=7, temperature=0.9, top_p=0.8, key=jax.random.key(3)),
+])
+def test_compiled_loop_equals_stepwise_tokens_and_logits(model, kwargs):
+    fast = generate(model, None, PROMPT, return_logits=True, stop_at_eos=False, **kwargs)
+    slow = stepwise(model, return_logits=True, stop_at_eos=False, **kwargs)
+    assert fast.token_ids == slow.token_ids and len(fast.token_ids) == 7
+    np.testing.assert_allclose(fast.logits, slow.logits, rtol=1e-5, atol=1e-5)
+    assert not fast.stopped_at_eos
+
+
+def test_compiled_loop_stops_at_eos_like_stepwise(model):
+    greedy = generate(model, None, PROMPT, max_new_tokens=6, stop_at_eos=False).token_ids
+    eos = greedy[3]
+    first = greedy.index(eos)
+    fast = generate(model, None, PROMPT, max_new_tokens=6, eos_ids=[eos])
+    slow = stepwise(model, max_new_tokens=6, eos_ids=[eos])
+    assert fast.token_ids == slow.token_ids == greedy[:first + 1]
+    assert fast.stopped_at_eos and slow.stopped_at_eos
+    ignored = generate(model, None, PROMPT, max_new_tokens=6, eos_ids=[eos], stop_at_eos=False)
+    assert ignored.token_ids == greedy and not ignored.stopped_at_eos
