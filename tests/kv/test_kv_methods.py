@@ -230,3 +230,40 @@ def _smollm2():
     from lowrank_jax.models import hub
 
     return hub.load_model("smollm2")
+
+
+def test_hadamard_rotation_is_orthonormal_and_spreads_outliers():
+    from lowrank_jax.kv.hybrid import hadamard_matrix, hadamard_rotate
+
+    h = hadamard_matrix(32)
+    np.testing.assert_allclose(h @ h.T, np.eye(32), atol=1e-6)
+    x = jnp.asarray(np.random.default_rng(8).standard_normal((3, 64, 5)), jnp.float32)
+    x = x.at[:, 7].multiply(40.0)  # one outlier token per group of 32
+    rotated = hadamard_rotate(x, 1, 32)
+    np.testing.assert_allclose(hadamard_rotate(rotated, 1, 32, inverse=True), x, atol=1e-4)
+    # 4-bit min/max quantization of the rotated array loses far less than of the raw one
+    err = lambda y: float(jnp.linalg.norm(quantized.dequantize(
+        quantized.quantize(y, 4, axis=1, group_size=32)) - y))  # noqa: E731
+    assert err(rotated) < 0.5 * err(x)
+    with pytest.raises(ValueError, match="power of two"):
+        hadamard_matrix(24)
+
+
+def test_recent_window_and_sinks_are_exact_and_hadamard_factors_are_counted():
+    keys, values = _kv((4, 1, 150, 2, 16), seed=9)
+    cache = xkv_quant_compress(keys, values, rope_theta=1e4, ratio=4.0, group_size=2,
+                               recent_tokens=12, hadamard=True, factor_bits=4)
+    assert cache.recent_keys.shape == (4, 1, 12, 2, 16)
+    # 150 - 1 sink - 12 recent = 137 factored tokens, padded to 5 groups of 32 and rotated
+    assert cache.key_factors[0].shape[1] == 160
+    for kind, src in (("k", keys), ("v", values)):
+        rebuilt = methods.reconstruct_all("xkv_quant", cache)[kind == "v"]
+        exact = src.astype(jnp.float16).astype(jnp.float32)
+        np.testing.assert_array_equal(rebuilt[:, :, 138:], exact[:, :, 138:])
+        np.testing.assert_array_equal(rebuilt[:, :, :1], exact[:, :, :1])
+        assert rebuilt.shape == src.shape
+    leaves = jax.tree.leaves(cache)
+    assert methods.stored_bytes(cache) == sum(int(x.nbytes) for x in leaves)
+    assert 4.0 <= methods.cache_ratio(cache) < 5.0
+    with pytest.raises(ValueError, match="recent_tokens"):
+        xkv_quant_compress(keys, values, rope_theta=1e4, ratio=4.0, recent_tokens=149)
