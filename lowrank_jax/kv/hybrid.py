@@ -198,7 +198,7 @@ def xkv_quant_compress(
     basis_bits: int = DEFAULT_BASIS_BITS, quant_group: int = DEFAULT_QUANT_GROUP,
     value_rank_scale: float = DEFAULT_VALUE_RANK_SCALE, allocation: str = "uniform",
     key_normalization: bool = False, sink_tokens: int = 1, recent_tokens: int = 0,
-    hadamard: bool = False, dtype=STORAGE_DTYPE,
+    hadamard: bool = False, value_factor_bits: int | None = None, dtype=STORAGE_DTYPE,
 ) -> QuantizedXKVCache:
     """xKV factorization with quantized factors; ranks chosen to meet ``ratio`` (all bytes
     counted against the exact ``dtype`` cache) or given.
@@ -218,6 +218,8 @@ def xkv_quant_compress(
         sink_tokens: leading prompt tokens kept exact (fp16, counted).
         recent_tokens: most recent prompt tokens kept exact (fp16, counted; ShadowKV's local
             window).
+        value_factor_bits: bits of the value factors when they differ from the keys'
+            (``None``: ``factor_bits``); keys need the precision, values the rank.
         hadamard: store quantized ``A`` / ``B`` rotated by a randomized Hadamard transform
             over each quantization group (``quant_group`` a power of two).
         dtype: float dtype of fp16 parts, scales and minima.
@@ -233,7 +235,9 @@ def xkv_quant_compress(
         >>> cache.ranks[0][1] >= cache.ranks[0][0] > 0
         True
     """
-    for name, bits in (("factor_bits", factor_bits), ("basis_bits", basis_bits)):
+    value_factor_bits = factor_bits if value_factor_bits is None else value_factor_bits
+    for name, bits in (("factor_bits", factor_bits), ("basis_bits", basis_bits),
+                       ("value_factor_bits", value_factor_bits)):
         if bits != FULL_BITS:
             try:
                 _check_bits(bits)
@@ -267,9 +271,10 @@ def xkv_quant_compress(
                                       keepdims=True))
         key_scale = jnp.maximum(key_scale, 1e-6)
     norm_keys = keys32 if key_scale is None else keys32 / key_scale
-    cost = functools.partial(_rank_bytes, batch=b, factored=factored, kv_heads=hk, head_dim=d,
-                             factor_bits=factor_bits, basis_bits=basis_bits,
-                             quant_group=quant_group, dtype=dt, hadamard=hadamard)
+    cost = tuple(functools.partial(_rank_bytes, batch=b, factored=factored, kv_heads=hk,
+                                   head_dim=d, factor_bits=bits, basis_bits=basis_bits,
+                                   quant_group=quant_group, dtype=dt, hadamard=hadamard)
+                 for bits in (factor_bits, value_factor_bits))  # (keys, values)
     full = [min(factored, len(m) * hk * d) for m in groups]
     if rank is not None:
         if rank == "full":
@@ -293,7 +298,8 @@ def xkv_quant_compress(
                             rope_theta=rope_theta, rank=(rk, rv), group_size=len(members),
                             sink_tokens=sink_tokens)
         kf.append(_store(part.key_factors[0], factor_bits, 1, quant_group, dt, hadamard))
-        vf.append(_store(part.value_factors[0], factor_bits, 1, quant_group, dt, hadamard))
+        vf.append(_store(part.value_factors[0], value_factor_bits, 1, quant_group, dt,
+                         hadamard))
         for j, layer in enumerate(members):
             basis_k = part.key_bases[j]
             if key_scale is not None:  # fold the channel scale back: B diag(s)
@@ -315,13 +321,13 @@ def _choose_ranks(budget, groups, keys, values, cost, full, allocation, value_ra
         out = []
         for members, f in zip(groups, full):
             share = budget * len(members) / sum(len(m) for m in groups)
-            c = functools.partial(cost, group_layers=len(members))
-            per_rank = c(1)
+            ck, cv = (functools.partial(c, group_layers=len(members)) for c in cost)
+            per_rank = min(ck(1), cv(1))
             total = int(share // per_rank) + 1
             while total > 1:
                 rk = int(math.floor(total / (1.0 + value_rank_scale)))
                 rv = total - rk
-                if rk >= 1 and c(rk) + c(rv) <= share:
+                if rk >= 1 and ck(rk) + cv(rv) <= share:
                     break
                 total -= 1
             rk = int(math.floor(total / (1.0 + value_rank_scale)))
@@ -335,8 +341,8 @@ def _choose_ranks(budget, groups, keys, values, cost, full, allocation, value_ra
         return out
     costs, gains, fulls = [], [], []
     for members, f in zip(groups, full):
-        c = functools.partial(cost, group_layers=len(members))
-        for src in (keys, values):
+        for src, c in zip((keys, values), cost):
+            c = functools.partial(c, group_layers=len(members))
             x = jnp.concatenate([src[l].reshape(src.shape[1], src.shape[2], -1) for l in members],
                                 axis=-1)
             s = np.asarray(jnp.linalg.svd(x, compute_uv=False)) ** 2  # b, min
