@@ -13,7 +13,12 @@ Stored at ``b_A`` and ``b_B`` bits instead of 16, the same bytes hold roughly
 - ``key_normalization=True``: keys are divided by their per-channel RMS before the shared SVD
   (outlier channels stop dominating the basis) and the scale is folded back into ``B``, so it
   costs no storage;
-- exact sink tokens (``sink_tokens``, counted in the budget).
+- exact sink tokens (``sink_tokens``) and an exact recent window (``recent_tokens``), both
+  counted in the budget;
+- ``hadamard=True``: quantized factors stored rotated by a randomized Hadamard transform per
+  quantization group (QuaRot-style: outliers spread over the group, fewer levels wasted);
+- ``value_factor_bits``: value factors at other bits than key factors (``xkv_quant_split``: 8-bit
+  keys, 4-bit values; perplexity follows the key error).
 
 References:
     Chang et al, `xKV <https://arxiv.org/abs/2503.18893>`_, 2025 (the ICML code optionally
