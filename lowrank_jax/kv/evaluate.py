@@ -259,7 +259,7 @@ class KVCacheFactory:
         if self.method == "none":
             return {}
         out = dict(sink_tokens=self.sink_tokens)
-        if self.method in ("xkv", "xkv_quant", "xkv_quant_energy"):
+        if self.method == "xkv" or self.method.startswith("xkv_quant"):
             out["group_size"] = self.group_size
         return out
 

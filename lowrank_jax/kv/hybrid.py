@@ -13,7 +13,12 @@ Stored at ``b_A`` and ``b_B`` bits instead of 16, the same bytes hold roughly
 - ``key_normalization=True``: keys are divided by their per-channel RMS before the shared SVD
   (outlier channels stop dominating the basis) and the scale is folded back into ``B``, so it
   costs no storage;
-- exact sink tokens (``sink_tokens``, counted in the budget).
+- exact sink tokens (``sink_tokens``) and an exact recent window (``recent_tokens``), both
+  counted in the budget;
+- ``hadamard=True``: quantized factors stored rotated by a randomized Hadamard transform per
+  quantization group (QuaRot-style: outliers spread over the group, fewer levels wasted);
+- ``value_factor_bits``: value factors at other bits than key factors (``xkv_quant_split``: 8-bit
+  keys, 4-bit values; perplexity follows the key error).
 
 References:
     Chang et al, `xKV <https://arxiv.org/abs/2503.18893>`_, 2025 (the ICML code optionally
@@ -52,15 +57,17 @@ DEFAULT_QUANT_GROUP = 32
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["key_factors", "value_factors", "key_bases", "value_bases", "sink_keys",
-                 "sink_values"],
-    meta_fields=["groups", "prefill_length", "rope_theta"],
+                 "sink_values", "recent_keys", "recent_values"],
+    meta_fields=["groups", "prefill_length", "rope_theta", "hadamard"],
 )
 @dataclasses.dataclass(frozen=True)
 class QuantizedXKVCache:
     """xKV factors stored quantized (:class:`~lowrank_jax.kv.quantized.QuantizedArray`) or in
-    fp16 (at ``FULL_BITS``). ``key_factors[g]`` ``[b, L − S, r_g]``, ``key_bases[l]``
+    fp16 (at ``FULL_BITS``). ``key_factors[g]`` ``[b, L − S − R, r_g]``, ``key_bases[l]``
     ``[b, hk, r_g, d]``; the first ``S`` prompt tokens are exact in ``sink_keys/values``
-    ``[layers, b, S, hk, d]``."""
+    ``[layers, b, S, hk, d]``, the last ``R`` in ``recent_keys/values``. With ``hadamard``
+    the quantized factors are stored rotated (see :func:`hadamard_rotate`): ``A`` along
+    tokens (padded to whole groups), ``B`` along the head dimension."""
 
     key_factors: tuple
     value_factors: tuple
@@ -68,9 +75,12 @@ class QuantizedXKVCache:
     value_bases: tuple
     sink_keys: Array
     sink_values: Array
+    recent_keys: Array
+    recent_values: Array
     groups: tuple
     prefill_length: int
     rope_theta: float
+    hadamard: bool = False
 
     @property
     def n_layers(self) -> int:
@@ -89,14 +99,58 @@ class QuantizedXKVCache:
         raise ValueError(f"layer={layer} is outside the cache's {self.n_layers} layers.")
 
 
-def _store(x, bits: int, axis: int, group: int, dtype):
+def hadamard_matrix(n: int) -> np.ndarray:
+    """The orthonormal randomized Hadamard matrix ``H_n diag(s) / sqrt(n)`` (Sylvester ``H_n``,
+    fixed random signs ``s``: nothing to store), ``n`` a power of two.
+
+    Example::
+
+        >>> h = hadamard_matrix(8)
+        >>> bool(np.allclose(h @ h.T, np.eye(8)))
+        True
+    """
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"the Hadamard size {n} must be a power of two (set quant_group to "
+                         "16, 32, 64 or 128 and use a power-of-two head_dim).")
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    signs = np.random.default_rng(n).choice([-1.0, 1.0], n)
+    return (h * signs / math.sqrt(n)).astype(np.float32)
+
+
+def hadamard_rotate(x: jax.Array, axis: int, n: int, inverse: bool = False) -> jax.Array:
+    """Rotate ``x`` along ``axis`` in consecutive blocks of ``n`` (``x.shape[axis] % n == 0``)
+    by :func:`hadamard_matrix` (QuaRot-style: spreads outliers over the block so that min/max
+    quantization wastes fewer levels); ``inverse=True`` undoes it."""
+    h = jnp.asarray(hadamard_matrix(n).T if inverse else hadamard_matrix(n))
+    moved = jnp.moveaxis(x, axis, -1)
+    blocks = moved.reshape(moved.shape[:-1] + (moved.shape[-1] // n, n)) @ h
+    return jnp.moveaxis(blocks.reshape(moved.shape), -1, axis)
+
+
+def _padded(n: int, group: int, hadamard: bool) -> int:
+    return -(-n // group) * group if hadamard else n
+
+
+def _store(x, bits: int, axis: int, group: int, dtype, hadamard: bool = False):
     if bits == FULL_BITS:
         return x.astype(dtype)
+    if hadamard:  # pad to whole blocks (zeros, stored and counted), then rotate
+        n = x.shape[axis]
+        pad = [(0, _padded(n, group, True) - n if i == axis else 0) for i in range(x.ndim)]
+        x = hadamard_rotate(jnp.pad(x, pad), axis, group)
     return quantize(x, bits, axis=axis, group_size=group, dtype=dtype)
 
 
-def _load(x) -> jax.Array:
-    return dequantize(x) if isinstance(x, QuantizedArray) else x.astype(jnp.float32)
+def _load(x, length: int | None = None, hadamard: bool = False) -> jax.Array:
+    if not isinstance(x, QuantizedArray):
+        return x.astype(jnp.float32)
+    out = dequantize(x)
+    if hadamard:
+        out = hadamard_rotate(out, x.axis, x.group_size, inverse=True)
+        out = jax.lax.slice_in_dim(out, 0, length, axis=x.axis)
+    return out
 
 
 def _stored_nbytes(numel: int, groups: int, bits: int, dtype) -> int:
@@ -106,10 +160,12 @@ def _stored_nbytes(numel: int, groups: int, bits: int, dtype) -> int:
 
 
 def _rank_bytes(rank: int, *, batch, factored, group_layers, kv_heads, head_dim, factor_bits,
-                basis_bits, quant_group, dtype) -> int:
+                basis_bits, quant_group, dtype, hadamard=False) -> int:
     """Bytes of one kind (K or V) of one group at ``rank``."""
     if rank == 0:
         return 0
+    if factor_bits != FULL_BITS:
+        factored = _padded(factored, quant_group, hadamard)
     factor = _stored_nbytes(batch * factored * rank, batch * -(-factored // quant_group) * rank,
                             factor_bits, dtype)
     basis_group = min(quant_group, head_dim)
@@ -146,7 +202,8 @@ def xkv_quant_compress(
     group_size: int = DEFAULT_GROUP_SIZE, factor_bits: int = DEFAULT_FACTOR_BITS,
     basis_bits: int = DEFAULT_BASIS_BITS, quant_group: int = DEFAULT_QUANT_GROUP,
     value_rank_scale: float = DEFAULT_VALUE_RANK_SCALE, allocation: str = "uniform",
-    key_normalization: bool = False, sink_tokens: int = 1, dtype=STORAGE_DTYPE,
+    key_normalization: bool = False, sink_tokens: int = 1, recent_tokens: int = 0,
+    hadamard: bool = False, value_factor_bits: int | None = None, dtype=STORAGE_DTYPE,
 ) -> QuantizedXKVCache:
     """xKV factorization with quantized factors; ranks chosen to meet ``ratio`` (all bytes
     counted against the exact ``dtype`` cache) or given.
@@ -164,6 +221,12 @@ def xkv_quant_compress(
             (greedy by relative captured energy per byte across groups and K/V).
         key_normalization: per-channel key RMS normalisation before the SVD (folded into B).
         sink_tokens: leading prompt tokens kept exact (fp16, counted).
+        recent_tokens: most recent prompt tokens kept exact (fp16, counted; ShadowKV's local
+            window).
+        value_factor_bits: bits of the value factors when they differ from the keys'
+            (``None``: ``factor_bits``); keys need the precision, values the rank.
+        hadamard: store quantized ``A`` / ``B`` rotated by a randomized Hadamard transform
+            over each quantization group (``quant_group`` a power of two).
         dtype: float dtype of fp16 parts, scales and minima.
 
     Returns:
@@ -177,7 +240,9 @@ def xkv_quant_compress(
         >>> cache.ranks[0][1] >= cache.ranks[0][0] > 0
         True
     """
-    for name, bits in (("factor_bits", factor_bits), ("basis_bits", basis_bits)):
+    value_factor_bits = factor_bits if value_factor_bits is None else value_factor_bits
+    for name, bits in (("factor_bits", factor_bits), ("basis_bits", basis_bits),
+                       ("value_factor_bits", value_factor_bits)):
         if bits != FULL_BITS:
             try:
                 _check_bits(bits)
@@ -194,18 +259,27 @@ def xkv_quant_compress(
     n_layers, b, length, hk, d = keys.shape
     if not 0 <= sink_tokens < length:
         raise ValueError(f"sink_tokens={sink_tokens} must lie in [0, {length}).")
+    if not isinstance(recent_tokens, (int, np.integer)) or not (
+            0 <= recent_tokens < length - sink_tokens):
+        raise ValueError(f"recent_tokens={recent_tokens!r} must be an int in "
+                         f"[0, {length - sink_tokens}) (prompt minus sink tokens).")
+    if hadamard:
+        hadamard_matrix(quant_group), hadamard_matrix(min(quant_group, d))  # power-of-2 check
     dt = jnp.dtype(dtype)
     groups = layer_groups(n_layers, group_size)
-    factored = length - sink_tokens
+    end = length - recent_tokens
+    factored = end - sink_tokens
     keys32, values32 = jnp.asarray(keys, jnp.float32), jnp.asarray(values, jnp.float32)
     key_scale = None
     if key_normalization:  # per layer and channel RMS over the factorized tokens
-        key_scale = jnp.sqrt(jnp.mean(keys32[:, :, sink_tokens:] ** 2, axis=2, keepdims=True))
+        key_scale = jnp.sqrt(jnp.mean(keys32[:, :, sink_tokens:end] ** 2, axis=2,
+                                      keepdims=True))
         key_scale = jnp.maximum(key_scale, 1e-6)
     norm_keys = keys32 if key_scale is None else keys32 / key_scale
-    cost = functools.partial(_rank_bytes, batch=b, factored=factored, kv_heads=hk, head_dim=d,
-                             factor_bits=factor_bits, basis_bits=basis_bits,
-                             quant_group=quant_group, dtype=dt)
+    cost = tuple(functools.partial(_rank_bytes, batch=b, factored=factored, kv_heads=hk,
+                                   head_dim=d, factor_bits=bits, basis_bits=basis_bits,
+                                   quant_group=quant_group, dtype=dt, hadamard=hadamard)
+                 for bits in (factor_bits, value_factor_bits))  # (keys, values)
     full = [min(factored, len(m) * hk * d) for m in groups]
     if rank is not None:
         if rank == "full":
@@ -217,30 +291,34 @@ def xkv_quant_compress(
         if not ratio > 0 or not math.isfinite(ratio):
             raise ValueError(f"ratio={ratio!r} must be a finite number > 0 (e.g. 8).")
         reference = 2 * n_layers * b * length * hk * d * dt.itemsize
-        sink_bytes = 2 * n_layers * b * sink_tokens * hk * d * dt.itemsize
-        budget = reference / ratio - sink_bytes
-        ranks = _choose_ranks(budget, groups, norm_keys[:, :, sink_tokens:],
-                              values32[:, :, sink_tokens:], cost, full, allocation,
+        exact_bytes = 2 * n_layers * b * (sink_tokens + recent_tokens) * hk * d * dt.itemsize
+        budget = reference / ratio - exact_bytes
+        ranks = _choose_ranks(budget, groups, norm_keys[:, :, sink_tokens:end],
+                              values32[:, :, sink_tokens:end], cost, full, allocation,
                               value_rank_scale)
     kf, vf, kb, vb = [], [], [None] * n_layers, [None] * n_layers
     for members, (rk, rv) in zip(groups, ranks):
         sl = slice(members[0], members[-1] + 1)
-        part = xkv_compress(norm_keys[sl], values32[sl], rope_theta=rope_theta, rank=(rk, rv),
-                            group_size=len(members), sink_tokens=sink_tokens)
-        kf.append(_store(part.key_factors[0], factor_bits, 1, quant_group, dt))
-        vf.append(_store(part.value_factors[0], factor_bits, 1, quant_group, dt))
+        part = xkv_compress(norm_keys[sl, :, :end], values32[sl, :, :end],
+                            rope_theta=rope_theta, rank=(rk, rv), group_size=len(members),
+                            sink_tokens=sink_tokens)
+        kf.append(_store(part.key_factors[0], factor_bits, 1, quant_group, dt, hadamard))
+        vf.append(_store(part.value_factors[0], value_factor_bits, 1, quant_group, dt,
+                         hadamard))
         for j, layer in enumerate(members):
             basis_k = part.key_bases[j]
             if key_scale is not None:  # fold the channel scale back: B diag(s)
                 basis_k = basis_k * jnp.transpose(key_scale[layer], (0, 2, 1, 3))
             group_b = min(quant_group, d)
-            kb[layer] = _store(basis_k, basis_bits, 3, group_b, dt)
-            vb[layer] = _store(part.value_bases[j], basis_bits, 3, group_b, dt)
+            kb[layer] = _store(basis_k, basis_bits, 3, group_b, dt, hadamard)
+            vb[layer] = _store(part.value_bases[j], basis_bits, 3, group_b, dt, hadamard)
     return QuantizedXKVCache(
         key_factors=tuple(kf), value_factors=tuple(vf), key_bases=tuple(kb),
         value_bases=tuple(vb), sink_keys=keys32[:, :, :sink_tokens].astype(dt),
-        sink_values=values32[:, :, :sink_tokens].astype(dt), groups=groups,
-        prefill_length=int(length), rope_theta=float(rope_theta))
+        sink_values=values32[:, :, :sink_tokens].astype(dt),
+        recent_keys=keys32[:, :, end:].astype(dt), recent_values=values32[:, :, end:].astype(dt),
+        groups=groups, prefill_length=int(length), rope_theta=float(rope_theta),
+        hadamard=bool(hadamard))
 
 
 def _choose_ranks(budget, groups, keys, values, cost, full, allocation, value_rank_scale):
@@ -248,13 +326,13 @@ def _choose_ranks(budget, groups, keys, values, cost, full, allocation, value_ra
         out = []
         for members, f in zip(groups, full):
             share = budget * len(members) / sum(len(m) for m in groups)
-            c = functools.partial(cost, group_layers=len(members))
-            per_rank = c(1)
+            ck, cv = (functools.partial(c, group_layers=len(members)) for c in cost)
+            per_rank = min(ck(1), cv(1))
             total = int(share // per_rank) + 1
             while total > 1:
                 rk = int(math.floor(total / (1.0 + value_rank_scale)))
                 rv = total - rk
-                if rk >= 1 and c(rk) + c(rv) <= share:
+                if rk >= 1 and ck(rk) + cv(rv) <= share:
                     break
                 total -= 1
             rk = int(math.floor(total / (1.0 + value_rank_scale)))
@@ -268,8 +346,8 @@ def _choose_ranks(budget, groups, keys, values, cost, full, allocation, value_ra
         return out
     costs, gains, fulls = [], [], []
     for members, f in zip(groups, full):
-        c = functools.partial(cost, group_layers=len(members))
-        for src in (keys, values):
+        for src, c in zip((keys, values), cost):
+            c = functools.partial(c, group_layers=len(members))
             x = jnp.concatenate([src[l].reshape(src.shape[1], src.shape[2], -1) for l in members],
                                 axis=-1)
             s = np.asarray(jnp.linalg.svd(x, compute_uv=False)) ** 2  # b, min
@@ -288,14 +366,19 @@ def xkv_quant_reconstruct(cache: QuantizedXKVCache, layer: int, kind: str = "k"
     if kind not in ("k", "v"):
         raise ValueError(f"kind={kind!r} must be 'k' or 'v'.")
     g = cache.group_of(layer)
-    factor = _load((cache.key_factors if kind == "k" else cache.value_factors)[g])
-    basis = _load((cache.key_bases if kind == "k" else cache.value_bases)[layer])
-    body = jnp.einsum("blr,bhrd->blhd", factor, basis)
     sink = (cache.sink_keys if kind == "k" else cache.sink_values)[layer]
-    return jnp.concatenate([sink.astype(jnp.float32), body], axis=1)
+    recent = (cache.recent_keys if kind == "k" else cache.recent_values)[layer]
+    factored = cache.prefill_length - sink.shape[1] - recent.shape[1]
+    factor = _load((cache.key_factors if kind == "k" else cache.value_factors)[g], factored,
+                   cache.hadamard)
+    basis = _load((cache.key_bases if kind == "k" else cache.value_bases)[layer],
+                  sink.shape[-1], cache.hadamard)
+    body = jnp.einsum("blr,bhrd->blhd", factor, basis)
+    return jnp.concatenate([sink.astype(jnp.float32), body, recent.astype(jnp.float32)], axis=1)
 
 
 __all__ = [
     "DEFAULT_BASIS_BITS", "DEFAULT_FACTOR_BITS", "DEFAULT_QUANT_GROUP", "FULL_BITS",
-    "QuantizedXKVCache", "xkv_quant_compress", "xkv_quant_reconstruct",
+    "QuantizedXKVCache", "hadamard_matrix", "hadamard_rotate", "xkv_quant_compress",
+    "xkv_quant_reconstruct",
 ]

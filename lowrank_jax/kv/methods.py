@@ -15,6 +15,11 @@ arrays a cache holds, and :func:`cache_ratio` is ``reference_bytes / stored_byte
 ``xkv_quant``           xKV with 8-bit token factors and bases (ranks for the ratio)
 ``xkv_quant_energy``    ``xkv_quant`` with ranks allocated by spectrum energy across layer
                         groups and K vs V
+``xkv_quant_hadamard``  xKV with 4-bit token factors and 8-bit bases, both stored rotated by a
+                        randomized Hadamard transform per quantization group (more rank per
+                        byte for V, but 4-bit keys lose on held-out text)
+``xkv_quant_split``     xKV, keys at 8-bit factors, values at 4-bit factors (both Hadamard-
+                        rotated, 8-bit bases): keys need precision, values rank
 ======================  ==================================================================
 """
 
@@ -120,6 +125,19 @@ def _xkv_quant_energy(keys, values, **kwargs):
     return _xkv_quant(keys, values, **kwargs)
 
 
+def _xkv_quant_hadamard(keys, values, **kwargs):
+    kwargs.setdefault("hadamard", True)
+    kwargs.setdefault("factor_bits", 4)
+    return _xkv_quant(keys, values, **kwargs)
+
+
+def _xkv_quant_split(keys, values, **kwargs):
+    kwargs.setdefault("hadamard", True)
+    kwargs.setdefault("factor_bits", 8)
+    kwargs.setdefault("value_factor_bits", 4)
+    return _xkv_quant(keys, values, **kwargs)
+
+
 def _exact_reconstruct(cache: ExactCache, layer, kind="k"):
     return (cache.keys if kind == "k" else cache.values)[layer].astype(jnp.float32)
 
@@ -134,6 +152,10 @@ METHODS: dict[str, KVMethod] = {
         KVMethod("xkv_quant", "xKV with quantized factors", _xkv_quant, xkv_quant_reconstruct),
         KVMethod("xkv_quant_energy", "xkv_quant, ranks by spectrum energy", _xkv_quant_energy,
                  xkv_quant_reconstruct),
+        KVMethod("xkv_quant_hadamard", "xKV, 4-bit Hadamard-rotated factors",
+                 _xkv_quant_hadamard, xkv_quant_reconstruct),
+        KVMethod("xkv_quant_split", "xKV, 8-bit key / 4-bit value factors (Hadamard)",
+                 _xkv_quant_split, xkv_quant_reconstruct),
     )
 }
 

