@@ -57,6 +57,8 @@ def parse_args(argv=None):
     p.add_argument("--no-folder", action="store_true",
                    help="do not write (and chat with) the UniSVQ folder OUT/unisvq2")
     p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--e2e-steps", type=int, default=20,
+                   help="steps of the end-to-end pass (--only e2e, on the folder OUT/unisvq2)")
     return p.parse_args(argv)
 
 
@@ -89,6 +91,32 @@ def write_and_chat(model, tokenizer, report, folder: str, max_new_tokens: int,
     print(f"lowrank-jax generate --model {folder} --prompt {QUESTION!r} (exit {code}): {answer}")
     measured["answer"] = answer
     return measured
+
+
+def run_e2e(args, fp_model, calib, ppl, unisvq_rows) -> dict:
+    """The end-to-end pass on the UniSVQ folder of this protocol: load, tune the continuous
+    parameters against the fp model on the calibration tokens, evaluate; one table row."""
+    from lowrank_jax.models.hub import load_model
+    from lowrank_jax.quant.e2e import finetune_end_to_end
+
+    if unisvq_rows is None or not unisvq_rows.get("folder"):
+        raise ValueError("--only e2e needs the UniSVQ folder of the same protocol; run "
+                         "--only unisvq first (without --no-folder).")
+    model_q, _ = load_model(unisvq_rows["folder"]["path"])
+    c0 = os.times()
+    info = finetune_end_to_end(model_q, fp_model, calib, steps=args.e2e_steps,
+                               log=lambda line: print(line, flush=True))
+    c1 = os.times()
+    base = unisvq_rows["rows"][-1]
+    value = ppl(model_q)
+    print(f"UniSVQ-2 + block FT + {args.e2e_steps}-step e2e: ppl {value:.3f} "
+          f"(val KL {info['val_kl_before']:.4f} -> {info['val_kl_after']:.4f}, "
+          f"{info['seconds']:.1f}s)", flush=True)
+    return {"method": f"{base['method']} + {args.e2e_steps}-step e2e (KL)",
+            "bits_per_weight": base["bits_per_weight"], "ppl": value,
+            "seconds": base["seconds"] + info["seconds"],
+            "cpu_seconds": base["cpu_seconds"] + (c1.user + c1.system) - (c0.user + c0.system),
+            "median_block_seconds": base["median_block_seconds"], "e2e": info}
 
 
 def main(argv=None) -> int:
@@ -186,10 +214,12 @@ def main(argv=None) -> int:
     runs.append(("UniSVQ-2 (RHT+LDLQ)", "unisvq", 2, None))
     if args.only:
         keep = {m.strip() for m in args.only.split(",")}
-        unknown = keep - {r[1] for r in runs}
+        unknown = keep - {r[1] for r in runs} - {"e2e"}
         if unknown:
-            raise ValueError(f"--only {sorted(unknown)}: unknown; use rtn,sq-ldlq,kmeans,unisvq.")
-        runs = [r for r in runs if r[1] in keep]
+            raise ValueError(f"--only {sorted(unknown)}: unknown; use rtn, sq-ldlq, kmeans, "
+                             "unisvq, e2e.")
+        runs = [r for r in runs if r[1] in keep] + (
+            [("UniSVQ-2 + block FT + e2e", "e2e", 2, None)] if "e2e" in keep else [])
     if args.table_only:
         runs = []
 
@@ -199,6 +229,10 @@ def main(argv=None) -> int:
 
     method_rows: dict[str, list] = {}
     for name, method, bits, zero_point in runs:
+        if method == "e2e":
+            method_rows["e2e"] = [run_e2e(args, fresh(), calib, ppl, read_rows("unisvq"))]
+            write_rows("e2e", method_rows["e2e"])
+            continue
         m = fresh()
         c0 = cpu_seconds()
         report = quantize_model(m, calib, method=method, bits=bits, group_size=args.group_size,
@@ -233,7 +267,7 @@ def main(argv=None) -> int:
                                              args.max_new_tokens, n_fp_params)
         write_rows(method, method_rows[method], extra)
 
-    order = ["fp32", "rtn", "sq-ldlq", "kmeans", "unisvq"]
+    order = ["fp32", "rtn", "sq-ldlq", "kmeans", "unisvq", "e2e"]
     saved = {k: read_rows(k) for k in order}
     missing = [k for k, v in saved.items() if v is None]
     if saved["fp32"] is None:
