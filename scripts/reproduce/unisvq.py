@@ -14,7 +14,13 @@ shipped English license text (``lowrank_jax.models.generate.english_eval_text``)
 
 Usage::
 
-    python -m scripts.reproduce.unisvq            # all 30 blocks (~25 min on 2 free CPU cores)
+    python -m scripts.reproduce.unisvq            # all 30 blocks, every method, one process
+    python -m scripts.reproduce.unisvq --only unisvq   # one method (its rows: OUT/rows/*.json)
+    python -m scripts.reproduce.unisvq --only e2e      # end-to-end pass on OUT/unisvq2
+    python -m scripts.reproduce.unisvq --table-only    # merge the saved rows of this protocol
+
+CPU seconds measured for 30 blocks (2 cores): UniSVQ 586, k-means VQ 761, scalar LDLQ 281,
+RTN a few; each quantized model's evaluation adds about a minute.
     python -m scripts.reproduce.unisvq --quick    # the first 4 blocks only, fewer steps
     python -m scripts.reproduce.unisvq --model tiny --quick   # smoke test (seconds)
 
