@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -11,6 +12,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from lowrank_jax.io.outputs import atomic_write_text
 from lowrank_jax.models.llama import (
     Llama,
     LlamaConfig,
@@ -40,6 +42,8 @@ def save_quantized(model: Llama, folder: str | os.PathLike, *, tokenizer=None,
 
     folder = os.fspath(folder)
     os.makedirs(folder, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(folder, "quantization.json"))
     arrays: dict[str, np.ndarray] = {
         "embed_tokens": np.asarray(model.embed_tokens.embedding[...], np.float32),
         "norm": np.asarray(model.norm.weight[...], np.float32),
@@ -92,10 +96,11 @@ def save_quantized(model: Llama, folder: str | os.PathLike, *, tokenizer=None,
                    if k not in ("blocks", "unfinetuned")},
         "tokenizer": tokenizer is not None,
     }
-    with open(os.path.join(folder, "quantization.json"), "w") as f:
-        json.dump(manifest, f, indent=1)
     if tokenizer is not None and hasattr(tokenizer, "save"):
         tokenizer.save(folder)
+    # the manifest marks a complete folder: written last, through a temp file and a rename, so
+    # an interrupted save never leaves a folder that loads (a stale manifest is removed first)
+    atomic_write_text(os.path.join(folder, "quantization.json"), json.dumps(manifest, indent=1))
     return folder
 
 

@@ -31,11 +31,18 @@ from lowrank_jax.quant.unisvq import (
 )
 from pallas_kernels.lattice_matmul.reference import hadamard_block_size
 
+KMEANS_SAMPLE = 32768  # DERIVED: 4-vectors per k-means fit (128 per centroid). On a 1536x576
+# matrix: 15 s instead of 34 s per matrix, proxy loss 0.0905 instead of 0.0886 (+2 %)
 
-@functools.partial(jax.jit, static_argnames=("centroids", "iters"))
+
+@functools.partial(jax.jit, static_argnames=("centroids", "iters", "sample"))
 def kmeans(vectors: Float[Array, "p d"], key: Array, *, centroids: int = 256,
-           iters: int = 15) -> Float[Array, "k d"]:
+           iters: int = 15, sample: int | None = None) -> Float[Array, "k d"]:
     """Lloyd's k-means (init: a random sample of the vectors; empty clusters keep their centre).
+
+    ``sample`` (DERIVED speed rule): fit on a random subset of that many vectors (all when
+    ``None`` or larger than ``p``); cluster sums and counts are ``segment_sum`` reductions, so
+    no ``[p, k]`` one-hot matrix is built.
 
     Example::
 
@@ -45,14 +52,17 @@ def kmeans(vectors: Float[Array, "p d"], key: Array, *, centroids: int = 256,
         >>> c.shape
         (16, 4)
     """
-    start = jax.random.choice(key, vectors.shape[0], (centroids,), replace=False)
+    k_init, k_sample = jax.random.split(key)
+    if sample is not None and sample < vectors.shape[0]:
+        vectors = vectors[jax.random.choice(k_sample, vectors.shape[0], (sample,),
+                                            replace=False)]
+    start = jax.random.choice(k_init, vectors.shape[0], (centroids,), replace=False)
     centres = vectors[start]
 
     def step(_, centres):
         idx = nearest_codeword(vectors, centres)
-        onehot = jax.nn.one_hot(idx, centroids, dtype=vectors.dtype)
-        counts = onehot.sum(axis=0)
-        sums = onehot.T @ vectors
+        counts = jax.ops.segment_sum(jnp.ones_like(idx, vectors.dtype), idx, centroids)
+        sums = jax.ops.segment_sum(vectors, idx, centroids)
         return jnp.where(counts[:, None] > 0, sums / jnp.maximum(counts[:, None], 1), centres)
 
     return jax.lax.fori_loop(0, iters, step, centres)
@@ -93,6 +103,7 @@ def kmeans_vq_weight(
     *,
     key: Array | None = None,
     iters: int = 15,
+    sample: int | None = KMEANS_SAMPLE,
 ) -> VQWeight:
     """Quantize ``W [out, in]`` with a fitted 256×4 codebook (RHT + k-means + LDLQ).
 
@@ -102,6 +113,8 @@ def kmeans_vq_weight(
         cfg: rotation block, ``tune_iters``, ``use_hessian``, ``seed`` (as for UniSVQ).
         key: PRNG key (signs, k-means init).
         iters: Lloyd iterations.
+        sample: 4-vectors the codebook is fitted on (a random subset; ``None``: all). The
+            codes are then assigned to every vector by LDLQ.
 
     Returns:
         A :class:`VQWeight` (fp32 floats; the accounting counts them as fp16).
@@ -129,15 +142,16 @@ def kmeans_vq_weight(
     block_in = hadamard_block_size(n, cfg.hadamard_block)
     use_h = h is not None and cfg.use_hessian
     codes, grid, s_in, s_out = _vq_core(weight, h if use_h else None, key, cfg.tune_iters,
-                                        iters, block_in, block_out)
+                                        iters, block_in, block_out, sample)
     return VQWeight(codes, grid, s_in, s_out, block_in, block_out)
 
 
-@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6))
-def _vq_core(weight, h, key, tune_iters, iters, block_in, block_out):
+@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6, 7))
+def _vq_core(weight, h, key, tune_iters, iters, block_in, block_out, sample):
     m, n = weight.shape
     w_rot, w_scale, s_in, s_out, h_rot = rotate_problem(weight, h, key, block_in, block_out)
-    grid = kmeans(w_rot.reshape(-1, 4), jax.random.split(key, 3)[2], centroids=256, iters=iters)
+    grid = kmeans(w_rot.reshape(-1, 4), jax.random.split(key, 3)[2], centroids=256, iters=iters,
+                  sample=sample)
     if h_rot is None:
         codes = nearest_codeword(w_rot.reshape(m, n // 4, 4), grid).astype(jnp.uint8)
     else:
@@ -153,6 +167,7 @@ def kmeans_vq_quantize(
     *,
     key: Array | None = None,
     iters: int = 15,
+    sample: int | None = KMEANS_SAMPLE,
 ) -> tuple[Float[Array, "m n"], float]:
     """:func:`kmeans_vq_weight` as ``(Ŵ dense, bits/weight)`` (simulated storage).
 
@@ -164,7 +179,7 @@ def kmeans_vq_quantize(
         >>> w_hat.shape
         (32, 64)
     """
-    q = kmeans_vq_weight(weight, h, cfg, key=key, iters=iters)
+    q = kmeans_vq_weight(weight, h, cfg, key=key, iters=iters, sample=sample)
     return vq_dequantize(q), q.bits_per_weight()
 
 

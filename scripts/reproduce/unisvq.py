@@ -14,7 +14,13 @@ shipped English license text (``lowrank_jax.models.generate.english_eval_text``)
 
 Usage::
 
-    python -m scripts.reproduce.unisvq            # all 30 blocks (~25 min on 2 free CPU cores)
+    python -m scripts.reproduce.unisvq            # all 30 blocks, every method, one process
+    python -m scripts.reproduce.unisvq --only unisvq   # one method (its rows: OUT/rows/*.json)
+    python -m scripts.reproduce.unisvq --only e2e      # end-to-end pass on OUT/unisvq2
+    python -m scripts.reproduce.unisvq --table-only    # merge the saved rows of this protocol
+
+CPU seconds measured for 30 blocks (2 cores): UniSVQ 586, k-means VQ 761, scalar LDLQ 281,
+RTN a few; each quantized model's evaluation adds about a minute.
     python -m scripts.reproduce.unisvq --quick    # the first 4 blocks only, fewer steps
     python -m scripts.reproduce.unisvq --model tiny --quick   # smoke test (seconds)
 
@@ -52,7 +58,71 @@ def parse_args(argv=None):
                    help="comma-separated methods to run (rtn,sq-ldlq,kmeans,unisvq); default all")
     p.add_argument("--no-ablation", action="store_true",
                    help="skip UniSVQ without fine-tuning")
+    p.add_argument("--table-only", action="store_true",
+                   help="run nothing: merge the rows already in OUT/rows/ into the table")
+    p.add_argument("--no-folder", action="store_true",
+                   help="do not write (and chat with) the UniSVQ folder OUT/unisvq2")
+    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--e2e-steps", type=int, default=20,
+                   help="steps of the end-to-end pass (--only e2e, on the folder OUT/unisvq2)")
     return p.parse_args(argv)
+
+
+QUESTION = "What is the capital of France?"
+
+
+def write_and_chat(model, tokenizer, report, folder: str, max_new_tokens: int,
+                   n_params: int) -> dict:
+    """Save the quantized model (``hub.save_model``), measure the folder against fp16 and ask
+    ``lowrank-jax generate --model FOLDER`` the chat test prompt; return what was measured.
+    ``n_params``: parameters of the dense model (its fp16 size is ``2·n_params`` bytes)."""
+    import contextlib
+    import io
+
+    from lowrank_jax.cli import main as cli_main
+    from lowrank_jax.models.hub import save_model
+
+    save_model(model, folder, tokenizer=tokenizer, report=report)
+    on_disk = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder)
+                  if os.path.isfile(os.path.join(folder, f)))
+    measured = {"path": folder, "folder_mib": on_disk / 2**20, "fp16_mib": n_params * 2 / 2**20,
+                "folder_vs_fp16": on_disk / (n_params * 2), "question": QUESTION, "answer": None}
+    if tokenizer is None:  # a preset without a tokenizer: nothing to chat with
+        return measured
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = cli_main(["generate", "--model", folder, "--prompt", QUESTION,
+                         "--max-new-tokens", str(max_new_tokens)])
+    answer = out.getvalue().strip()
+    print(f"lowrank-jax generate --model {folder} --prompt {QUESTION!r} (exit {code}): {answer}")
+    measured["answer"] = answer
+    return measured
+
+
+def run_e2e(args, fp_model, calib, ppl, unisvq_rows) -> dict:
+    """The end-to-end pass on the UniSVQ folder of this protocol: load, tune the continuous
+    parameters against the fp model on the calibration tokens, evaluate; one table row."""
+    from lowrank_jax.models.hub import load_model
+    from lowrank_jax.quant.e2e import finetune_end_to_end
+
+    if unisvq_rows is None or not unisvq_rows.get("folder"):
+        raise ValueError("--only e2e needs the UniSVQ folder of the same protocol; run "
+                         "--only unisvq first (without --no-folder).")
+    model_q, _ = load_model(unisvq_rows["folder"]["path"])
+    c0 = os.times()
+    info = finetune_end_to_end(model_q, fp_model, calib, steps=args.e2e_steps,
+                               log=lambda line: print(line, flush=True))
+    c1 = os.times()
+    base = unisvq_rows["rows"][-1]
+    value = ppl(model_q)
+    print(f"UniSVQ-2 + block FT + {args.e2e_steps}-step e2e: ppl {value:.3f} "
+          f"(val KL {info['val_kl_before']:.4f} -> {info['val_kl_after']:.4f}, "
+          f"{info['seconds']:.1f}s)", flush=True)
+    return {"method": f"{base['method']} + {args.e2e_steps}-step e2e (KL)",
+            "bits_per_weight": base["bits_per_weight"], "ppl": value,
+            "seconds": base["seconds"] + info["seconds"],
+            "cpu_seconds": base["cpu_seconds"] + (c1.user + c1.system) - (c0.user + c0.system),
+            "median_block_seconds": base["median_block_seconds"], "e2e": info}
 
 
 def main(argv=None) -> int:
@@ -61,6 +131,7 @@ def main(argv=None) -> int:
     from flax import nnx
 
     from lowrank_jax.data import corpus_text
+    from lowrank_jax.io.outputs import atomic_write_text
     from lowrank_jax.models import perplexity
     from lowrank_jax.models.hub import load_model
     from lowrank_jax.models.llama import projections
@@ -99,6 +170,7 @@ def main(argv=None) -> int:
           f"tokens of {eval_source}; blocks quantized: {len(layers)}/{n_layers}")
 
     graph, fp_state = nnx.split(model)
+    n_fp_params = sum(int(v.size) for v in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
     def fresh():
         return nnx.merge(graph, jax.tree.map(lambda a: a, fp_state))
@@ -109,12 +181,33 @@ def main(argv=None) -> int:
         return perplexity(m, eval_ids[: windows * eval_seq + 1], window=eval_seq + 1,
                           stride=eval_seq, progress=False).perplexity
 
-    rows = []
-    t = time.perf_counter()
-    fp_ppl = ppl(fresh())
-    rows.append({"method": "fp32", "bits_per_weight": 32.0, "ppl": fp_ppl, "seconds": 0.0,
-                 "cpu_seconds": 0.0, "median_block_seconds": 0.0})
-    print(f"fp32 ppl {fp_ppl:.3f} ({time.perf_counter() - t:.1f}s)")
+    rows_dir = os.path.join(args.out, "rows")
+    os.makedirs(rows_dir, exist_ok=True)
+    # every row file records the protocol; the table merges only rows of the same protocol
+    fingerprint = {"model": args.model, "layers": layers, "calibration_shape": list(calib.shape),
+                   "eval_tokens": int(windows * eval_seq), "eval_source": eval_source,
+                   "group_size": args.group_size, "sq_group_size": args.sq_group_size,
+                   "tune_iters": args.tune_iters, "finetune_steps": args.finetune_steps}
+
+    def write_rows(method, method_rows, extra=None):
+        atomic_write_text(os.path.join(rows_dir, f"{method}.json"), json.dumps(
+            {"fingerprint": fingerprint, "rows": method_rows, **(extra or {})}, indent=1))
+
+    def read_rows(method):
+        path = os.path.join(rows_dir, f"{method}.json")
+        if not os.path.isfile(path):
+            return None
+        with open(path) as f:
+            saved = json.load(f)
+        return saved if saved.get("fingerprint") == fingerprint else None
+
+    saved_fp = read_rows("fp32")
+    if saved_fp is None and not args.table_only:
+        t = time.perf_counter()
+        fp_value = ppl(fresh())
+        write_rows("fp32", [{"method": "fp32", "bits_per_weight": 32.0, "ppl": fp_value,
+                             "seconds": 0.0, "cpu_seconds": 0.0, "median_block_seconds": 0.0}])
+        print(f"fp32 ppl {fp_value:.3f} ({time.perf_counter() - t:.1f}s)")
 
     base_cfg = UniSVQConfig(tune_iters=args.tune_iters, finetune_steps=args.finetune_steps)
     ft = args.finetune_steps
@@ -127,13 +220,25 @@ def main(argv=None) -> int:
     runs.append(("UniSVQ-2 (RHT+LDLQ)", "unisvq", 2, None))
     if args.only:
         keep = {m.strip() for m in args.only.split(",")}
-        runs = [r for r in runs if r[1] in keep]
+        unknown = keep - {r[1] for r in runs} - {"e2e"}
+        if unknown:
+            raise ValueError(f"--only {sorted(unknown)}: unknown; use rtn, sq-ldlq, kmeans, "
+                             "unisvq, e2e.")
+        runs = [r for r in runs if r[1] in keep] + (
+            [("UniSVQ-2 + block FT + e2e", "e2e", 2, None)] if "e2e" in keep else [])
+    if args.table_only:
+        runs = []
 
     def cpu_seconds():
         t = os.times()
         return t.user + t.system + t.children_user + t.children_system
 
+    method_rows: dict[str, list] = {}
     for name, method, bits, zero_point in runs:
+        if method == "e2e":
+            method_rows["e2e"] = [run_e2e(args, fresh(), calib, ppl, read_rows("unisvq"))]
+            write_rows("e2e", method_rows["e2e"])
+            continue
         m = fresh()
         c0 = cpu_seconds()
         report = quantize_model(m, calib, method=method, bits=bits, group_size=args.group_size,
@@ -154,7 +259,7 @@ def main(argv=None) -> int:
         per_block = [b["seconds"] for b in report["blocks"]]
         for label, model_q in variants:
             value = ppl(model_q)
-            rows.append({
+            method_rows.setdefault(method, []).append({
                 "method": label, "bits_per_weight": report["bits_per_weight"],
                 "ppl": value, "seconds": report["seconds"], "cpu_seconds": cpu,
                 "median_block_seconds": float(np.median(per_block)) if per_block else 0.0,
@@ -162,7 +267,19 @@ def main(argv=None) -> int:
             })
             print(f"{label}: ppl {value:.3f}, {report['bits_per_weight']:.4f} bpw, "
                   f"{report['seconds']:.1f}s wall, {cpu:.1f}s CPU", flush=True)
+        extra = {}
+        if method == "unisvq" and not args.no_folder:
+            extra["folder"] = write_and_chat(m, tok, report, os.path.join(args.out, "unisvq2"),
+                                             args.max_new_tokens, n_fp_params)
+        write_rows(method, method_rows[method], extra)
 
+    order = ["fp32", "rtn", "sq-ldlq", "kmeans", "unisvq", "e2e"]
+    saved = {k: read_rows(k) for k in order}
+    missing = [k for k, v in saved.items() if v is None]
+    if saved["fp32"] is None:
+        raise ValueError(f"{rows_dir}: no fp32 row for this protocol; run without --table-only.")
+    rows = [r for k in order if saved[k] is not None for r in saved[k]["rows"]]
+    fp_ppl = saved["fp32"]["rows"][0]["ppl"]
     header = ("| method | bits/weight (quantized projections) | PPL | PPL / fp32 "
               "| quant wall s | quant CPU s | median s/block |\n|---|---|---|---|---|---|---|")
     lines = [header]
@@ -173,12 +290,18 @@ def main(argv=None) -> int:
                      f"{r['ppl'] / fp_ppl:.2f} | {times} |")
     table = "\n".join(lines)
     print(table)
+    if missing:
+        print(f"(not in the table yet, run with --only: {', '.join(missing)})")
+    folder = (saved["unisvq"] or {}).get("folder")
+    if folder:
+        print(f"UniSVQ folder {folder['path']}: {folder['folder_mib']:.1f} MiB on disk vs "
+              f"{folder['fp16_mib']:.1f} MiB fp16 ({folder['folder_vs_fp16']:.3f}x); chat "
+              f"answer: {folder['answer']!r}")
     result = {
-        "args": vars(args), "eval_source": eval_source, "eval_tokens": int(len(eval_ids) - 1),
-        "calibration_shape": list(calib.shape), "layers": layers, "rows": rows, "table": table,
+        "args": vars(args), "fingerprint": fingerprint, "rows": rows, "table": table,
+        "missing": missing, "folder": folder,
     }
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    atomic_write_text(os.path.join(args.out, "results.json"), json.dumps(result, indent=1))
     try:
         import matplotlib
 

@@ -48,3 +48,31 @@ def test_quick_unisvq_folder_answers_the_chat_prompt(tmp_path, capsys):
     text.write_text("The quick brown fox jumps over the lazy dog. " * 12)
     assert main(["eval", "--model", folder, "--text", str(text), "--window", "64",
                  "--no-progress"]) == 0
+
+
+def test_interrupted_save_never_leaves_a_folder_that_loads(tmp_path):
+    from lowrank_jax.models.presets import preset_model
+    from lowrank_jax.quant.io import is_quantized_folder, load_quantized, save_quantized
+    from lowrank_jax.quant.pipeline import quantize_model
+
+    model = preset_model("tiny")
+    quantize_model(model, None, method="rtn", bits=4, group_size=16, progress=False)
+    folder = tmp_path / "q"
+    save_quantized(model, folder)
+    assert is_quantized_folder(folder) and sorted(p.name for p in folder.iterdir()) == [
+        "model.safetensors", "quantization.json"]
+
+    class Interrupted:  # a save that dies after the weights are written (e.g. Ctrl-C)
+        def save(self, _):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        save_quantized(model, folder, tokenizer=Interrupted())
+    # the stale manifest is gone and no new one was written: the folder does not look complete
+    assert not is_quantized_folder(folder)
+    with pytest.raises(FileNotFoundError, match="no quantization.json"):
+        load_quantized(folder)
+    save_quantized(model, folder)  # a rerun completes it
+    back, _ = load_quantized(folder)
+    x = jnp.asarray([[1, 2, 3]], jnp.int32)
+    np.testing.assert_allclose(back(x)[0], model(x)[0], rtol=1e-5, atol=1e-5)
