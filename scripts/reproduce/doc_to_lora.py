@@ -117,7 +117,7 @@ def main(argv=None):
     p.add_argument("--chunk-len", type=int, default=64)
     p.add_argument("--train-docs", type=int, default=400)
     p.add_argument("--test-docs", type=int, default=16)
-    p.add_argument("--steps", type=int, default=700)
+    p.add_argument("--steps", type=int, default=1100)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--l1-weight", type=float, default=0.1)
