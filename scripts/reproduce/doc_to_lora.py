@@ -117,8 +117,11 @@ def main(argv=None):
     p.add_argument("--chunk-len", type=int, default=64)
     p.add_argument("--train-docs", type=int, default=400)
     p.add_argument("--test-docs", type=int, default=16)
-    p.add_argument("--steps", type=int, default=700)
+    p.add_argument("--steps", type=int, default=1100)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--l1-weight", type=float, default=0.1)
+    p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--cd-steps", type=int, default=25)
     p.add_argument("--cd-lr", type=float, default=5e-3)
     p.add_argument("--out", default="docs/results/doc_to_lora.json")
@@ -148,8 +151,9 @@ def main(argv=None):
     hyper = DocToLoRA.for_model(model, layers=layers, rank=args.rank, d_latent=128,
                                 n_latents=8, num_blocks=2, n_heads=4, rngs=nnx.Rngs(0))
     t0 = time.time()
-    history = train_doc_to_lora(hyper, model, train_data, steps=args.steps, batch_size=4,
-                                learning_rate=args.lr, warmup=10, l1_weight=0.1,
+    history = train_doc_to_lora(hyper, model, train_data, steps=args.steps,
+                                batch_size=args.batch_size, learning_rate=args.lr,
+                                warmup=args.warmup, l1_weight=args.l1_weight,
                                 run_dir=args.run_dir, resume=args.run_dir is not None,
                                 save_every=50,
                                 log=lambda s: print(s, flush=True))
@@ -245,7 +249,8 @@ def main(argv=None):
         "date": time.strftime("%Y-%m-%d"), "quick": args.quick, "model": args.model,
         "layers": layers, "rank_per_chunk": args.rank, "chunk_len": args.chunk_len,
         "train_docs": args.train_docs, "test_docs": args.test_docs, "steps": args.steps,
-        "cd_steps": args.cd_steps, "train_seconds": train_seconds, "rows": rows,
+        "cd_steps": args.cd_steps, "lr": args.lr, "warmup": args.warmup,
+        "l1_weight": args.l1_weight, "batch_size": args.batch_size, "train_seconds": train_seconds, "rows": rows,
         "internalize_seconds": {"doc_to_lora": d2l_seconds, "context_distillation": cd_seconds},
         "working_memory_bytes": {"doc_to_lora": mem_d2l, "context_distillation_step": mem_cd},
         "mean_doc_tokens": mean_tokens, "kv_cache_bytes_mean_doc": kv,
