@@ -131,24 +131,26 @@ def _prefill_runner(model: Llama, tokens):
 
 
 def decode_runners(model: Llama, prompt: list[int], new_tokens: int, tokenizer=None,
-                   stepwise: bool = False):
+                   stepwise: bool = False, **generate_kwargs):
     """Two zero-argument greedy :func:`generate` calls: ``new_tokens`` tokens, and the same call
     stopped at its first token (an end token chosen to be that token: the same shapes, so no
     second compilation).
 
     Their time difference over ``new_tokens - 1`` is the decode time per token with prefill,
     sampling setup and compilation excluded. ``stepwise=True`` passes a ``stream`` callback,
-    which runs one jitted step per token from Python (the path before the compiled loop).
+    which runs one jitted step per token from Python (the path before the compiled loop);
+    ``generate_kwargs`` go to :func:`generate` (e.g. ``unroll_decode=False``).
     """
     if new_tokens < 2:
         raise ValueError(f"new_tokens={new_tokens} must be >= 2 (a decode step after prefill).")
     stream = (lambda token, text: None) if stepwise else None
     first = generate(model, tokenizer, prompt, max_new_tokens=new_tokens, stop_at_eos=False,
-                     stream=stream).token_ids[0]  # also compiles the timed calls
+                     stream=stream, **generate_kwargs).token_ids[0]  # compiles the timed calls
 
     def call(stop: bool):
         return lambda: generate(model, tokenizer, prompt, max_new_tokens=new_tokens,
-                                stop_at_eos=stop, eos_ids=[first], stream=stream).token_ids
+                                stop_at_eos=stop, eos_ids=[first], stream=stream,
+                                **generate_kwargs).token_ids
 
     return call(False), call(True)
 

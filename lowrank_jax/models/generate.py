@@ -255,6 +255,7 @@ def generate(
     stream: Callable[[int, str], None] | None = None,
     return_logits: bool = False,
     cache_factory: CacheFactory | None = None,
+    unroll_decode: bool = True,
 ) -> GenerationResult:
     """Continue ``prompt`` token by token with the KV cache.
 
@@ -262,6 +263,12 @@ def generate(
     compiled ``lax.while_loop`` with the KV cache donated (updated in place): no per-token
     Python dispatch. With ``stream`` the tokens must reach the host one by one, so one jitted
     decode step runs per token instead (same tokens: same key splits, same steps).
+
+    The prefill scans the stacked layers (fast to compile); the decode steps run the layers
+    unrolled, so every matmul reads its weights where they lie. Under ``scan`` XLA:CPU copies
+    each layer's slice of every stacked weight before its dot, so a scanned decode step moves
+    about 3× the weight bytes (MEASURED on SmolLM2-135M: ``docs/results/bench.md``); the price
+    is a longer first compilation (about 20 s for SmolLM2's 30 layers on 2 cores).
 
     Args:
         model: the decoder.
@@ -278,6 +285,8 @@ def generate(
         return_logits: keep the fp32 logits that chose each new token.
         cache_factory: ``(cfg, batch, max_len) -> cache``; default an empty :class:`KVCache`
             (hook for compressed caches such as xKV).
+        unroll_decode: decode with the layers unrolled (default); ``False`` scans them like
+            the prefill (compiles faster, decodes slower on CPU; same tokens).
 
     Returns:
         A :class:`GenerationResult`.
@@ -321,6 +330,8 @@ def generate(
     make_cache = cache_factory or _default_cache
     cache = make_cache(cfg, 1, len(ids) + max_new_tokens)
     logits, cache = _prefill(static, state, jnp.asarray([ids], jnp.int32), cache)
+    if unroll_decode and static.mode == "scan":  # decode reads each layer's weights in place
+        static, state = prepare(model, scan_layers=False)
     decode_step = _decode_step if cache_factory else _decode_step_in_place  # ours: donate it
     temperature_arr = jnp.float32(temperature)
     top_p_arr = jnp.float32(top_p)

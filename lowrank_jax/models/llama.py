@@ -195,7 +195,10 @@ class KVCache(NamedTuple):
     """Preallocated keys/values ``[layers, batch, max_len, kv_heads, head_dim]`` (post-RoPE).
 
     The exact :class:`KVProvider`: new keys/values are written at ``length`` and the queries
-    attend to the filled prefix.
+    attend to the filled prefix. A layer's update is only its new keys/values ``[b, t, hk, d]``;
+    :meth:`advance` writes all layers' at once into the stacked buffers (in place when the cache
+    is donated), so a decode step writes ``t`` positions, not the whole cache (DERIVED: stacking
+    each layer's updated cache rewrote ``O(layers · max_len)`` bytes per token).
     """
 
     keys: Array
@@ -225,10 +228,13 @@ class KVCache(NamedTuple):
         cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, self.length, 0, 0))
         out = attention(q, ck, cv, causal=True, q_offset=self.length,
                         kv_length=self.length + q.shape[1])
-        return out, (ck, cv)
+        return out, (k.astype(ck.dtype), v.astype(cv.dtype))
 
     def advance(self, updates, length):
-        return KVCache(updates[0], updates[1], self.length + length)
+        at = (0, 0, self.length, 0, 0)
+        return KVCache(jax.lax.dynamic_update_slice(self.keys, updates[0], at),
+                       jax.lax.dynamic_update_slice(self.values, updates[1], at),
+                       self.length + length)
 
 
 def as_provider(cache) -> KVProvider:

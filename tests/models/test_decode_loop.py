@@ -45,3 +45,40 @@ def test_compiled_loop_stops_at_eos_like_stepwise(model):
     assert fast.stopped_at_eos and slow.stopped_at_eos
     ignored = generate(model, None, PROMPT, max_new_tokens=6, eos_ids=[eos], stop_at_eos=False)
     assert ignored.token_ids == greedy and not ignored.stopped_at_eos
+
+
+@pytest.mark.parametrize("preset", ["model", "tiny"])
+def test_unrolled_decode_equals_scanned_decode(model, preset):
+    """The default decode (layers unrolled, weights read in place) gives the tokens and logits
+    of the scanned decode (the path before), on this model and on the ``tiny`` preset; the
+    cache it returns after prefill + decode equals a full forward's keys (KVCache.advance
+    writes only the new positions)."""
+    from lowrank_jax.models.presets import preset_model
+
+    m = model if preset == "model" else preset_model("tiny")
+    prompt = PROMPT if preset == "model" else [72, 101, 108, 108, 111, 32]
+    fast = generate(m, None, prompt, max_new_tokens=9, return_logits=True, stop_at_eos=False)
+    slow = generate(m, None, prompt, max_new_tokens=9, return_logits=True, stop_at_eos=False,
+                    unroll_decode=False)
+    assert fast.token_ids == slow.token_ids and len(fast.token_ids) == 9
+    np.testing.assert_allclose(fast.logits, slow.logits, rtol=1e-5, atol=1e-5)
+
+
+def test_kv_cache_advance_writes_the_new_positions_only(model):
+    """Two cached calls (prefill 5, then 3 tokens) fill the cache with a full forward's keys:
+    positions beyond the filled length stay zero, the filled ones match one pass over 8."""
+    import jax.numpy as jnp
+
+    from lowrank_jax.models.llama import KVCache
+
+    tokens = jnp.asarray([PROMPT], jnp.int32)
+    cache = KVCache.empty(model.cfg, 1, 12)
+    full_logits, full = model(tokens, cache=cache)
+    _, part = model(tokens[:, :5], cache=cache)
+    logits, part = model(tokens[:, 5:], cache=part)
+    assert int(part.length) == int(full.length) == 8
+    np.testing.assert_allclose(part.keys, full.keys, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(part.values, full.values, rtol=1e-5, atol=1e-6)
+    assert float(jnp.abs(part.keys[:, :, 8:]).max()) == 0.0
+    assert float(jnp.abs(full.keys[:, :, :8]).min(axis=(0, 1, 3, 4)).max()) > 0
+    np.testing.assert_allclose(logits, full_logits[:, 5:], rtol=1e-4, atol=1e-5)
