@@ -250,6 +250,15 @@ def as_provider(cache) -> KVProvider:
     return cache
 
 
+def project(x, modules):
+    """The outputs of several projections of the same input ``x``: one matmul when they are the
+    parts of one fused kernel (:func:`lowrank_jax.models.fused.fuse_projections`), else each
+    module called in turn."""
+    joint = getattr(modules[0], "joint", None)
+    out = None if joint is None else joint(x, modules)
+    return [m(x) for m in modules] if out is None else out
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -263,10 +272,10 @@ class Attention(nnx.Module):
         """Pre-RoPE ``q [b,t,h,d]``, ``k``, ``v [b,t,hk,d]``."""
         cfg = self.cfg
         b, t, _ = x.shape
-        q = self.q_proj(x).reshape(b, t, cfg.n_heads, cfg.head_dim)
-        k = self.k_proj(x).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
-        v = self.v_proj(x).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
-        return q, k, v
+        q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj))
+        return (q.reshape(b, t, cfg.n_heads, cfg.head_dim),
+                k.reshape(b, t, cfg.n_kv_heads, cfg.head_dim),
+                v.reshape(b, t, cfg.n_kv_heads, cfg.head_dim))
 
     def __call__(self, x, positions, *, kv: KVProvider | None = None, layer_data=None,
                  layer_idx=0):
@@ -290,7 +299,8 @@ class MLP(nnx.Module):
         self.down_proj = _linear(cfg, cfg.d_ff, cfg.d_model, rngs, "down_proj")
 
     def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(x, (self.gate_proj, self.up_proj))
+        return self.down_proj(jax.nn.silu(gate) * up)
 
 
 class DecoderLayer(nnx.Module):
@@ -487,5 +497,5 @@ def count_params(model: nnx.Module) -> int:
 
 __all__ = ["ATTENTION_PROJECTIONS", "CausalKV", "KVCache", "KVProvider", "Llama", "LlamaConfig",
            "PROJECTIONS", "RMSNorm", "ScannedLayers", "apply_rope", "as_provider", "count_params",
-           "decoder_forward", "layer_norms", "lm_logits", "projections", "replace_projections",
-           "run_layers"]
+           "decoder_forward", "layer_norms", "lm_logits", "project", "projections",
+           "replace_projections", "run_layers"]
