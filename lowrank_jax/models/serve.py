@@ -207,10 +207,13 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: i
     n_batch, lo = len(prompts), min(lengths)
     key = jax.random.key(0) if key is None else key
     eos_set = {int(i) for i in eos_ids}
-    static, state = prepare(model)
-    step = functools.partial(_decode_step, static)  # jitted: logits[:, -1] and the cache
+    static, state = prepare(model)  # the shared prompt prefix: layers scanned (fast compile)
     cache = KVCache.empty(cfg, n_batch, max(n + k for n, k in zip(lengths, budget)))
-    logits, cache = step(state, jnp.asarray([p[:lo] for p in prompts], jnp.int32), cache)
+    logits, cache = _decode_step(static, state, jnp.asarray([p[:lo] for p in prompts],
+                                                            jnp.int32), cache)
+    # one token per step: layers unrolled, each matmul reads its weights in place (as generate)
+    static, state = prepare(model, scan_layers=False)
+    step = functools.partial(_decode_step, static)  # jitted: logits[:, -1] and the cache
     temperature_arr, top_p_arr = jnp.float32(temperature), jnp.float32(top_p)
     new_ids: list[list[int]] = [[] for _ in prompts]
     stopped = [False] * n_batch
