@@ -273,8 +273,9 @@ def generate(
     The prefill scans the stacked layers (fast to compile); the decode steps run the layers
     unrolled, so every matmul reads its weights where they lie. Under ``scan`` XLA:CPU copies
     each layer's slice of every stacked weight before its dot, so a scanned decode step moves
-    about 3× the weight bytes (MEASURED on SmolLM2-135M: ``docs/results/bench.md``); the price
-    is a longer first compilation (about 20 s for SmolLM2's 30 layers on 2 cores).
+    about 3× the weight bytes (DERIVED from its optimized HLO; MEASURED 1.55–2.1× slower per
+    SmolLM2-135M token, ``docs/results/bench.md``); the price is a longer first compilation
+    (about 20 s for SmolLM2's 30 layers on 2 cores).
 
     Args:
         model: the decoder.

@@ -50,9 +50,7 @@ def test_compiled_loop_stops_at_eos_like_stepwise(model):
 @pytest.mark.parametrize("preset", ["model", "tiny"])
 def test_unrolled_decode_equals_scanned_decode(model, preset):
     """The default decode (layers unrolled, weights read in place) gives the tokens and logits
-    of the scanned decode (the path before), on this model and on the ``tiny`` preset; the
-    cache it returns after prefill + decode equals a full forward's keys (KVCache.advance
-    writes only the new positions)."""
+    of the scanned decode (the path before), on this model and on the ``tiny`` preset."""
     from lowrank_jax.models.presets import preset_model
 
     m = model if preset == "model" else preset_model("tiny")
@@ -80,5 +78,5 @@ def test_kv_cache_advance_writes_the_new_positions_only(model):
     np.testing.assert_allclose(part.keys, full.keys, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(part.values, full.values, rtol=1e-5, atol=1e-6)
     assert float(jnp.abs(part.keys[:, :, 8:]).max()) == 0.0
-    assert float(jnp.abs(full.keys[:, :, :8]).min(axis=(0, 1, 3, 4)).max()) > 0
+    assert bool(jnp.all(jnp.abs(full.keys[:, :, :8]).sum(axis=(0, 1, 3, 4)) > 0))
     np.testing.assert_allclose(logits, full_logits[:, 5:], rtol=1e-4, atol=1e-5)
