@@ -94,9 +94,9 @@ def _has_transformers() -> str | None:
 # models (fuse_projections), the ones compared with transformers
 DECODE_VARIANTS = {
     "fp32 scanned layers": ("fp32 separate", {"unroll_decode": False}),
-    "fp32 unrolled layers": ("fp32 separate", {}),
-    "fp32": ("fp32", {}),
-    "bf16 bits": ("bf16 bits", {}),
+    "fp32 unrolled layers": ("fp32 separate", {"unroll_decode": True}),
+    "fp32": ("fp32", {"unroll_decode": True}),
+    "bf16 bits": ("bf16 bits", {"unroll_decode": True}),
 }
 
 

@@ -159,6 +159,12 @@ def _decode_step_in_place(static, state, token, cache):
     return logits[:, -1], cache
 
 
+# ``generate(unroll_decode=None)`` unrolls the decode layers from this many new tokens on: the
+# unrolled step saves about 25-45 ms per SmolLM2 token on 2 CPU cores but its first compilation
+# takes about 10-20 s longer (MEASURED round 4, loaded machine), so it pays off near 300 tokens.
+UNROLL_MIN_NEW_TOKENS = 256
+
+
 @jax.jit
 def _sample(logits, key, temperature, top_p):
     """Greedy when ``temperature == 0``, else top-p sampling from ``softmax(logits / T)``.
@@ -261,7 +267,7 @@ def generate(
     stream: Callable[[int, str], None] | None = None,
     return_logits: bool = False,
     cache_factory: CacheFactory | None = None,
-    unroll_decode: bool = True,
+    unroll_decode: bool | None = None,
 ) -> GenerationResult:
     """Continue ``prompt`` token by token with the KV cache.
 
@@ -270,8 +276,9 @@ def generate(
     Python dispatch. With ``stream`` the tokens must reach the host one by one, so one jitted
     decode step runs per token instead (same tokens: same key splits, same steps).
 
-    The prefill scans the stacked layers (fast to compile); the decode steps run the layers
-    unrolled, so every matmul reads its weights where they lie. Under ``scan`` XLA:CPU copies
+    The prefill scans the stacked layers (fast to compile); for long generations the decode
+    steps run the layers unrolled (``unroll_decode``), so every matmul reads its weights where
+    they lie. Under ``scan`` XLA:CPU copies
     each layer's slice of every stacked weight before its dot, so a scanned decode step moves
     about 3× the weight bytes (DERIVED from its optimized HLO; MEASURED 1.55–2.1× slower per
     SmolLM2-135M token, ``docs/results/bench.md``); the price is a longer first compilation
@@ -292,8 +299,10 @@ def generate(
         return_logits: keep the fp32 logits that chose each new token.
         cache_factory: ``(cfg, batch, max_len) -> cache``; default an empty :class:`KVCache`
             (hook for compressed caches such as xKV).
-        unroll_decode: decode with the layers unrolled (default); ``False`` scans them like
-            the prefill (compiles faster, decodes slower on CPU; same tokens).
+        unroll_decode: decode with the layers unrolled (``True``) or scanned like the prefill
+            (``False``: compiles faster, decodes slower on CPU; same tokens). ``None``
+            (default): unrolled when ``max_new_tokens >= UNROLL_MIN_NEW_TOKENS`` (256), where
+            the per-token saving outweighs the longer first compilation.
 
     Returns:
         A :class:`GenerationResult`.
@@ -337,6 +346,8 @@ def generate(
     make_cache = cache_factory or _default_cache
     cache = make_cache(cfg, 1, len(ids) + max_new_tokens)
     logits, cache = _prefill(static, state, jnp.asarray([ids], jnp.int32), cache)
+    if unroll_decode is None:
+        unroll_decode = max_new_tokens >= UNROLL_MIN_NEW_TOKENS
     if unroll_decode and static.mode == "scan":  # decode reads each layer's weights in place
         static, state = prepare(model, scan_layers=False)
     decode_step = _decode_step if cache_factory else _decode_step_in_place  # ours: donate it

@@ -49,13 +49,14 @@ def test_compiled_loop_stops_at_eos_like_stepwise(model):
 
 @pytest.mark.parametrize("preset", ["model", "tiny"])
 def test_unrolled_decode_equals_scanned_decode(model, preset):
-    """The default decode (layers unrolled, weights read in place) gives the tokens and logits
-    of the scanned decode (the path before), on this model and on the ``tiny`` preset."""
+    """The unrolled decode (weights read in place) gives the tokens and logits of the scanned
+    decode, on this model and on the ``tiny`` preset."""
     from lowrank_jax.models.presets import preset_model
 
     m = model if preset == "model" else preset_model("tiny")
     prompt = PROMPT if preset == "model" else [72, 101, 108, 108, 111, 32]
-    fast = generate(m, None, prompt, max_new_tokens=9, return_logits=True, stop_at_eos=False)
+    fast = generate(m, None, prompt, max_new_tokens=9, return_logits=True, stop_at_eos=False,
+                    unroll_decode=True)
     slow = generate(m, None, prompt, max_new_tokens=9, return_logits=True, stop_at_eos=False,
                     unroll_decode=False)
     assert fast.token_ids == slow.token_ids and len(fast.token_ids) == 9
@@ -80,3 +81,23 @@ def test_kv_cache_advance_writes_the_new_positions_only(model):
     assert float(jnp.abs(part.keys[:, :, 8:]).max()) == 0.0
     assert bool(jnp.all(jnp.abs(full.keys[:, :, :8]).sum(axis=(0, 1, 3, 4)) > 0))
     np.testing.assert_allclose(logits, full_logits[:, 5:], rtol=1e-4, atol=1e-5)
+
+
+def test_decode_unrolls_only_for_long_generations(monkeypatch):
+    """``unroll_decode=None`` unrolls from ``UNROLL_MIN_NEW_TOKENS`` new tokens on (the unrolled
+    step compiles slower, so short answers keep the scanned one)."""
+    import importlib
+
+    from lowrank_jax.models.presets import preset_model
+
+    gen_mod = importlib.import_module("lowrank_jax.models.generate")
+
+    tiny = preset_model("tiny")
+    calls = []
+    real = gen_mod.prepare
+    monkeypatch.setattr(gen_mod, "prepare", lambda m, **kw: calls.append(kw) or real(m, **kw))
+    monkeypatch.setattr(gen_mod, "UNROLL_MIN_NEW_TOKENS", 4)
+    gen_mod.generate(tiny, None, [72, 101], max_new_tokens=3, stop_at_eos=False)
+    assert {"scan_layers": False} not in calls
+    gen_mod.generate(tiny, None, [72, 101], max_new_tokens=4, stop_at_eos=False)
+    assert calls[-1] == {"scan_layers": False}

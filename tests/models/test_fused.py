@@ -43,14 +43,14 @@ def test_fused_model_has_the_logits_and_parameters_of_the_unfused(model):
 
 
 def test_fused_generation_equals_the_unfused_path_on_tiny():
-    """Greedy tokens and logits of the default decode (unrolled layers, fused kernels) equal
+    """Greedy tokens and logits of the fast decode (unrolled layers, fused kernels) equal
     the previous path (scanned decode, separate projections) on the ``tiny`` preset."""
     tiny = preset_model("tiny")
     prompt = [72, 101, 108, 108, 111, 44, 32]
     old = generate(tiny, None, prompt, max_new_tokens=8, return_logits=True, stop_at_eos=False,
                    unroll_decode=False)
     new = generate(fuse_projections(tiny), None, prompt, max_new_tokens=8, return_logits=True,
-                   stop_at_eos=False)
+                   stop_at_eos=False, unroll_decode=True)
     assert new.token_ids == old.token_ids and len(new.token_ids) == 8
     np.testing.assert_allclose(new.logits, old.logits, rtol=1e-4, atol=1e-4)
 
@@ -89,5 +89,6 @@ def test_smollm2_fused_unrolled_decode_gives_the_previous_greedy_tokens():
     smol, tok = load_model("smollm2")
     prompt = tok.encode("The capital of France is")
     old = generate(smol, tok, prompt, max_new_tokens=6, stop_at_eos=False, unroll_decode=False)
-    new = generate(fuse_projections(smol), tok, prompt, max_new_tokens=6, stop_at_eos=False)
+    new = generate(fuse_projections(smol), tok, prompt, max_new_tokens=6, stop_at_eos=False,
+                   unroll_decode=True)
     assert new.token_ids == old.token_ids and "Paris" in new.text
