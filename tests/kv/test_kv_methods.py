@@ -295,3 +295,28 @@ def test_split_bits_buy_value_rank_and_store_key_factors_at_8_bits():
     with pytest.raises(ValueError, match="value_factor_bits"):
         methods.compress_kv("xkv_quant_split", keys, values, rope_theta=1e4, ratio=6.0,
                             value_factor_bits=5)
+
+
+@pytest.mark.parametrize("name,ratio", [("xkv", 4.0), ("per_layer_svd", 3.0),
+                                        ("xkv_quant_split", 8.0)])
+def test_shared_svd_cache_gives_the_same_cache_and_computes_each_svd_once(name, ratio):
+    from lowrank_jax.kv import SVDCache
+
+    keys, values = _kv((4, 1, 96, 2, 16), seed=7)
+    fresh = methods.compress_kv(name, keys, values, rope_theta=1e4, ratio=ratio)
+    shared = SVDCache()
+    first = methods.compress_kv(name, keys, values, rope_theta=1e4, ratio=ratio,
+                                svd_cache=shared)
+    n_svds = len(shared)
+    assert n_svds == 2 * len(first.groups)  # one SVD per group for K and for V
+    assert len(first.groups) == (4 if name == "per_layer_svd" else 1)
+    again = methods.compress_kv(name, keys, values, rope_theta=1e4, ratio=2 * ratio,
+                                svd_cache=shared)
+    assert len(shared) == n_svds  # another ratio truncates the same SVDs
+    for a, b in zip(jax.tree.leaves(fresh), jax.tree.leaves(first)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                   rtol=1e-5, atol=1e-5)
+    rk, _ = methods.reconstruct_all(name, again)
+    rk_fresh, _ = methods.reconstruct_all(
+        name, methods.compress_kv(name, keys, values, rope_theta=1e4, ratio=2 * ratio))
+    np.testing.assert_allclose(rk, rk_fresh, rtol=1e-5, atol=1e-5)
