@@ -334,6 +334,8 @@ def test_wide_groups_store_fewer_scales_and_buy_rank_at_equal_bytes():
     # one fp16 scale and minimum per 256 tokens of a rank channel instead of per 32
     per_rank = lambda q, r: q.scale.size // r  # noqa: E731
     assert per_rank(a_split, split.ranks[0][0]) == 8 * per_rank(a_wide, wide.ranks[0][0])
-    assert wide.ranks[0][0] > split.ranks[0][0] and wide.ranks[0][1] > split.ranks[0][1]
+    assert wide.ranks[0][0] > split.ranks[0][0] and sum(wide.ranks[0]) > sum(split.ranks[0])
+    rk, rv = wide.ranks[0]
+    assert rv / rk == pytest.approx(methods.WIDE_VALUE_RANK_SCALE, abs=0.1)  # more to K
     assert methods.cache_ratio(wide) >= 8.0
     assert methods.stored_bytes(wide) == sum(int(x.nbytes) for x in jax.tree.leaves(wide))
