@@ -61,7 +61,8 @@ from lowrank_jax.kv.xkv import (
 __all__ = [
     "ExactCache", "KIVICache", "KVCacheFactory", "KVMethod", "generate_text_with_kv",
     "kv_cache_factory", "QuantizedArray", "QuantizedXKVCache",
-    "ReconstructDecodeKV", "SVDCache", "cache_ratio", "choose_kivi_settings", "compress_kv", "decode_step",
+    "ReconstructDecodeKV", "SVDCache", "cache_ratio", "choose_kivi_settings", "compress_kv",
+    "decode_step",
     "dequantize", "get_method", "kivi_compress", "kivi_reconstruct", "kv_generate", "quantize",
     "reconstruct_all", "reference_bytes", "start_decode", "stored_bytes", "xkv_quant_compress",
     "xkv_quant_reconstruct",

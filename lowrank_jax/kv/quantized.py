@@ -126,7 +126,6 @@ def quantize(x: Float[Array, "..."], bits: int, *, axis: int, group_size: int,
     """
     bits = _check_bits(bits)
     axis = axis % x.ndim
-    n = x.shape[axis]
     if not isinstance(group_size, (int, np.integer)) or group_size < 1:
         raise ValueError(f"group_size={group_size!r} must be a positive int (axis {axis} of "
                          f"shape {x.shape}).")
