@@ -236,6 +236,8 @@ CHAT_CASES = [
     # +5 % perplexity of 8x (docs/results/kv_cache.md) is enough to lose this answer
     pytest.param("xkv_quant_hadamard", 4.0, marks=pytest.mark.slow),
     pytest.param("xkv_quant_split", 4.0, marks=pytest.mark.slow),
+    # at 8x it answers "The answer is: France": on this 132-token prompt its 256-token factor
+    # groups are half padding (counted), so it has less rank than on long prompts
     pytest.param("xkv_quant_wide", 4.0, marks=pytest.mark.slow)]
 
 
