@@ -2,6 +2,7 @@
 KIVI-style quantized cache, xKV with quantized factors, and the :data:`METHODS` registry that
 meets a target ratio with every stored byte counted."""
 
+from lowrank_jax.kv.compress import SVDCache
 from lowrank_jax.kv.evaluate import KVCacheFactory, generate_text_with_kv, kv_cache_factory
 from lowrank_jax.kv.hybrid import QuantizedXKVCache, xkv_quant_compress, xkv_quant_reconstruct
 from lowrank_jax.kv.methods import (
@@ -60,7 +61,8 @@ from lowrank_jax.kv.xkv import (
 __all__ = [
     "ExactCache", "KIVICache", "KVCacheFactory", "KVMethod", "generate_text_with_kv",
     "kv_cache_factory", "QuantizedArray", "QuantizedXKVCache",
-    "ReconstructDecodeKV", "cache_ratio", "choose_kivi_settings", "compress_kv", "decode_step",
+    "ReconstructDecodeKV", "SVDCache", "cache_ratio", "choose_kivi_settings", "compress_kv",
+    "decode_step",
     "dequantize", "get_method", "kivi_compress", "kivi_reconstruct", "kv_generate", "quantize",
     "reconstruct_all", "reference_bytes", "start_decode", "stored_bytes", "xkv_quant_compress",
     "xkv_quant_reconstruct",

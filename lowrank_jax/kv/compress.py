@@ -4,6 +4,7 @@ reconstruction of a layer's prompt K/V."""
 from __future__ import annotations
 
 import functools
+import hashlib
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +59,54 @@ def _selective_extra_numbers(tokens, group_layers, kv_heads, head_dim, cfg: Sele
     return group_layers * per_layer
 
 
+class SVDCache:
+    """Exact SVDs of xKV group matrices, keyed by the matrix's content (shape and a hash of its
+    bytes), so that every method and ratio compressing the same prefill shares one SVD per
+    group (the SVD is most of a compression's time; truncation to a rank is free).
+
+    Pass one instance as ``svd_cache=`` to :func:`xkv_compress` (or any xKV-family method
+    through :func:`~lowrank_jax.kv.methods.compress_kv`); results are identical to computing
+    the SVD afresh (same program on the same input).
+
+    Example::
+
+        >>> import jax
+        >>> k = jax.random.normal(jax.random.key(0), (2, 1, 16, 1, 8))
+        >>> cache = SVDCache()
+        >>> a = xkv_compress(k, k, rope_theta=1e4, rank=3, group_size=2, svd_cache=cache)
+        >>> b = xkv_compress(k, k, rope_theta=1e4, rank=5, group_size=2, svd_cache=cache)
+        >>> len(cache)  # one SVD: keys and values are the same matrix here
+        1
+    """
+
+    def __init__(self):
+        self._store: dict = {}
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+    def get(self, x: Float[Array, "b L F"]):
+        """``(u, s, vt)`` of ``x`` (thin, fp32), computed once per distinct matrix."""
+        host = np.asarray(x)
+        key = (host.shape, hashlib.blake2b(host.tobytes(), digest_size=16).hexdigest())
+        if key not in self._store:
+            self._store[key] = _thin_svd(x)
+        return self._store[key]
+
+
+@jax.jit
+def _thin_svd(x):
+    return jnp.linalg.svd(x, full_matrices=False)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _group_matrix(src, members: tuple, sink_tokens: int):
+    """``[K^(l1) | ... | K^(lG)]`` of the factorized tokens, fp32 ``[b, L - S, G hk d]``."""
+    _, b, length, hk, d = src.shape
+    return jnp.concatenate([src[l, :, sink_tokens:].reshape(b, length - sink_tokens, hk * d)
+                            for l in members], axis=-1).astype(jnp.float32)
+
+
 def xkv_compress(
     keys: Float[Array, "layers b L hk d"],
     values: Float[Array, "layers b L hk d"],
@@ -73,6 +122,7 @@ def xkv_compress(
     sink_tokens: int = 0,
     svd_method: str = "full",
     oversample: int = 16,
+    svd_cache: SVDCache | None = None,
 ) -> XKVCache:
     """Factorize a prefilled cache: one truncated SVD per layer group, keys and values apart.
 
@@ -108,6 +158,8 @@ def xkv_compress(
         svd_method: ``"full"`` (exact) or ``"randomized"``.
         oversample: extra sketch columns of the randomized range finder (the reference code
             uses none; 16 costs little and makes the top singular vectors accurate).
+        svd_cache: an :class:`SVDCache` shared across calls on the same prefill (exact SVD
+            only): the group SVDs are computed once and truncated per rank.
 
     Returns:
         An :class:`XKVCache`.
@@ -141,8 +193,17 @@ def xkv_compress(
             "sink_tokens > 0 cannot be combined with selective reconstruction, which keeps its "
             "own exact outlier chunks and local window; pass sink_tokens=0 with selective=."
         )
+    keys, values = jnp.asarray(keys), jnp.asarray(values)
+    svds = None
+    if svd_cache is not None:
+        if svd_method != "full":
+            raise ValueError(f"svd_cache= needs svd_method='full' (got {svd_method!r}): a "
+                             "randomized SVD depends on the rank and cannot be shared.")
+        svds = tuple(tuple(svd_cache.get(_group_matrix(src, members, int(sink_tokens)))
+                           for src in (keys, values))
+                     for members in layer_groups(keys.shape[0], group_size))
     return _xkv_compress(
-        jnp.asarray(keys), jnp.asarray(values), rope_theta=float(rope_theta),
+        keys, values, svds, rope_theta=float(rope_theta),
         ratio=None if ratio is None else float(ratio), rank=rank, group_size=group_size,
         value_rank_scale=float(value_rank_scale), selective=selective,
         tail_capacity=int(tail_capacity), dtype=None if dtype is None else jnp.dtype(dtype).name,
@@ -153,7 +214,7 @@ def xkv_compress(
 @functools.partial(jax.jit, static_argnames=(
     "rope_theta", "ratio", "rank", "group_size", "value_rank_scale", "selective",
     "tail_capacity", "dtype", "sink_tokens", "svd_method", "oversample"))
-def _xkv_compress(keys, values, *, rope_theta, ratio, rank, group_size, value_rank_scale,
+def _xkv_compress(keys, values, svds, *, rope_theta, ratio, rank, group_size, value_rank_scale,
                   selective, tail_capacity, dtype, sink_tokens, svd_method,
                   oversample) -> XKVCache:
     n_layers, b, length, hk, d = keys.shape
@@ -166,7 +227,7 @@ def _xkv_compress(keys, values, *, rope_theta, ratio, rank, group_size, value_ra
     factored = length - sink_tokens
     key_factors, value_factors = [], []
     key_bases, value_bases = [None] * n_layers, [None] * n_layers
-    for members in groups:
+    for gi, members in enumerate(groups):
         g = len(members)
         if rank == "full":
             rank_k = rank_v = _full_rank(factored, g, hk, d)
@@ -185,10 +246,15 @@ def _xkv_compress(keys, values, *, rope_theta, ratio, rank, group_size, value_ra
             rank_k, rank_v = choose_ranks(ratio, tokens=length, group_layers=g, kv_heads=hk,
                                           head_dim=d, value_rank_scale=value_rank_scale,
                                           extra_numbers=extra, sink_tokens=sink_tokens)
-        for src, r, factors, bases in ((keys, rank_k, key_factors, key_bases),
-                                       (values, rank_v, value_factors, value_bases)):
-            x = jnp.concatenate([src[l].reshape(b, factored, hk * d) for l in members], axis=-1)
-            u, s, vt = _truncated_svd(x.astype(jnp.float32), r, svd_method, oversample)
+        for kind, (src, r, factors, bases) in enumerate((
+                (keys, rank_k, key_factors, key_bases),
+                (values, rank_v, value_factors, value_bases))):
+            if svds is not None:  # shared exact SVD of the same matrix (SVDCache)
+                u, s, vt = svds[gi][kind]
+            else:
+                x = jnp.concatenate([src[l].reshape(b, factored, hk * d) for l in members],
+                                    axis=-1)
+                u, s, vt = _truncated_svd(x.astype(jnp.float32), r, svd_method, oversample)
             factors.append(u[:, :, :r].astype(dtype))
             basis = (s[:, :r, None] * vt[:, :r, :]).reshape(b, r, g, hk, d)
             for j, l in enumerate(members):

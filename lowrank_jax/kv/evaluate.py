@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Sequence
 
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lowrank_jax.kv.cache import SelectiveConfig, XKVCache
+from lowrank_jax.kv.compress import SVDCache
 from lowrank_jax.kv.model import ContextKV, prefill_kv, xkv_decode_step, xkv_generate, xkv_prefill
 from lowrank_jax.kv.methods import (
     cache_ratio,
@@ -32,6 +34,17 @@ from pallas_kernels.xkv_decode.reference import rope
 @nnx.jit
 def _block_logits(model, tokens, context_keys, context_values):
     return model(tokens, cache=ContextKV(context_keys, context_values))[0]
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _rotate_context(keys, theta: float):
+    positions = jnp.arange(keys.shape[2])
+    return jax.vmap(lambda k: rope(k, positions, theta))(keys)
+
+
+@jax.jit
+def _relative_error(approx, exact):
+    return jnp.linalg.norm(approx - exact) / jnp.linalg.norm(exact)
 
 
 def _setting(setting, group_size: int, sink_tokens: int, value_rank_scale: float) -> dict:
@@ -61,7 +74,7 @@ def _setting(setting, group_size: int, sink_tokens: int, value_rank_scale: float
 def xkv_perplexity_sweep(
     model, ids, *, context_len: int, eval_len: int, settings: Sequence[tuple],
     group_size: int = DEFAULT_GROUP_SIZE, value_rank_scale: float = DEFAULT_VALUE_RANK_SCALE,
-    sink_tokens: int = DEFAULT_SINK_TOKENS,
+    sink_tokens: int = DEFAULT_SINK_TOKENS, prefill=None, svd_cache: SVDCache | None = None,
 ) -> list[dict]:
     """Perplexity of ``eval_len`` tokens after a compressed ``context_len`` context, per setting.
 
@@ -83,6 +96,12 @@ def xkv_perplexity_sweep(
         group_size: ``G`` for ``"xkv"``.
         value_rank_scale: ``r_v / r_k``.
         sink_tokens: exact leading tokens for settings that do not give their own.
+        prefill: optional ``(keys, values)`` of :func:`~lowrank_jax.kv.model.prefill_kv` on
+            ``ids[:, :context_len]``, to share one window's prefill across calls (checked
+            against the expected shape; the caller guarantees it is that window's).
+        svd_cache: an :class:`~lowrank_jax.kv.compress.SVDCache` to share the exact group
+            SVDs of this prefill with other calls (default: a fresh one per call, shared by
+            its settings); only xKV-family settings with the exact SVD use it.
 
     Returns:
         One dict per setting: ``method, target_ratio, sink_tokens, group_size, options,
@@ -100,16 +119,29 @@ def xkv_perplexity_sweep(
     if context_len < 1 or eval_len < 1:
         raise ValueError(f"context_len={context_len} and eval_len={eval_len} must be >= 1.")
     theta = model.cfg.rope_theta
-    keys, values = prefill_kv(model, ids[:, :context_len])
+    if prefill is None:
+        keys, values = prefill_kv(model, ids[:, :context_len])
+    else:
+        keys, values = prefill
+        if keys.shape != values.shape or keys.shape[1:3] != (ids.shape[0], context_len):
+            raise ValueError(
+                f"prefill= has keys {keys.shape} / values {values.shape}; expected "
+                f"[layers, {ids.shape[0]}, {context_len}, kv_heads, head_dim] for both (the "
+                "output of prefill_kv(model, ids[:, :context_len])).")
     inputs = ids[:, context_len: context_len + eval_len]
     targets = ids[:, context_len + 1: context_len + eval_len + 1]
-    positions = jnp.arange(context_len)
+    svd_cache = SVDCache() if svd_cache is None else svd_cache
     results = []
-    rel = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))  # noqa: E731
+    rel = lambda a, b: float(_relative_error(a, b))  # noqa: E731
     for setting in settings:
         options = _setting(setting, group_size, sink_tokens, value_rank_scale)
         method, ratio = options.pop("method"), options.pop("ratio", None)
-        cache = compress_kv(method, keys, values, rope_theta=theta, ratio=ratio, **options)
+        extra = {}
+        if (method in ("xkv", "per_layer_svd") or method.startswith("xkv_quant")) and \
+                options.get("svd_method", "full") == "full" and "selective" not in options:
+            extra["svd_cache"] = svd_cache
+        cache = compress_kv(method, keys, values, rope_theta=theta, ratio=ratio, **options,
+                            **extra)
         ctx_k, ctx_v = reconstruct_all(method, cache)
         ranks = getattr(cache, "ranks", None)
         info = dict(compression_ratio=cache_ratio(cache),
@@ -117,7 +149,7 @@ def xkv_perplexity_sweep(
                     ranks=[list(r) for r in ranks] if ranks else None,
                     bits=getattr(cache, "bits", None),
                     key_error=rel(ctx_k, keys), value_error=rel(ctx_v, values))
-        ctx_k = jax.vmap(lambda k: rope(k, positions, theta))(ctx_k)
+        ctx_k = _rotate_context(ctx_k, float(theta))
         logits = _block_logits(model, inputs, ctx_k, ctx_v.astype(jnp.float32))
         logp = jax.nn.log_softmax(logits, axis=-1)
         nll = -float(jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1)))

@@ -119,6 +119,7 @@ def hadamard_matrix(n: int) -> np.ndarray:
     return (h * signs / math.sqrt(n)).astype(np.float32)
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def hadamard_rotate(x: jax.Array, axis: int, n: int, inverse: bool = False) -> jax.Array:
     """Rotate ``x`` along ``axis`` in consecutive blocks of ``n`` (``x.shape[axis] % n == 0``)
     by :func:`hadamard_matrix` (QuaRot-style: spreads outliers over the block so that min/max
@@ -134,6 +135,11 @@ def _padded(n: int, group: int, hadamard: bool) -> int:
 
 
 def _store(x, bits: int, axis: int, group: int, dtype, hadamard: bool = False):
+    return _store_jit(x, bits, axis, group, jnp.dtype(dtype), bool(hadamard))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
+def _store_jit(x, bits: int, axis: int, group: int, dtype, hadamard: bool):
     if bits == FULL_BITS:
         return x.astype(dtype)
     if hadamard:  # pad to whole blocks (zeros, stored and counted), then rotate
@@ -204,6 +210,7 @@ def xkv_quant_compress(
     value_rank_scale: float = DEFAULT_VALUE_RANK_SCALE, allocation: str = "uniform",
     key_normalization: bool = False, sink_tokens: int = 1, recent_tokens: int = 0,
     hadamard: bool = False, value_factor_bits: int | None = None, dtype=STORAGE_DTYPE,
+    svd_cache=None,
 ) -> QuantizedXKVCache:
     """xKV factorization with quantized factors; ranks chosen to meet ``ratio`` (all bytes
     counted against the exact ``dtype`` cache) or given.
@@ -228,6 +235,8 @@ def xkv_quant_compress(
         hadamard: store quantized ``A`` / ``B`` rotated by a randomized Hadamard transform
             over each quantization group (``quant_group`` a power of two).
         dtype: float dtype of fp16 parts, scales and minima.
+        svd_cache: an :class:`~lowrank_jax.kv.compress.SVDCache` shared across calls on the
+            same prefill (each group's SVD computed once).
 
     Returns:
         A :class:`QuantizedXKVCache`.
@@ -301,7 +310,7 @@ def xkv_quant_compress(
         sl = slice(members[0], members[-1] + 1)
         part = xkv_compress(norm_keys[sl, :, :end], values32[sl, :, :end],
                             rope_theta=rope_theta, rank=(rk, rv), group_size=len(members),
-                            sink_tokens=sink_tokens)
+                            sink_tokens=sink_tokens, svd_cache=svd_cache)
         kf.append(_store(part.key_factors[0], factor_bits, 1, quant_group, dt, hadamard))
         vf.append(_store(part.value_factors[0], value_factor_bits, 1, quant_group, dt,
                          hadamard))
@@ -369,10 +378,15 @@ def xkv_quant_reconstruct(cache: QuantizedXKVCache, layer: int, kind: str = "k"
     sink = (cache.sink_keys if kind == "k" else cache.sink_values)[layer]
     recent = (cache.recent_keys if kind == "k" else cache.recent_values)[layer]
     factored = cache.prefill_length - sink.shape[1] - recent.shape[1]
-    factor = _load((cache.key_factors if kind == "k" else cache.value_factors)[g], factored,
-                   cache.hadamard)
-    basis = _load((cache.key_bases if kind == "k" else cache.value_bases)[layer],
-                  sink.shape[-1], cache.hadamard)
+    return _rebuild((cache.key_factors if kind == "k" else cache.value_factors)[g],
+                    (cache.key_bases if kind == "k" else cache.value_bases)[layer], sink,
+                    recent, factored, cache.hadamard)
+
+
+@functools.partial(jax.jit, static_argnums=(4, 5))
+def _rebuild(factor, basis, sink, recent, factored: int, hadamard: bool):
+    factor = _load(factor, factored, hadamard)
+    basis = _load(basis, sink.shape[-1], hadamard)
     body = jnp.einsum("blr,bhrd->blhd", factor, basis)
     return jnp.concatenate([sink.astype(jnp.float32), body, recent.astype(jnp.float32)], axis=1)
 

