@@ -22,8 +22,9 @@ Usage::
     python -m scripts.reproduce.unisvq --only unisvq3,e2e-unisvq3   # the 3-bit lattice
     python -m scripts.reproduce.unisvq --table-only    # merge the saved rows of this protocol
 
-CPU seconds measured for 30 blocks (2 cores): UniSVQ 586, k-means VQ 761, scalar LDLQ 281,
-RTN a few; each quantized model's evaluation adds about a minute.
+CPU seconds measured for 30 blocks (2 cores): UniSVQ-2 579-603, UniSVQ-3 438, k-means VQ 761,
+scalar LDLQ 332-343, RTN a few; each 20-step e2e pass about 400; each quantized model's
+evaluation adds about a minute.
     python -m scripts.reproduce.unisvq --quick    # the first 4 blocks only, fewer steps
     python -m scripts.reproduce.unisvq --model tiny --quick   # smoke test (seconds)
 
