@@ -22,6 +22,7 @@ from lowrank_jax.models.llama import (
 )
 from lowrank_jax.quant.layers import QuantizedLinear, RTNLinear, VQLinear, dense_weight
 from lowrank_jax.quant.nf4 import NF4Linear, NF4Weight
+from lowrank_jax.quant.packing import pack_bits, unpack_bits
 from lowrank_jax.quant.rtn import rtn_from_arrays, rtn_to_arrays
 from lowrank_jax.quant.unisvq import UniSVQWeight
 
@@ -57,8 +58,11 @@ def save_quantized(model: Llama, folder: str | os.PathLike, *, tokenizer=None,
         prefix = f"layers.{i}.{proj}"
         if isinstance(lin, QuantizedLinear):
             meta = {"method": "unisvq", "shape": [lin.out_features, lin.in_features],
-                    "block_in": lin.block_in, "block_out": lin.block_out}
-            arrays[prefix + ".codes"] = np.asarray(lin.codes[...], np.uint8)
+                    "block_in": lin.block_in, "block_out": lin.block_out, "bits": lin.bits}
+            if lin.bits == 2:
+                arrays[prefix + ".codes"] = np.asarray(lin.codes[...], np.uint8)
+            else:  # 12-bit codes as a bit stream: 3 bits per weight on disk, not 4
+                arrays[prefix + ".codes12"] = pack_bits(np.asarray(lin.codes[...]), 12)
             for name in ("scale_in", "scale_out", "affine", "offset"):
                 arrays[f"{prefix}.{name}"] = np.asarray(getattr(lin, name)[...], np.float16)
         elif isinstance(lin, VQLinear):
@@ -149,8 +153,14 @@ def load_quantized(folder: str | os.PathLike) -> tuple[Llama, Any]:
         prefix = f"layers.{i}.{proj}"
         meta = manifest["layers"][prefix]
         if meta["method"] == "unisvq":
+            if meta.get("bits", 2) == 3:
+                m, n = meta["shape"]
+                codes = unpack_bits(arrays[prefix + ".codes12"], 12, m * (n // 4))
+                codes = codes.reshape(m, n // 4)
+            else:
+                codes = arrays[prefix + ".codes"]
             return QuantizedLinear(UniSVQWeight(
-                jnp.asarray(arrays[prefix + ".codes"]),
+                jnp.asarray(codes),
                 *(jnp.asarray(arrays[f"{prefix}.{n}"], jnp.float32)
                   for n in ("scale_in", "scale_out", "affine", "offset")),
                 block_in=meta["block_in"], block_out=meta["block_out"],

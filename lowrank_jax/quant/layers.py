@@ -12,7 +12,7 @@ from lowrank_jax.quant.packing import rtn_bits_per_weight, unisvq_bits_per_weigh
 from lowrank_jax.quant.rtn import RTNWeight, rtn_dequantize
 from lowrank_jax.quant.unisvq import UniSVQWeight
 from pallas_kernels.lattice_matmul.api import lattice_matmul
-from pallas_kernels.lattice_matmul.reference import block_hadamard
+from pallas_kernels.lattice_matmul.reference import block_hadamard, code_bits
 
 
 class QuantCodes(nnx.Variable):
@@ -28,7 +28,8 @@ class LatticeParam(nnx.Param):
 
 
 class QuantizedLinear(nnx.Module):
-    """A bias-free linear layer whose weight is UniSVQ-quantized; ``y = x Wᵀ`` via the kernel API.
+    """A bias-free linear layer whose weight is UniSVQ-quantized; ``y = x Wᵀ`` via the kernel API
+    (2-bit ``uint8`` or 3-bit ``uint16`` codes, the same kernel).
 
     .. math::
         W = \\mathrm{diag}(s_{out}) H_m^\\top C H_n \\mathrm{diag}(s_{in}),\\quad
@@ -55,7 +56,8 @@ class QuantizedLinear(nnx.Module):
         self.out_features = int(weight.shape[0])
         self.block_in, self.block_out = int(weight.block_in), int(weight.block_out)
         self.mode, self.implementation = mode, implementation
-        self.codes = QuantCodes(jnp.asarray(weight.codes, jnp.uint8))
+        self.bits = code_bits(weight.codes)  # uint8 codes: 2-bit digits, uint16: 3-bit
+        self.codes = QuantCodes(jnp.asarray(weight.codes))
         self.scale_in = QuantScale(jnp.asarray(weight.scale_in, jnp.float32))
         self.scale_out = QuantScale(jnp.asarray(weight.scale_out, jnp.float32))
         self.affine = LatticeParam(jnp.asarray(weight.affine, jnp.float32))
@@ -70,7 +72,7 @@ class QuantizedLinear(nnx.Module):
                             self.affine[...], self.offset[...], self.block_in, self.block_out)
 
     def bits_per_weight(self) -> float:
-        return unisvq_bits_per_weight(self.out_features, self.in_features)
+        return unisvq_bits_per_weight(self.out_features, self.in_features, bits=self.bits)
 
     def __call__(self, x: Float[Array, "... n"]) -> Float[Array, "... m"]:
         return lattice_matmul(

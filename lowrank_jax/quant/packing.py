@@ -5,8 +5,9 @@ Two formats:
 * **lattice codes** (UniSVQ): 4 unsigned 2-bit digits per ``uint8``, first coordinate most
   significant (``idx = 64·z0 + 16·z1 + 4·z2 + z3``); optionally repacked into ``int32`` words of 16
   weights (4 codes, first code in the most significant byte).
-* **bit streams** (RTN, any ``bits`` in 1..8): values written MSB-first into a ``uint8`` stream
-  of ``ceil(N·bits/8)`` bytes, so 3-bit weights cost exactly 3 bits.
+* **bit streams** (RTN, any ``bits`` in 1..8; UniSVQ-3's 12-bit codes, up to 16): values written
+  MSB-first into a ``uint8`` stream of ``ceil(N·bits/8)`` bytes, so 3-bit weights cost exactly 3
+  bits.
 
 Accounting counts every stored number: codes, scales, zeros, transforms (fp16 = 16 bits).
 """
@@ -61,44 +62,57 @@ def words_to_codes(words: Int[Array, "m w"]) -> UInt8[Array, "m q"]:
 
 
 def pack_bits(values: np.ndarray, bits: int) -> np.ndarray:
-    """Pack unsigned ints ``< 2**bits`` (any shape, C order) into a ``uint8`` stream, MSB first.
+    """Pack unsigned ints ``< 2**bits`` (``bits`` in 1..16; any shape, C order) into a ``uint8``
+    stream, MSB first.
 
     Example::
 
         >>> pack_bits(np.array([7, 0, 5]), 3).tolist()   # 111 000 101 -> 11100010 1.......
         [226, 128]
     """
-    if not 1 <= bits <= 8:
-        raise ValueError(f"bits={bits} must lie in 1..8 for a byte stream.")
-    v = np.asarray(values).astype(np.uint8).reshape(-1)
-    if v.size and int(v.max()) >= 2**bits:
-        raise ValueError(f"a value {int(v.max())} does not fit in bits={bits}.")
-    bit_planes = (v[:, None] >> np.arange(bits - 1, -1, -1, dtype=np.uint8)) & 1
+    if not 1 <= bits <= 16:
+        raise ValueError(f"bits={bits} must lie in 1..16 for a bit stream.")
+    dtype = np.uint8 if bits <= 8 else np.uint16
+    v = np.asarray(values)
+    if v.size and (int(v.min()) < 0 or int(v.max()) >= 2**bits):
+        raise ValueError(f"a value in [{int(v.min())}, {int(v.max())}] does not fit in "
+                         f"bits={bits} (unsigned).")
+    v = v.astype(dtype).reshape(-1)
+    bit_planes = (v[:, None] >> np.arange(bits - 1, -1, -1, dtype=dtype)) & 1
     return np.packbits(bit_planes.reshape(-1).astype(np.uint8))
 
 
 def unpack_bits(stream: np.ndarray, bits: int, count: int) -> np.ndarray:
-    """Inverse of :func:`pack_bits`: the first ``count`` values as ``uint8``."""
+    """Inverse of :func:`pack_bits`: the first ``count`` values as ``uint8`` (``uint16`` for
+    ``bits > 8``)."""
     flat = np.unpackbits(np.asarray(stream, np.uint8))[: count * bits].reshape(count, bits)
-    weights = (1 << np.arange(bits - 1, -1, -1)).astype(np.uint16)
-    return (flat.astype(np.uint16) @ weights).astype(np.uint8)
+    weights = (1 << np.arange(bits - 1, -1, -1)).astype(np.uint32)
+    return (flat.astype(np.uint32) @ weights).astype(np.uint8 if bits <= 8 else np.uint16)
 
 
-def unisvq_bits_per_weight(m: int, n: int, *, float_bits: int = FLOAT_BITS) -> float:
+def unisvq_bits_per_weight(m: int, n: int, *, bits: int = 2,
+                           float_bits: int = FLOAT_BITS) -> float:
     """Exact storage of a UniSVQ matrix per weight.
 
     .. math::
-        \\mathrm{bpw} = 2 + 16·(m + n + 20)/(m n)
+        \\mathrm{bpw} = b + 16·(m + n + 20)/(m n)
 
-    (2-bit codes, fp16 ``s_in [n]``, ``s_out [m]``, ``A [4,4]``, ``b [4]``; the Hadamard sign
-    vectors are folded into ``s_in``/``s_out`` and the block size is a shape rule, so they cost 0.)
+    (``b``-bit digits: ``uint8`` codes of 4 weights for ``b = 2``, a 12-bit stream padded to a
+    whole byte once per matrix for ``b = 3``; fp16 ``s_in [n]``, ``s_out [m]``, ``A [4,4]``,
+    ``b [4]``; the Hadamard sign vectors are folded into ``s_in``/``s_out`` and the block size
+    is a shape rule, so they cost 0.)
 
     Example::
 
         >>> round(unisvq_bits_per_weight(4096, 4096), 4)
         2.0078
+        >>> round(unisvq_bits_per_weight(4096, 4096, bits=3), 4)
+        3.0078
     """
-    return 2.0 + float_bits * (m + n + 20) / (m * n)
+    if bits not in (2, 3):
+        raise ValueError(f"bits={bits!r}: UniSVQ stores 2- or 3-bit lattice digits.")
+    code_bits = 8 * math.ceil(m * (n // 4) * 4 * bits / 8)
+    return (code_bits + float_bits * (m + n + 20)) / (m * n)
 
 
 def rtn_bits_per_weight(m: int, n: int, bits: int, group_size: int | None,

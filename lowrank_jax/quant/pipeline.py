@@ -15,6 +15,7 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from typing import Any, Callable
@@ -42,14 +43,14 @@ from lowrank_jax.quant.layers import (
     dense_weight,
     round_floats_to_storage,
 )
-from lowrank_jax.quant.packing import unisvq_bits_per_weight
 from lowrank_jax.quant.rtn import check_bits, check_group_size, rtn_quantize
 from lowrank_jax.quant.unisvq import UniSVQConfig, finetune_block, quantize_linear
 
 METHODS = ("unisvq", "rtn", "kmeans", "sq-ldlq")
 CALIBRATED = ("unisvq", "kmeans", "sq-ldlq")  # methods that need calibration text
 FINETUNED = ("unisvq", "kmeans")  # methods whose float parameters block fine-tuning trains
-UNISVQ_BITS = (2,)
+UNISVQ_BITS = (2, 3)  # 2: z ∈ {0..3}⁴ (the paper); 3: z ∈ {0..7}⁴ (4096 codewords)
+METHOD_BITS = {"unisvq": UNISVQ_BITS, "rtn": (2, 3, 4, 8), "kmeans": (2,), "sq-ldlq": (2,)}
 
 
 class _BlockApply:
@@ -122,7 +123,7 @@ def quantize_model(
         model: a dense :class:`Llama`.
         calib_tokens: ``[n_seq, seq_len]`` int token ids (required for UniSVQ: Hessians and
             block fine-tuning; ignored by RTN).
-        method: ``"unisvq"`` (2 bits), ``"rtn"`` (2, 3, 4 or 8 bits), ``"kmeans"`` (2-bit
+        method: ``"unisvq"`` (2 or 3 bits), ``"rtn"`` (2, 3, 4 or 8 bits), ``"kmeans"`` (2-bit
             k-means VQ baseline, a :class:`VQLinear`, fine-tuned like UniSVQ) or ``"sq-ldlq"``
             (the scalar 2-bit baseline of :mod:`lowrank_jax.quant.scalar_ldlq`, simulated: the
             dequantized weight stays in a dense layer; no fine-tuning, as GPTQ).
@@ -150,8 +151,9 @@ def quantize_model(
     """
     if method not in METHODS:
         raise ValueError(f"method={method!r} is unknown; use one of {METHODS}.")
-    check_bits(bits, (2, 3, 4, 8) if method == "rtn" else UNISVQ_BITS,
-               where=f"bits (method={method})")
+    check_bits(bits, METHOD_BITS[method], where=f"bits (method={method})")
+    if method == "unisvq" and cfg.bits != bits:
+        cfg = dataclasses.replace(cfg, bits=bits)
     n_layers = len(model.layers)
     layers = list(range(n_layers)) if layers is None else sorted(set(layers))
     bad = [i for i in layers if not 0 <= i < n_layers]
@@ -226,7 +228,7 @@ def quantize_model(
                     linear.kernel.set_value(w_hat.T.astype(linear.kernel[...].dtype))
                 else:
                     new = QuantizedLinear(quantize_linear(w, h, cfg, key=sub_key))
-                    bpw = unisvq_bits_per_weight(*w.shape)
+                    bpw = new.bits_per_weight()
                 total_bits += bpw * w.size
                 total_weights += w.size
                 return new
@@ -300,5 +302,5 @@ def calibration_tokens(tokenizer, text: str, n_seq: int, seq_len: int, seed: int
     return np.stack([ids[s:s + seq_len] for s in starts])
 
 
-__all__ = ["CALIBRATED", "FINETUNED", "METHODS", "UNISVQ_BITS", "calibration_tokens",
+__all__ = ["CALIBRATED", "FINETUNED", "METHOD_BITS", "METHODS", "UNISVQ_BITS", "calibration_tokens",
            "model_bits_per_weight", "quantize_model"]

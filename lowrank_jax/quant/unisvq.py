@@ -1,4 +1,4 @@
-"""UniSVQ: 2-bit weights as an affine image of the integer lattice ``{0,1,2,3}⁴``.
+"""UniSVQ: 2-bit (or 3-bit) weights as an affine image of the integer lattice ``{0,1,2,3}⁴``.
 
 A weight ``W [m, n]`` (``y = W x``) is stored as
 
@@ -7,7 +7,10 @@ A weight ``W [m, n]`` (``y = W x``) is stored as
     C_{i,4g:4g+4} = A z_{i,g} + b,\\; z_{i,g} ∈ \\{0,1,2,3\\}^4
 
 with block-diagonal Hadamards ``H``, one ``A [4,4]``, ``b [4]`` per matrix, and one ``uint8`` code
-per 4 weights (``2 + 16(m+n+20)/(mn)`` bits per weight). The pipeline:
+per 4 weights (``2 + 16(m+n+20)/(mn)`` bits per weight). The 3-bit variant
+(``UniSVQConfig(bits=3)``) uses ``z ∈ {0..7}⁴`` (4096 codewords, one 12-bit code per 4 weights,
+``uint16`` in memory, a 12-bit stream on disk: ``3 + 16(m+n+20)/(mn)`` bits per weight). The
+pipeline:
 
 1. randomized Hadamard transform (random signs folded into ``s_in``/``s_out``) + RMS scaling;
 2. LDLQ (Hessian-aware rounding, GPTQ/QuIP#-style) with the calibration Hessian ``E[x xᵀ]``,
@@ -26,24 +29,36 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jaxtyping import Array, Float, Int, UInt8
+from jaxtyping import Array, Float, UInt
 
+from lowrank_jax.quant.lattice import (  # noqa: F401 (re-exported: the public lattice API)
+    GAUSSIAN_STEP_3BIT,
+    LATTICE_BITS,
+    LATTICE_SIGMA,
+    all_digits,
+    check_lattice_bits,
+    code_dtype,
+    initial_lattice,
+    lattice_sigma,
+    make_grid,
+    nearest_codeword,
+    random_orthogonal,
+    round_to_lattice,
+)
 from lowrank_jax.quant.packing import unisvq_bits_per_weight
 from pallas_kernels.lattice_matmul.reference import (
     block_hadamard,
+    code_bits,
     dequantize_reference,
     hadamard_block_size,
     unpack_codes,
 )
-
-LATTICE_SIGMA = math.sqrt(1.25)  # std of Uniform{0,1,2,3}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +77,7 @@ class UniSVQConfig:
         lr_scale: learning rate of ``s_in``/``s_out``; lr_affine: of ``A``/``b``.
         finetune_batch: calibration sequences per Adam step.
         seed: seed of the Hadamard signs and of ``O``.
+        bits: bits per lattice digit, 2 (``{0..3}⁴``, 256 codewords) or 3 (``{0..7}⁴``, 4096).
     """
 
     hadamard_block: int = 128
@@ -74,8 +90,10 @@ class UniSVQConfig:
     lr_affine: float = 5e-5
     finetune_batch: int = 4
     seed: int = 0
+    bits: int = 2
 
     def __post_init__(self):
+        check_lattice_bits(self.bits)
         if self.rotation not in ("random", "identity"):
             raise ValueError(f"rotation={self.rotation!r} must be 'random' or 'identity'.")
         if self.tune_iters < 0 or self.finetune_steps < 0:
@@ -90,7 +108,7 @@ class UniSVQConfig:
 class UniSVQWeight:
     """A quantized matrix ``[m, n]``; array fields are pytree leaves, block sizes are static."""
 
-    codes: UInt8[Array, "m q"]
+    codes: UInt[Array, "m q"]
     scale_in: Float[Array, " n"]
     scale_out: Float[Array, " m"]
     affine: Float[Array, "4 4"]
@@ -102,46 +120,12 @@ class UniSVQWeight:
     def shape(self) -> tuple[int, int]:
         return self.codes.shape[0], self.codes.shape[1] * 4
 
+    @property
+    def bits(self) -> int:
+        return code_bits(self.codes)
+
     def bits_per_weight(self) -> float:
-        return unisvq_bits_per_weight(*self.shape)
-
-
-def random_orthogonal(key: Array, dim: int = 4) -> Float[Array, "d d"]:
-    """A Haar-random orthogonal matrix (QR of a Gaussian with the sign fix)."""
-    q, r = jnp.linalg.qr(jax.random.normal(key, (dim, dim)))
-    return q * jnp.sign(jnp.diag(r))[None, :]
-
-
-def initial_lattice(rotation: Float[Array, "4 4"] | None = None) -> tuple[Array, Array]:
-    """``A = O/σ``, ``b = −1.5·O·1/σ`` with ``σ² = 1.25``: unit-variance codewords.
-
-    With ``O = I`` every coordinate takes the uniform 2-bit grid ``{−1.342, −0.447, 0.447, 1.342}``:
-    scalar quantization is the special case of the lattice.
-
-    Example::
-
-        >>> a, b = initial_lattice()
-        >>> sorted({round(float(v), 3) for v in make_grid(a, b)[:, 0]})
-        [-1.342, -0.447, 0.447, 1.342]
-    """
-    o = jnp.eye(4) if rotation is None else jnp.asarray(rotation, jnp.float32)
-    return o / LATTICE_SIGMA, -1.5 * (o @ jnp.ones(4)) / LATTICE_SIGMA
-
-
-def all_digits() -> Int[Array, "256 4"]:
-    """Digits of every code index ``0..255`` (first coordinate most significant)."""
-    return unpack_codes(jnp.arange(256, dtype=jnp.uint8)[None, :])[0]
-
-
-def make_grid(affine: Float[Array, "4 4"], offset: Float[Array, "4"]) -> Float[Array, "256 4"]:
-    """All 256 codewords ``A z + b``, row ``idx`` for code ``idx``."""
-    return all_digits().astype(jnp.float32) @ affine.astype(jnp.float32).T + offset
-
-
-def nearest_codeword(w4: Float[Array, "... 4"], grid: Float[Array, "k 4"]) -> Int[Array, "..."]:
-    """``argmin_c ‖w − c‖²`` over the codebook, computed as ``argmax (2 w·c − ‖c‖²)``."""
-    score = 2.0 * jnp.einsum("...j,kj->...k", w4, grid) - jnp.sum(grid * grid, axis=-1)
-    return jnp.argmax(score, axis=-1)
+        return unisvq_bits_per_weight(*self.shape, bits=self.bits)
 
 
 def random_signs(key: Array, dim: int) -> Float[Array, " dim"]:
@@ -200,14 +184,20 @@ def proxy_loss(weight: Array, weight_hat: Array, h: Array) -> Array:
     return jnp.sum((e @ h) * e) / jnp.sum((weight @ h) * weight)
 
 
-@functools.partial(jax.jit, static_argnames=("tune_iters",))
-def _ldlq(w, h, lower, grid, tune_iters: int, scales=None):
+@functools.partial(jax.jit, static_argnames=("tune_iters", "bits"))
+def _ldlq(w, h, lower, grid, tune_iters: int, scales=None, lattice=None, bits: int = 2):
     """LDLQ + coordinate descent onto ``grid``; ``scales [m, n/4]`` (optional) multiplies the
-    codebook per row and 4-column group (per-group scalar scales of the SQ baseline)."""
+    codebook per row and 4-column group (per-group scalar scales of the SQ baseline).
+    ``lattice=(A, b)`` with a scaled orthogonal ``A`` rounds by :func:`round_to_lattice` instead
+    of searching ``grid`` (which may then be ``None``); ``bits`` sets the codes' dtype."""
     m, n = w.shape
     groups = n // 4
 
     def round_group(target, k):
+        if lattice is not None:
+            idx = round_to_lattice(target, lattice[0], lattice[1], bits)
+            z = unpack_codes(idx.astype(code_dtype(bits))[:, None])[:, 0].astype(jnp.float32)
+            return idx, z @ lattice[0].T + lattice[1]
         if scales is None:
             idx = nearest_codeword(target, grid)
             return idx, grid[idx]
@@ -244,7 +234,7 @@ def _ldlq(w, h, lower, grid, tune_iters: int, scales=None):
         return jax.lax.fori_loop(0, groups, tune_step, carry)
 
     w_hat, idx_all = jax.lax.fori_loop(0, tune_iters, tune_pass, (w_hat, idx_all))
-    return idx_all.astype(jnp.uint8), w_hat
+    return idx_all.astype(code_dtype(bits)), w_hat
 
 
 def ldlq_quantize(
@@ -254,7 +244,8 @@ def ldlq_quantize(
     offset: Float[Array, "4"],
     *,
     tune_iters: int = 10,
-) -> UInt8[Array, "m q"]:
+    bits: int = 2,
+) -> UInt[Array, "m q"]:
     """Hessian-aware rounding of ``W_r`` onto the lattice ``A z + b`` (LDLQ + coordinate descent).
 
     .. math::
@@ -269,9 +260,11 @@ def ldlq_quantize(
         h: Hessian of the rotated inputs ``[n, n]`` (SPD), or ``None``.
         affine, offset: the lattice ``A``, ``b``.
         tune_iters: coordinate-descent passes.
+        bits: lattice digit width, 2 (``{0..3}⁴``) or 3 (``{0..7}⁴``, exhaustive search over
+            4096 codewords here; the quantizer itself rounds with :func:`round_to_lattice`).
 
     Returns:
-        codes ``uint8 [m, n/4]``.
+        codes ``[m, n/4]``: ``uint8`` (2 bits) or ``uint16`` (3 bits).
 
     Example::
 
@@ -283,15 +276,15 @@ def ldlq_quantize(
     m, n = weight_rot.shape
     if n % 4:
         raise ValueError(f"weight has n={n} input features; UniSVQ needs n divisible by 4.")
-    grid = make_grid(affine, offset)
+    grid = make_grid(affine, offset, bits)
     w = weight_rot.astype(jnp.float32)
     if h is None:
         idx = nearest_codeword(w.reshape(m, n // 4, 4), grid)
-        return idx.astype(jnp.uint8)
+        return idx.astype(code_dtype(bits))
     if h.shape != (n, n):
         raise ValueError(f"hessian shape {h.shape} does not match the weight's n={n}.")
     lower, _ = block_ldl(h)
-    codes, _ = _ldlq(w, h.astype(jnp.float32), lower, grid, tune_iters)
+    codes, _ = _ldlq(w, h.astype(jnp.float32), lower, grid, tune_iters, bits=bits)
     return codes
 
 
@@ -341,13 +334,22 @@ def _quantize_core(weight, h, key, cfg: UniSVQConfig, block_in: int, block_out: 
     k_rot = jax.random.split(key, 3)[2]
     w_rot, w_scale, s_in, s_out, h_rot = rotate_problem(weight, h, key, block_in, block_out)
     rotation = random_orthogonal(k_rot) if cfg.rotation == "random" else None
-    affine, offset = initial_lattice(rotation)
-    grid = make_grid(affine, offset)
-    if h is None:
-        codes = nearest_codeword(w_rot.reshape(m, n // 4, 4), grid).astype(jnp.uint8)
-    else:
-        lower, _ = block_ldl(h_rot)
-        codes, _ = _ldlq(w_rot, h_rot, lower, grid, cfg.tune_iters)
+    affine, offset = initial_lattice(rotation, cfg.bits)
+    if cfg.bits == 2:  # the measured 2-bit path: exhaustive search over the 256 codewords
+        grid = make_grid(affine, offset)
+        if h is None:
+            codes = nearest_codeword(w_rot.reshape(m, n // 4, 4), grid).astype(jnp.uint8)
+        else:
+            lower, _ = block_ldl(h_rot)
+            codes, _ = _ldlq(w_rot, h_rot, lower, grid, cfg.tune_iters)
+    else:  # 4096 codewords: A = O/σ is scaled orthogonal, so rounding is the exact nearest
+        if h is None:
+            codes = round_to_lattice(w_rot.reshape(m, n // 4, 4), affine, offset, cfg.bits)
+            codes = codes.astype(code_dtype(cfg.bits))
+        else:
+            lower, _ = block_ldl(h_rot)
+            codes, _ = _ldlq(w_rot, h_rot, lower, None, cfg.tune_iters,
+                             lattice=(affine, offset), bits=cfg.bits)
     return codes, s_in, s_out * w_scale, affine, offset
 
 
@@ -480,16 +482,21 @@ def finetune_block(
 
 
 __all__ = [
+    "GAUSSIAN_STEP_3BIT",
+    "LATTICE_BITS",
     "LATTICE_SIGMA",
     "UniSVQConfig",
     "UniSVQWeight",
     "all_digits",
     "block_ldl",
+    "check_lattice_bits",
+    "code_dtype",
     "dequantize",
     "finetune_block",
     "hessian",
     "initial_lattice",
     "inverse_rht",
+    "lattice_sigma",
     "ldlq_quantize",
     "make_grid",
     "nearest_codeword",
@@ -499,4 +506,5 @@ __all__ = [
     "random_signs",
     "rht",
     "rotate_problem",
+    "round_to_lattice",
 ]

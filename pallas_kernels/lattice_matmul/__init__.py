@@ -1,4 +1,4 @@
-"""UniSVQ lattice matmul: fused 2-bit unpack + (affine decode | affine fold) + matmul."""
+"""UniSVQ lattice matmul: fused 2- or 3-bit unpack + (affine decode | affine fold) + matmul."""
 
 from pallas_kernels.lattice_matmul.api import IMPLEMENTATIONS, MODES, code_matmul, lattice_matmul
 from pallas_kernels.lattice_matmul.reference import (

@@ -19,7 +19,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, UInt8
+from jaxtyping import Array, Float, UInt
 
 from pallas_kernels.lattice_matmul import reference
 from pallas_kernels.lattice_matmul.kernel import lattice_planes_matmul
@@ -36,7 +36,7 @@ def _round_up(value: int, multiple: int) -> int:
 
 def code_matmul(
     x_rot: Float[Array, "t n"],
-    codes: UInt8[Array, "m q"],
+    codes: UInt[Array, "m q"],
     affine: Float[Array, "4 4"],
     offset: Float[Array, "4"],
     *,
@@ -47,11 +47,11 @@ def code_matmul(
     block_m: int = 64,
     block_k: int = 128,
 ) -> Float[Array, "t m"]:
-    """Rotated-domain product ``x_rot @ Cᵀ`` (fp32), ``C`` decoded from 2-bit codes.
+    """Rotated-domain product ``x_rot @ Cᵀ`` (fp32), ``C`` decoded from 2- or 3-bit codes.
 
     Args:
         x_rot: rotated activations ``[t, n]`` (``n = 4·q``); bf16 or fp32.
-        codes: packed codes ``[m, n/4]`` uint8.
+        codes: packed codes ``[m, n/4]``: uint8 (2-bit digits) or uint16 (3-bit digits).
         affine: ``A [4, 4]``; offset: ``b [4]``.
         mode: ``"fold"`` (A onto the activations, integer-weight GEMM + rank-1 correction) or
             ``"dequant"`` (decode ``A z + b`` inside the kernel, float GEMM).
@@ -80,10 +80,7 @@ def code_matmul(
             f"x_rot has n={n} features but codes [{m}, {q}] encode {4 * q}; pass activations "
             "whose last dim is 4 × codes.shape[1]."
         )
-    if codes.dtype != jnp.uint8:
-        raise ValueError(
-            f"codes must be uint8 (got {codes.dtype}); pack them with 4 digits a byte."
-        )
+    bits = reference.code_bits(codes)  # uint8: 2-bit digits, uint16: 3-bit (clear error else)
     impl, interpret = resolve(implementation, interpret, op="code_matmul")
     if impl == "xla":
         if mode == "fold":
@@ -110,7 +107,8 @@ def code_matmul(
     ab = jnp.zeros((8, 4), jnp.float32)
     ab = ab.at[:4].set(affine.astype(jnp.float32)).at[4].set(offset.astype(jnp.float32))
     kernel = functools.partial(lattice_planes_matmul, mode=mode, block_t=block_t,
-                               block_m=block_m, block_k=block_k, interpret=interpret)
+                               block_m=block_m, block_k=block_k, interpret=interpret,
+                               bits=bits)
     out = inference_only("code_matmul", kernel, planes, codes_p, ab)[:t, :m]
     # Padded codes decode to b in "dequant" mode, but their activations are 0: no effect.
     if correction is not None:
@@ -120,7 +118,7 @@ def code_matmul(
 
 def lattice_matmul(
     x: Float[Array, "... n"],
-    codes: UInt8[Array, "m q"],
+    codes: UInt[Array, "m q"],
     scale_in: Float[Array, " n"],
     scale_out: Float[Array, " m"],
     affine: Float[Array, "4 4"],

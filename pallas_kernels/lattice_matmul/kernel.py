@@ -1,5 +1,8 @@
 """Pallas kernel: fused 2-bit unpack (+ affine decode) + matmul in the UniSVQ rotated domain.
 
+Codes are ``uint8`` (2-bit digits) or ``uint16`` (3-bit digits in the low 12 bits); the digit
+width is a static argument (``bits``), see ``reference.code_bits``.
+
 Portable subset only (``pallas_call``, ``BlockSpec`` grid, ``fori_loop``, ref slicing), so the same
 body lowers with Triton on GPU and runs in interpret mode on CPU.
 
@@ -21,10 +24,11 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jaxtyping import Array, Float, UInt8
+from jaxtyping import Array, Float, UInt
 
 
-def _lattice_kernel(x_ref, codes_ref, ab_ref, out_ref, *, block_k: int, num_k: int, mode: str):
+def _lattice_kernel(x_ref, codes_ref, ab_ref, out_ref, *, block_k: int, num_k: int, mode: str,
+                    bits: int):
     block_t = x_ref.shape[1]
     block_m = codes_ref.shape[0]
     dims = (((1,), (1,)), ((), ()))
@@ -32,7 +36,7 @@ def _lattice_kernel(x_ref, codes_ref, ab_ref, out_ref, *, block_k: int, num_k: i
     def body(kk, acc):
         window = pl.ds(pl.multiple_of(kk * block_k, block_k), block_k)
         codes = codes_ref[:, window].astype(jnp.int32)
-        digits = [(codes >> (6 - 2 * j)) & 3 for j in range(4)]
+        digits = [(codes >> (bits * (3 - j))) & ((1 << bits) - 1) for j in range(4)]
         for j in range(4):
             x = x_ref[j, :, window]
             if mode == "fold":
@@ -50,11 +54,11 @@ def _lattice_kernel(x_ref, codes_ref, ab_ref, out_ref, *, block_k: int, num_k: i
 
 
 @functools.partial(
-    jax.jit, static_argnames=("mode", "block_t", "block_m", "block_k", "interpret")
+    jax.jit, static_argnames=("mode", "block_t", "block_m", "block_k", "interpret", "bits")
 )
 def lattice_planes_matmul(
     x_planes: Float[Array, "4 t q"],
-    codes: UInt8[Array, "m q"],
+    codes: UInt[Array, "m q"],
     affine_offset: Float[Array, "8 4"],
     *,
     mode: str = "fold",
@@ -62,6 +66,7 @@ def lattice_planes_matmul(
     block_m: int = 64,
     block_k: int = 128,
     interpret: bool = False,
+    bits: int = 2,
 ) -> Float[Array, "t m"]:
     """Run the kernel on padded operands (``t % block_t == m % block_m == q % block_k == 0``).
 
@@ -75,7 +80,10 @@ def lattice_planes_matmul(
             f"padded shapes t={t}, m={m}, q={q} must be multiples of block_t={block_t}, "
             f"block_m={block_m}, block_k={block_k}; call pallas_kernels.lattice_matmul.api."
         )
-    kernel = functools.partial(_lattice_kernel, block_k=block_k, num_k=q // block_k, mode=mode)
+    if bits not in (2, 3):
+        raise ValueError(f"bits={bits}: the lattice kernel decodes 2- or 3-bit digits.")
+    kernel = functools.partial(_lattice_kernel, block_k=block_k, num_k=q // block_k, mode=mode,
+                               bits=bits)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((t, m), jnp.float32),

@@ -2,9 +2,11 @@
 
 Layout (shared with the kernel):
 
-* ``codes [m, n/4] uint8``: one byte per group of 4 consecutive input coordinates of a row of the
-  rotated weight, ``idx = 64·z0 + 16·z1 + 4·z2 + z3`` (first coordinate most significant), with
-  ``z ∈ {0,1,2,3}⁴``.
+* ``codes [m, n/4]``: one code per group of 4 consecutive input coordinates of a row of the
+  rotated weight, first coordinate most significant. The dtype gives the digit width
+  (:func:`code_bits`): ``uint8`` holds 2-bit digits, ``idx = 64·z0 + 16·z1 + 4·z2 + z3`` with
+  ``z ∈ {0,1,2,3}⁴`` (UniSVQ-2); ``uint16`` holds 3-bit digits in its low 12 bits,
+  ``idx = 512·z0 + 64·z1 + 8·z2 + z3`` with ``z ∈ {0..7}⁴`` (UniSVQ-3, 4096 codewords).
 * The rotated weight row ``i`` is the concatenation over groups ``g`` of the codewords
   ``A z_{i,g} + b`` (``A [4, 4]``, ``b [4]``).
 * The full weight is ``W = diag(s_out) · Hmᵀ · C · Hn · diag(s_in)`` where ``Hm``, ``Hn`` are
@@ -20,26 +22,49 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, UInt8
+from jaxtyping import Array, Float, UInt
 
-GROUP = 4  # lattice dimension d: 4 weights per uint8 code
+GROUP = 4  # lattice dimension d: 4 weights per code
+CODE_BITS = {np.dtype(np.uint8): 2, np.dtype(np.uint16): 3}  # code dtype -> bits per digit
 
 
-def unpack_planes(codes: UInt8[Array, "m q"]) -> list[Array]:
-    """The 4 digit planes ``z_j = (codes >> (6 - 2j)) & 3`` as ``int32 [m, n/4]`` each.
+def code_bits(codes) -> int:
+    """Bits per lattice digit of a code array: 2 for ``uint8``, 3 for ``uint16`` (see module doc).
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> code_bits(jnp.zeros((1, 1), jnp.uint8)), code_bits(jnp.zeros((1, 1), jnp.uint16))
+        (2, 3)
+    """
+    bits = CODE_BITS.get(np.dtype(codes.dtype))
+    if bits is None:
+        raise ValueError(
+            f"lattice codes have dtype {codes.dtype}; use uint8 (2-bit digits, 4 per byte) or "
+            "uint16 (3-bit digits, 12 bits per code)."
+        )
+    return bits
+
+
+def unpack_planes(codes: UInt[Array, "m q"]) -> list[Array]:
+    """The 4 digit planes ``z_j = (codes >> (b·(3 - j))) & (2^b − 1)`` as ``int32 [m, n/4]`` each,
+    ``b = code_bits(codes)``.
 
     Example::
 
         >>> import jax.numpy as jnp
         >>> [int(p[0, 0]) for p in unpack_planes(jnp.array([[0b11100100]], jnp.uint8))]
         [3, 2, 1, 0]
+        >>> [int(p[0, 0]) for p in unpack_planes(jnp.array([[0o7250]], jnp.uint16))]
+        [7, 2, 5, 0]
     """
+    bits = code_bits(codes)
     c = codes.astype(jnp.int32)
-    return [(c >> (6 - 2 * j)) & 3 for j in range(GROUP)]
+    return [(c >> (bits * (GROUP - 1 - j))) & ((1 << bits) - 1) for j in range(GROUP)]
 
 
-def unpack_codes(codes: UInt8[Array, "m q"]) -> Float[Array, "m q 4"]:
-    """Digits ``z [m, n/4, 4]`` (int32) of packed 2-bit codes, first coordinate most significant."""
+def unpack_codes(codes: UInt[Array, "m q"]) -> Float[Array, "m q 4"]:
+    """Digits ``z [m, n/4, 4]`` (int32) of packed codes, first coordinate most significant."""
     return jnp.stack(unpack_planes(codes), axis=-1)
 
 
@@ -95,7 +120,7 @@ def block_hadamard(x: Float[Array, "... n"], block: int, *, transpose: bool = Fa
 
 
 def decode_codes(
-    codes: UInt8[Array, "m q"], affine: Float[Array, "4 4"], offset: Float[Array, "4"]
+    codes: UInt[Array, "m q"], affine: Float[Array, "4 4"], offset: Float[Array, "4"]
 ) -> Float[Array, "m n"]:
     """Rotated-domain weight ``C [m, n]`` with ``C[i, 4g:4g+4] = A z_{i,g} + b`` (fp32)."""
     z = unpack_codes(codes).astype(jnp.float32)  # m q 4
@@ -123,7 +148,7 @@ def fold_activations(
 
 def code_matmul_reference(
     x_rot: Float[Array, "t n"],
-    codes: UInt8[Array, "m q"],
+    codes: UInt[Array, "m q"],
     affine: Float[Array, "4 4"],
     offset: Float[Array, "4"],
 ) -> Float[Array, "t m"]:
@@ -133,7 +158,7 @@ def code_matmul_reference(
 
 
 def planes_matmul_reference(
-    x_planes: Float[Array, "4 t q"], codes: UInt8[Array, "m q"]
+    x_planes: Float[Array, "4 t q"], codes: UInt[Array, "m q"]
 ) -> Float[Array, "t m"]:
     """The integer part of fold mode: ``Σ_k x_planes[k] @ z_kᵀ`` (what the fold kernel computes)."""
     out = 0.0
@@ -146,7 +171,7 @@ def planes_matmul_reference(
 
 
 def dequantize_reference(
-    codes: UInt8[Array, "m q"],
+    codes: UInt[Array, "m q"],
     scale_in: Float[Array, " n"],
     scale_out: Float[Array, " m"],
     affine: Float[Array, "4 4"],
@@ -164,7 +189,7 @@ def dequantize_reference(
 
 def lattice_matmul_reference(
     x: Float[Array, "... n"],
-    codes: UInt8[Array, "m q"],
+    codes: UInt[Array, "m q"],
     scale_in: Float[Array, " n"],
     scale_out: Float[Array, " m"],
     affine: Float[Array, "4 4"],
@@ -183,7 +208,9 @@ def lattice_matmul_reference(
 
 
 __all__ = [
+    "CODE_BITS",
     "GROUP",
+    "code_bits",
     "block_hadamard",
     "code_matmul_reference",
     "decode_codes",

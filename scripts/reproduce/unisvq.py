@@ -4,10 +4,12 @@ One run measures, on the same model and the same held-out eval text:
 fp32; RTN 4/3/2-bit (group 64, standard integer zero-point; RTN-3 also in the float-offset
 variant); the best scalar 2-bit (RHT + the same Hessians + LDLQ, per-group fp16 scales,
 ``lowrank_jax.quant.scalar_ldlq``); k-means VQ-2 (d=4, 256 codes, same RHT + LDLQ, without and
-with the same block fine-tuning); UniSVQ-2 without and with block fine-tuning. Bits per weight are
-exact. The no-fine-tuning rows come from the same run as the fine-tuned ones (the codes do not
-depend on fine-tuning; ``quantize_model(keep_unfinetuned=True)``). Whole-model quantization wall
-time and CPU time are printed per method.
+with the same block fine-tuning); UniSVQ-2 without and with block fine-tuning; UniSVQ-3 (the
+``{0..7}⁴`` lattice, 4096 codewords, same RHT + LDLQ + block fine-tuning); and, on the saved
+folders, an end-to-end pass (``e2e``: UniSVQ-2, ``e2e-kmeans``, ``e2e-unisvq3``). Bits per
+weight are exact. The no-fine-tuning rows come from the same run as the fine-tuned ones (the
+codes do not depend on fine-tuning; ``quantize_model(keep_unfinetuned=True)``). Whole-model
+quantization wall time and CPU time are printed per method.
 
 Calibration: the stdlib-docstring corpus (``lowrank_jax.data.corpus_text``); evaluation: the
 shipped English license text (``lowrank_jax.models.generate.english_eval_text``), disjoint.
@@ -17,10 +19,12 @@ Usage::
     python -m scripts.reproduce.unisvq            # all 30 blocks, every method, one process
     python -m scripts.reproduce.unisvq --only unisvq   # one method (its rows: OUT/rows/*.json)
     python -m scripts.reproduce.unisvq --only e2e      # end-to-end pass on OUT/unisvq2
+    python -m scripts.reproduce.unisvq --only unisvq3,e2e-unisvq3   # the 3-bit lattice
     python -m scripts.reproduce.unisvq --table-only    # merge the saved rows of this protocol
 
-CPU seconds measured for 30 blocks (2 cores): UniSVQ 586, k-means VQ 761, scalar LDLQ 281,
-RTN a few; each quantized model's evaluation adds about a minute.
+CPU seconds measured for 30 blocks (2 cores): UniSVQ-2 579-603, UniSVQ-3 438, k-means VQ 761,
+scalar LDLQ 332-343, RTN a few; each 20-step e2e pass about 400; each quantized model's
+evaluation adds about a minute.
     python -m scripts.reproduce.unisvq --quick    # the first 4 blocks only, fewer steps
     python -m scripts.reproduce.unisvq --model tiny --quick   # smoke test (seconds)
 
@@ -55,26 +59,30 @@ def parse_args(argv=None):
     p.add_argument("--finetune-steps", type=int, default=40)
     p.add_argument("--no-kmeans", action="store_true")
     p.add_argument("--only", default=None,
-                   help="comma-separated methods to run (rtn,sq-ldlq,kmeans,unisvq); default all")
+                   help="comma-separated methods to run (rtn, sq-ldlq, kmeans, unisvq, unisvq3, "
+                   "e2e, e2e-kmeans, e2e-unisvq3); default all")
     p.add_argument("--no-ablation", action="store_true",
                    help="skip UniSVQ without fine-tuning")
     p.add_argument("--table-only", action="store_true",
                    help="run nothing: merge the rows already in OUT/rows/ into the table")
     p.add_argument("--no-folder", action="store_true",
-                   help="do not write (and chat with) the UniSVQ folder OUT/unisvq2")
+                   help="do not write (and chat with) the folders OUT/unisvq2, unisvq3, kmeans2")
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--e2e-steps", type=int, default=20,
-                   help="steps of the end-to-end pass (--only e2e, on the folder OUT/unisvq2)")
+                   help="steps of the end-to-end passes (e2e*, on the saved folders)")
     return p.parse_args(argv)
 
 
 QUESTION = "What is the capital of France?"
+FOLDERS = {"unisvq": "unisvq2", "unisvq3": "unisvq3", "kmeans": "kmeans2"}
+E2E_SOURCES = {"e2e": "unisvq", "e2e-kmeans": "kmeans", "e2e-unisvq3": "unisvq3"}
 
 
 def write_and_chat(model, tokenizer, report, folder: str, max_new_tokens: int,
-                   n_params: int) -> dict:
-    """Save the quantized model (``hub.save_model``), measure the folder against fp16 and ask
-    ``lowrank-jax generate --model FOLDER`` the chat test prompt; return what was measured.
+                   n_params: int, eval_tokens: int | None = None) -> dict:
+    """Save the quantized model (``hub.save_model``), measure the folder against fp16, ask
+    ``lowrank-jax generate --model FOLDER`` the chat test prompt and (``eval_tokens``) run
+    ``lowrank-jax eval --model FOLDER`` with the table's windows; return what was measured.
     ``n_params``: parameters of the dense model (its fp16 size is ``2·n_params`` bytes)."""
     import contextlib
     import io
@@ -96,33 +104,49 @@ def write_and_chat(model, tokenizer, report, folder: str, max_new_tokens: int,
     answer = out.getvalue().strip()
     print(f"lowrank-jax generate --model {folder} --prompt {QUESTION!r} (exit {code}): {answer}")
     measured["answer"] = answer
+    if eval_tokens:  # the same disjoint 256-token windows as the table, through the command
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = cli_main(["eval", "--model", folder, "--window", "257", "--stride", "256",
+                             "--max-tokens", str(eval_tokens + 1), "--no-progress"])
+        measured["cli_eval"] = out.getvalue().strip()
+        print(f"lowrank-jax eval --model {folder} (exit {code}): {measured['cli_eval']}")
     return measured
 
 
-def run_e2e(args, fp_model, calib, ppl, unisvq_rows) -> dict:
-    """The end-to-end pass on the UniSVQ folder of this protocol: load, tune the continuous
-    parameters against the fp model on the calibration tokens, evaluate; one table row."""
+def run_e2e(args, fp_model, calib, ppl, source_rows, source: str, tokenizer,
+            n_params: int) -> tuple[dict, dict | None]:
+    """The end-to-end pass on the folder of ``source`` (this protocol): load, tune the continuous
+    parameters against the fp model on the calibration tokens, evaluate, save the tuned folder
+    (``OUT/<folder>-e2e``) and chat with it; one table row and the folder record."""
     from lowrank_jax.models.hub import load_model
     from lowrank_jax.quant.e2e import finetune_end_to_end
 
-    if unisvq_rows is None or not unisvq_rows.get("folder"):
-        raise ValueError("--only e2e needs the UniSVQ folder of the same protocol; run "
-                         "--only unisvq first (without --no-folder).")
-    model_q, _ = load_model(unisvq_rows["folder"]["path"])
+    if source_rows is None or not source_rows.get("folder"):
+        raise ValueError(f"the e2e pass on {source} needs its folder of the same protocol; run "
+                         f"--only {source} first (without --no-folder).")
+    model_q, _ = load_model(source_rows["folder"]["path"])
     c0 = os.times()
     info = finetune_end_to_end(model_q, fp_model, calib, steps=args.e2e_steps,
                                log=lambda line: print(line, flush=True))
     c1 = os.times()
-    base = unisvq_rows["rows"][-1]
+    info["cpu_seconds"] = (c1.user + c1.system) - (c0.user + c0.system)
+    base = source_rows["rows"][-1]
     value = ppl(model_q)
-    print(f"UniSVQ-2 + block FT + {args.e2e_steps}-step e2e: ppl {value:.3f} "
+    print(f"{base['method']} + {args.e2e_steps}-step e2e: ppl {value:.3f} "
           f"(val KL {info['val_kl_before']:.4f} -> {info['val_kl_after']:.4f}, "
-          f"{info['seconds']:.1f}s)", flush=True)
-    return {"method": f"{base['method']} + {args.e2e_steps}-step e2e (KL)",
-            "bits_per_weight": base["bits_per_weight"], "ppl": value,
-            "seconds": base["seconds"] + info["seconds"],
-            "cpu_seconds": base["cpu_seconds"] + (c1.user + c1.system) - (c0.user + c0.system),
-            "median_block_seconds": base["median_block_seconds"], "e2e": info}
+          f"e2e time {info['seconds']:.1f}s wall, {info['cpu_seconds']:.1f}s CPU)", flush=True)
+    row = {"method": f"{base['method']} + {args.e2e_steps}-step e2e (KL)",
+           "bits_per_weight": base["bits_per_weight"], "ppl": value,
+           "seconds": base["seconds"] + info["seconds"],
+           "cpu_seconds": base["cpu_seconds"] + info["cpu_seconds"],
+           "median_block_seconds": base["median_block_seconds"], "e2e": info}
+    folder = None
+    if not args.no_folder:
+        folder = write_and_chat(model_q, tokenizer, None,
+                                source_rows["folder"]["path"] + "-e2e", args.max_new_tokens,
+                                n_params)
+    return row, folder
 
 
 def main(argv=None) -> int:
@@ -218,14 +242,16 @@ def main(argv=None) -> int:
     if not args.no_kmeans:
         runs.append(("k-means VQ-2 (RHT+LDLQ)", "kmeans", 2, None))
     runs.append(("UniSVQ-2 (RHT+LDLQ)", "unisvq", 2, None))
+    runs.append(("UniSVQ-3 (RHT+LDLQ)", "unisvq3", 3, None))
+    runs += [(name, name, 0, None) for name in E2E_SOURCES
+             if not (args.no_kmeans and name == "e2e-kmeans")]
     if args.only:
         keep = {m.strip() for m in args.only.split(",")}
-        unknown = keep - {r[1] for r in runs} - {"e2e"}
+        unknown = keep - {r[1] for r in runs}
         if unknown:
-            raise ValueError(f"--only {sorted(unknown)}: unknown; use rtn, sq-ldlq, kmeans, "
-                             "unisvq, e2e.")
-        runs = [r for r in runs if r[1] in keep] + (
-            [("UniSVQ-2 + block FT + e2e", "e2e", 2, None)] if "e2e" in keep else [])
+            raise ValueError(f"--only {sorted(unknown)}: unknown; use "
+                             f"{', '.join(r[1] for r in runs if r[1] != 'rtn')}, rtn.")
+        runs = [r for r in runs if r[1] in keep]
     if args.table_only:
         runs = []
 
@@ -235,18 +261,21 @@ def main(argv=None) -> int:
 
     method_rows: dict[str, list] = {}
     for name, method, bits, zero_point in runs:
-        if method == "e2e":
-            method_rows["e2e"] = [run_e2e(args, fresh(), calib, ppl, read_rows("unisvq"))]
-            write_rows("e2e", method_rows["e2e"])
+        if method in E2E_SOURCES:
+            row, folder = run_e2e(args, fresh(), calib, ppl, read_rows(E2E_SOURCES[method]),
+                                  E2E_SOURCES[method], tok, n_fp_params)
+            method_rows[method] = [row]
+            write_rows(method, method_rows[method], {"folder": folder} if folder else None)
             continue
         m = fresh()
         c0 = cpu_seconds()
-        report = quantize_model(m, calib, method=method, bits=bits, group_size=args.group_size,
+        qmethod = "unisvq" if method == "unisvq3" else method
+        report = quantize_model(m, calib, method=qmethod, bits=bits, group_size=args.group_size,
                                 zero_point=zero_point or "integer",
                                 sq_group_size=args.sq_group_size, cfg=base_cfg, layers=layers,
-                                keep_unfinetuned=method in FINETUNED and ft > 0)
+                                keep_unfinetuned=qmethod in FINETUNED and ft > 0)
         cpu = cpu_seconds() - c0
-        variants = [(name if method not in FINETUNED or ft == 0 else f"{name} + {ft}-step "
+        variants = [(name if qmethod not in FINETUNED or ft == 0 else f"{name} + {ft}-step "
                      "block FT", m)]
         if "unfinetuned" in report:
             m0 = nnx.clone(m)
@@ -268,12 +297,14 @@ def main(argv=None) -> int:
             print(f"{label}: ppl {value:.3f}, {report['bits_per_weight']:.4f} bpw, "
                   f"{report['seconds']:.1f}s wall, {cpu:.1f}s CPU", flush=True)
         extra = {}
-        if method == "unisvq" and not args.no_folder:
-            extra["folder"] = write_and_chat(m, tok, report, os.path.join(args.out, "unisvq2"),
-                                             args.max_new_tokens, n_fp_params)
+        if method in FOLDERS and not args.no_folder:
+            extra["folder"] = write_and_chat(
+                m, tok, report, os.path.join(args.out, FOLDERS[method]), args.max_new_tokens,
+                n_fp_params, eval_tokens=int(windows * eval_seq))
         write_rows(method, method_rows[method], extra)
 
-    order = ["fp32", "rtn", "sq-ldlq", "kmeans", "unisvq", "e2e"]
+    order = ["fp32", "rtn", "sq-ldlq", "kmeans", "e2e-kmeans", "unisvq", "e2e", "unisvq3",
+             "e2e-unisvq3"]
     saved = {k: read_rows(k) for k in order}
     missing = [k for k, v in saved.items() if v is None]
     if saved["fp32"] is None:
@@ -292,14 +323,15 @@ def main(argv=None) -> int:
     print(table)
     if missing:
         print(f"(not in the table yet, run with --only: {', '.join(missing)})")
-    folder = (saved["unisvq"] or {}).get("folder")
-    if folder:
-        print(f"UniSVQ folder {folder['path']}: {folder['folder_mib']:.1f} MiB on disk vs "
+    folders = {k: saved[k]["folder"] for k in order if (saved[k] or {}).get("folder")}
+    for k, folder in folders.items():
+        print(f"{k} folder {folder['path']}: {folder['folder_mib']:.1f} MiB on disk vs "
               f"{folder['fp16_mib']:.1f} MiB fp16 ({folder['folder_vs_fp16']:.3f}x); chat "
-              f"answer: {folder['answer']!r}")
+              f"answer: {folder['answer']!r}"
+              + (f"; eval: {folder['cli_eval']}" if folder.get("cli_eval") else ""))
     result = {
         "args": vars(args), "fingerprint": fingerprint, "rows": rows, "table": table,
-        "missing": missing, "folder": folder,
+        "missing": missing, "folder": folders.get("unisvq"), "folders": folders,
     }
     atomic_write_text(os.path.join(args.out, "results.json"), json.dumps(result, indent=1))
     try:
