@@ -49,6 +49,7 @@ from lowrank_jax.hyper import (
     internalizer,
     kv_cache_bytes,
     restore_hypernetwork,
+    save_hypernetwork,
     train_doc_to_lora,
 )
 from lowrank_jax.models import load_model
@@ -284,6 +285,8 @@ def main(argv=None):
                                                  log=lambda s: print(s, flush=True))
         history = []
         print(f"evaluating the step-{steps_done} checkpoint of {args.run_dir}", flush=True)
+        if not (Path(args.run_dir) / "hypernetwork").exists():  # for internalize --hyper
+            save_hypernetwork(hyper, Path(args.run_dir) / "hypernetwork")
     else:
         history = train_doc_to_lora(hyper, model, train_data, steps=args.steps,
                                     batch_size=args.batch_size, learning_rate=args.lr,
