@@ -27,6 +27,7 @@ from lowrank_jax.hyper.train import (
     context_distiller,
     distill_loss,
     l1_penalty,
+    restore_hypernetwork,
     topk_distill,
     train_doc_to_lora,
 )
@@ -34,7 +35,6 @@ from lowrank_jax.hyper.train import (
 __all__ = [
     "DistillData",
     "DocToLoRA",
-    "DocToLoRAConfig",
     "DocToLoRAConfig",
     "LoRABank",
     "PerceiverResampler",
@@ -54,6 +54,7 @@ __all__ = [
     "kv_cache_bytes",
     "l1_penalty",
     "load_hypernetwork",
+    "restore_hypernetwork",
     "save_hypernetwork",
     "topk_distill",
     "train_doc_to_lora",

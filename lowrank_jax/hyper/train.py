@@ -13,7 +13,9 @@ log-probabilities are stored at the *student's* positions (logits at ``t`` predi
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
+import time
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -146,19 +148,30 @@ def build_distill_data(model, documents: Sequence[Sequence[int]],
     return DistillData(features, mask, _pad(student, width), weights, out_logp, out_idx)
 
 
-def distill_loss(bank: LoRABank, model, config, batch: DistillData, *, l1_weight: float = 0.1):
+def distill_loss(bank: LoRABank, model, config, batch: DistillData, *, l1_weight: float = 0.1,
+                 ce_weight: float = 0.0):
     """``(total, (kl, l1))`` of the student (``model`` + ``bank``) on ``batch``; per-document
-    averaged KL, then the mean over documents."""
+    averaged KL, then the mean over documents.
+
+    ``ce_weight > 0`` adds the NIAH run's objective as an auxiliary term: ``ce_weight`` times
+    the cross-entropy of the answer tokens themselves (``queries`` shifted by one, at the
+    positions ``weights`` marks), averaged per document like the KL.
+    """
     with adapted(model, bank, config):
         logits, _ = model(batch.queries)
-    d, q, v = logits.shape
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     picked = jnp.take_along_axis(logp, batch.teacher_idx, axis=-1)
     per_token = -jnp.sum(jnp.exp(batch.teacher_logp) * picked, axis=-1)  # [D, Q]
     w = batch.weights.astype(jnp.float32)
-    kl = jnp.mean(jnp.sum(per_token * w, axis=1) / jnp.maximum(jnp.sum(w, axis=1), 1e-9))
+    denom = jnp.maximum(jnp.sum(w, axis=1), 1e-9)
+    kl = jnp.mean(jnp.sum(per_token * w, axis=1) / denom)
     l1 = l1_penalty(bank)
-    return kl + l1_weight * l1, (kl, l1)
+    total = kl + l1_weight * l1
+    if ce_weight:
+        labels = jnp.concatenate([batch.queries[:, 1:], batch.queries[:, -1:]], axis=1)
+        nll = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
+        total = total + ce_weight * jnp.mean(jnp.sum(nll * w, axis=1) / denom)
+    return total, (kl, l1)
 
 
 @dataclasses.dataclass
@@ -180,6 +193,50 @@ def default_optimizer(learning_rate: float = 1e-4, steps: int = 1000, warmup: in
                                    weight_decay=weight_decay))
 
 
+CURVE_NAME = "curve.jsonl"
+
+
+def restore_hypernetwork(hyper: DocToLoRA, run_dir, *, log: Callable[[str], None] | None = None
+                         ) -> tuple[int, list[dict]]:
+    """Load the newest good checkpoint of a :func:`train_doc_to_lora` run into ``hyper``.
+
+    For evaluating a run that was interrupted (or is still going): nothing is trained.
+
+    Returns:
+        ``(step, curve)``: the checkpoint's step and the rows of ``run_dir/curve.jsonl`` up to
+        that step (``[]`` when the run logged no evaluations).
+
+    Raises:
+        FileNotFoundError: ``run_dir`` holds no checkpoint.
+    """
+    from lowrank_jax.train.checkpoint import checkpoint_manager, restore_checkpoint
+
+    run_dir = pathlib.Path(run_dir)
+    if not (run_dir / "checkpoints").is_dir():
+        raise FileNotFoundError(f"run_dir={run_dir} has no checkpoints/ folder; train with "
+                                "run_dir= first (or check the path).")
+    _, params = nnx.split(hyper, nnx.Param)
+    # the schedule's values do not enter the optimizer state's structure
+    state = HyperTrainState(0, params, default_optimizer(steps=2).init(params))
+    manager = checkpoint_manager(run_dir, create=False)
+    try:
+        state, manager = restore_checkpoint(manager, state, log=log or (lambda s: None))
+    finally:
+        manager.close()
+    nnx.update(hyper, state.params)
+    curve_path = run_dir / CURVE_NAME
+    curve = []
+    if curve_path.exists():
+        for line in curve_path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:  # a half-written last line
+                continue
+            if row.get("step", 0) <= state.step:
+                curve.append(row)
+    return int(state.step), curve
+
+
 def _batch(data: DistillData, idx) -> DistillData:
     return DistillData(*(jnp.asarray(np.asarray(x)[idx]) for x in data))
 
@@ -188,7 +245,9 @@ def train_doc_to_lora(hyper: DocToLoRA, model, data: DistillData, *, steps: int,
                       batch_size: int = 4, learning_rate: float = 1e-4, warmup: int = 10,
                       l1_weight: float = 0.1, seed: int = 0, run_dir=None, save_every: int = 50,
                       resume: bool = False, optimizer: optax.GradientTransformation | None = None,
-                      log: Callable[[str], None] | None = None) -> list[dict]:
+                      log: Callable[[str], None] | None = None, ce_weight: float = 0.0,
+                      evaluate: Callable[[DocToLoRA], dict] | None = None,
+                      eval_every: int = 0) -> list[dict]:
     """Train ``hyper`` in place on ``data`` for ``steps`` steps; returns the per-step metrics.
 
     Only the hypernetwork's parameters get gradients: the base model's state is an input of
@@ -211,17 +270,29 @@ def train_doc_to_lora(hyper: DocToLoRA, model, data: DistillData, *, steps: int,
         resume: continue from the newest good checkpoint in ``run_dir``.
         optimizer: any optax transform instead of the default.
         log: called with one line per logged step.
+        ce_weight: weight of the auxiliary answer cross-entropy (see :func:`distill_loss`).
+        evaluate: called every ``eval_every`` steps (and at the last step) with ``hyper``
+            holding the current weights; its dict joins that step's row, together with
+            ``kl_mean`` (the mean KL since the previous evaluation). With ``run_dir`` the row
+            is appended to ``run_dir/curve.jsonl`` (rows after a resumed step are dropped
+            first), so an interrupted run keeps its learning curve.
+        eval_every: evaluation period in steps (0: never).
     """
     from lowrank_jax.hyper.export import save_hypernetwork
     from lowrank_jax.train.checkpoint import (
         checkpoint_manager,
         restore_checkpoint,
         save_checkpoint,
+        truncate_metrics,
     )
 
     for key, value in (("steps", steps), ("batch_size", batch_size), ("save_every", save_every)):
         if not (isinstance(value, int) and value >= 1):
             raise ValueError(f"{key}={value!r} must be a positive integer.")
+    if not (isinstance(eval_every, int) and eval_every >= 0):
+        raise ValueError(f"eval_every={eval_every!r} must be a non-negative integer (0: never).")
+    if eval_every and evaluate is None:
+        raise ValueError("eval_every > 0 needs evaluate (the function to call).")
     n = len(data.queries)
     if batch_size > n:
         raise ValueError(f"batch_size={batch_size} exceeds the {n} training documents; lower it.")
@@ -237,7 +308,7 @@ def train_doc_to_lora(hyper: DocToLoRA, model, data: DistillData, *, steps: int,
         def loss_fn(p):
             bank = nnx.merge(hyper_graph, p)(batch.features, batch.mask)
             return distill_loss(bank, nnx.merge(base_graph, base_state), config, batch,
-                                l1_weight=l1_weight)
+                                l1_weight=l1_weight, ce_weight=ce_weight)
 
         (loss, (kl, l1)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
@@ -255,7 +326,8 @@ def train_doc_to_lora(hyper: DocToLoRA, model, data: DistillData, *, steps: int,
                              "that run, or choose another run_dir.")
         if resume and manager.all_steps():
             state, manager = restore_checkpoint(manager, state, log=log or (lambda s: None))
-    history = []
+        truncate_metrics(run_dir / CURVE_NAME, state.step)
+    history, since_eval, t_start = [], [], time.perf_counter()
     while state.step < steps:
         idx = np.random.default_rng((seed, state.step)).choice(n, batch_size, replace=False)
         params, opt_state, loss, kl, l1 = step_fn(state.params, state.opt_state, base_state,
@@ -263,9 +335,17 @@ def train_doc_to_lora(hyper: DocToLoRA, model, data: DistillData, *, steps: int,
         state = HyperTrainState(state.step + 1, params, opt_state)
         row = {"step": state.step, "loss": float(loss), "kl": float(kl), "l1": float(l1)}
         history.append(row)
+        since_eval.append(row["kl"])
+        if eval_every and (state.step % eval_every == 0 or state.step == steps):
+            nnx.update(hyper, state.params)
+            row.update(kl_mean=float(np.mean(since_eval)), **evaluate(hyper))
+            since_eval = []
+            if run_dir is not None:
+                with open(run_dir / CURVE_NAME, "a") as f:
+                    f.write(json.dumps(row) + "\n")
         if log is not None and (state.step % 10 == 0 or state.step == steps):
             log(f"step {state.step}/{steps}: loss {row['loss']:.4f} kl {row['kl']:.4f} "
-                f"l1 {row['l1']:.2e}")
+                f"l1 {row['l1']:.2e} ({time.perf_counter() - t_start:.0f}s)")
         if manager is not None and (state.step % save_every == 0 or state.step == steps):
             save_checkpoint(manager, state)
     nnx.update(hyper, state.params)
@@ -311,5 +391,5 @@ def context_distiller(model, config, *, total_rank: int, steps: int = 50,
 
 
 __all__ = ["DistillData", "HyperTrainState", "build_distill_data", "context_distiller",
-           "default_optimizer", "distill_loss", "l1_penalty", "topk_distill",
-           "train_doc_to_lora"]
+           "default_optimizer", "distill_loss", "l1_penalty", "restore_hypernetwork",
+           "topk_distill", "train_doc_to_lora"]

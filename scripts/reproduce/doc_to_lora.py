@@ -17,12 +17,20 @@ Usage::
 
     python -m scripts.reproduce.doc_to_lora            # default
     python -m scripts.reproduce.doc_to_lora --quick    # fewer documents and steps
+    python -m scripts.reproduce.doc_to_lora --run-dir runs/d2l            # resumable, curve
+    python -m scripts.reproduce.doc_to_lora --run-dir runs/d2l --eval-only  # table from the
+                                                       # newest checkpoint (no training)
+
+The prepared data (teacher top-k log-probs and document features) is cached in
+``--cache-dir`` under a key of the tokens and settings, so reruns and resumes skip it.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
 import time
 from pathlib import Path
 
@@ -40,6 +48,8 @@ from lowrank_jax.hyper import (
     context_distiller,
     internalizer,
     kv_cache_bytes,
+    restore_hypernetwork,
+    save_hypernetwork,
     train_doc_to_lora,
 )
 from lowrank_jax.models import load_model
@@ -108,6 +118,100 @@ def compiled_temp_bytes(fn, *args):
         return None
 
 
+def cached_distill_data(cache_dir, model_name, model, tokens, build):
+    """:func:`build_distill_data` of ``tokens`` (documents, questions, answers), cached in
+    ``cache_dir`` under a hash of the tokens, the model name and the build settings."""
+    key = hashlib.sha256(json.dumps([model_name, build, tokens]).encode()).hexdigest()[:20]
+    path = Path(cache_dir) / f"distill_{key}.npz"
+    if path.exists():
+        with np.load(path) as f:
+            print(f"prepared data from the cache {path.name}", flush=True)
+            return DistillData(*(f[k] for k in DistillData._fields))
+    data = build_distill_data(model, *tokens, **build)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial.npz")
+    np.savez(tmp, **data._asdict())
+    os.replace(tmp, path)
+    return data
+
+
+def teacher_floor(data):
+    """The KL's floor: the teacher's own top-k cross-entropy, per-document averaged."""
+    p = np.exp(data.teacher_logp)
+    per_token = -np.sum(p * data.teacher_logp, axis=-1)
+    w = data.weights
+    return float(np.mean(np.sum(per_token * w, 1) / np.maximum(np.sum(w, 1), 1e-9)))
+
+
+def d2l_evaluator(model, hyper, sets):
+    """``evaluate(hyper) -> {name_acc, name_digits, name_logp}`` for each ``(data, questions,
+    answers)`` in ``sets``; one compiled pass per set (hypernetwork + adapted model)."""
+    hgraph, _ = nnx.split(hyper)
+    graph, state = nnx.split(model)
+    config = hyper.config
+
+    @jax.jit
+    def logits_fn(hstate, state, features, mask, tokens):
+        bank = nnx.merge(hgraph, hstate)(features, mask)
+        m = nnx.merge(graph, state)
+        with adapted(m, bank, config):
+            return m(tokens)[0]
+
+    prepared = {name: (jnp.asarray(d.features), jnp.asarray(d.mask),
+                       jnp.asarray(pad([q + a for q, a in zip(qs, ans)])),
+                       [len(q) - 1 for q in qs], ans)
+                for name, (d, qs, ans) in sets.items()}
+
+    def scores(hyper, name):
+        feats, mask, tokens, starts, ans = prepared[name]
+        logits = logits_fn(nnx.split(hyper)[1], state, feats, mask, tokens)
+        return answer_scores(logits, tokens, starts, ans)
+
+    def evaluate(hyper):
+        row = {}
+        for name in prepared:
+            hits, lps, digits = scores(hyper, name)
+            row.update({f"{name}_acc": float(np.mean(hits)),
+                        f"{name}_digits": float(np.mean(digits)),
+                        f"{name}_logp": float(np.mean(lps))})
+        return row
+
+    return evaluate, scores
+
+
+def plot_curve(curve, floor, out_png, title):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in curve]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for key, style, label in (("heldout_acc", "o-", "held-out exact"),
+                              ("heldout_digits", "s-", "held-out digit acc."),
+                              ("seen_acc", "o--", "seen exact"),
+                              ("seen_digits", "s--", "seen digit acc.")):
+        ax1.plot(steps, [r[key] for r in curve], style, ms=3, label=label)
+    ax1.axhline(0.1, color="gray", ls=":", label="digit chance (0.1)")
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("accuracy (no document in the prompt)")
+    ax1.set_ylim(-0.02, 1.02)
+    ax1.legend(fontsize=8)
+    ax1.grid(alpha=0.3)
+    ax2.plot(steps, [r["kl_mean"] for r in curve], "-", label="train top-16 KL (mean since "
+             "previous eval)")
+    ax2.axhline(floor, color="gray", ls="--", label=f"teacher floor ({floor:.2f})")
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("top-16 KL")
+    ax2.legend(fontsize=8)
+    ax2.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    Path(out_png).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true")
@@ -125,10 +229,29 @@ def main(argv=None):
     p.add_argument("--cd-steps", type=int, default=25)
     p.add_argument("--cd-lr", type=float, default=5e-3)
     p.add_argument("--out", default="docs/results/doc_to_lora.json")
+    p.add_argument("--target", default="down_proj", help="the projection that gets adapters")
+    p.add_argument("--ce-weight", type=float, default=0.0,
+                   help="auxiliary cross-entropy on the answer (the paper's NIAH objective)")
+    p.add_argument("--eval-every", type=int, default=100,
+                   help="evaluate held-out / seen accuracy every N steps (the learning curve)")
     p.add_argument("--run-dir", default=None, help="checkpoint folder (resumable training)")
+    p.add_argument("--eval-only", action="store_true",
+                   help="no training: the table from the newest checkpoint in --run-dir")
+    p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "lowrank_jax" /
+                                               "doc_to_lora"),
+                   help="where the prepared teacher data / document features are cached")
+    p.add_argument("--plot", default=None,
+                   help="learning-curve png (default docs/img/doc_to_lora_curve.png; "
+                        "none with --quick)")
     args = p.parse_args(argv)
     if args.quick:
         args.train_docs, args.test_docs, args.steps, args.cd_steps = 48, 8, 60, 15
+        args.eval_every = min(args.eval_every, 20)
+    if args.eval_only and args.run_dir is None:
+        raise ValueError("--eval-only reads the newest checkpoint of --run-dir; pass "
+                         "--run-dir DIR of a run started with --run-dir.")
+    if args.plot is None and not args.quick:
+        args.plot = "docs/img/doc_to_lora_curve.png"
     layers = [int(x) for x in args.layers.split(",")]
     t0 = time.time()
     model, tok = load_model(args.model)
@@ -144,21 +267,43 @@ def main(argv=None):
           f" (max {max(len(d) for d in tr[0] + te[0])}, chunk {args.chunk_len})", flush=True)
     build = dict(layers=layers, chunk_len=args.chunk_len, max_chunks=max_chunks, top_k=16)
     t0 = time.time()
-    train_data = build_distill_data(model, *tr, **build)
-    test_data = build_distill_data(model, *te, **build)
-    print(f"teacher + features in {time.time() - t0:.0f}s", flush=True)
+    train_data = cached_distill_data(args.cache_dir, args.model, model, tr, build)
+    test_data = cached_distill_data(args.cache_dir, args.model, model, te, build)
+    floor = teacher_floor(train_data)
+    print(f"teacher + features in {time.time() - t0:.0f}s; KL floor {floor:.3f}", flush=True)
 
-    hyper = DocToLoRA.for_model(model, layers=layers, rank=args.rank, d_latent=128,
-                                n_latents=8, num_blocks=2, n_heads=4, rngs=nnx.Rngs(0))
+    hyper = DocToLoRA.for_model(model, layers=layers, target=args.target, rank=args.rank,
+                                d_latent=128, n_latents=8, num_blocks=2, n_heads=4,
+                                rngs=nnx.Rngs(0))
+    n_seen = min(len(te[0]), len(tr[0]))
+    seen = DistillData(*(np.asarray(x)[:n_seen] for x in train_data))
+    evaluate, d2l_scores = d2l_evaluator(model, hyper, {
+        "heldout": (test_data, te[1], te[2]), "seen": (seen, tr[1][:n_seen], tr[2][:n_seen])})
     t0 = time.time()
-    history = train_doc_to_lora(hyper, model, train_data, steps=args.steps,
-                                batch_size=args.batch_size, learning_rate=args.lr,
-                                warmup=args.warmup, l1_weight=args.l1_weight,
-                                run_dir=args.run_dir, resume=args.run_dir is not None,
-                                save_every=50,
-                                log=lambda s: print(s, flush=True))
+    if args.eval_only:
+        steps_done, curve = restore_hypernetwork(hyper, args.run_dir,
+                                                 log=lambda s: print(s, flush=True))
+        history = []
+        print(f"evaluating the step-{steps_done} checkpoint of {args.run_dir}", flush=True)
+        if not (Path(args.run_dir) / "hypernetwork").exists():  # for internalize --hyper
+            save_hypernetwork(hyper, Path(args.run_dir) / "hypernetwork")
+    else:
+        history = train_doc_to_lora(hyper, model, train_data, steps=args.steps,
+                                    batch_size=args.batch_size, learning_rate=args.lr,
+                                    warmup=args.warmup, l1_weight=args.l1_weight,
+                                    ce_weight=args.ce_weight, evaluate=evaluate,
+                                    eval_every=args.eval_every, run_dir=args.run_dir,
+                                    resume=args.run_dir is not None, save_every=50,
+                                    log=lambda s: print(s, flush=True))
+        steps_done = args.steps
+        curve = ([r for r in history if "heldout_acc" in r] if args.run_dir is None
+                 else restore_hypernetwork(nnx.clone(hyper), args.run_dir)[1])
     train_seconds = time.time() - t0
     print(f"trained D2L in {train_seconds:.0f}s", flush=True)
+    for r in curve:
+        print(f"curve step {r['step']}: kl {r['kl_mean']:.3f} held-out acc "
+              f"{r['heldout_acc']:.3f} digits {r['heldout_digits']:.3f} | seen acc "
+              f"{r['seen_acc']:.3f} digits {r['seen_digits']:.3f}", flush=True)
 
     documents, questions, answers = te
     starts_q = [len(q) - 1 for q in questions]
@@ -172,17 +317,8 @@ def main(argv=None):
 
     # Doc-to-LoRA: one pass per document; on the first training documents too (seen facts),
     # which separates "did not fit" from "did not generalise"
-    def d2l_scores(data, questions, answers):
-        tokens = jnp.asarray(pad([q + a for q, a in zip(questions, answers)]))
-        bank = hyper(jnp.asarray(data.features), jnp.asarray(data.mask))
-        with adapted(model, bank, hyper.config):
-            logits = model(tokens)[0]
-        return answer_scores(logits, tokens, [len(q) - 1 for q in questions], answers)
-
-    results["Doc-to-LoRA"] = d2l_scores(test_data, questions, answers)
-    seen = DistillData(*(np.asarray(x)[:len(documents)] for x in train_data))
-    results["Doc-to-LoRA on training documents (seen facts)"] = d2l_scores(
-        seen, tr[1][:len(documents)], tr[2][:len(documents)])
+    results["Doc-to-LoRA"] = d2l_scores(hyper, "heldout")
+    results["Doc-to-LoRA on training documents (seen facts)"] = d2l_scores(hyper, "seen")
     run = internalizer(model, hyper, chunk_len=args.chunk_len)
     for d in documents[:2]:  # compile for 1 and 2 chunks
         run(d).a.block_until_ready()
@@ -250,6 +386,8 @@ def main(argv=None):
         "layers": layers, "rank_per_chunk": args.rank, "chunk_len": args.chunk_len,
         "train_docs": args.train_docs, "test_docs": args.test_docs, "steps": args.steps,
         "cd_steps": args.cd_steps, "lr": args.lr, "warmup": args.warmup,
+        "steps_done": steps_done, "eval_only": args.eval_only, "target": args.target,
+        "ce_weight": args.ce_weight, "kl_floor": floor, "curve": curve,
         "l1_weight": args.l1_weight, "batch_size": args.batch_size,
         "train_seconds": train_seconds, "rows": rows,
         "internalize_seconds": {"doc_to_lora": d2l_seconds, "context_distillation": cd_seconds},
@@ -274,6 +412,10 @@ def main(argv=None):
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
     print(f"wrote {args.out}")
+    if args.plot and curve:
+        plot_curve(curve, floor, args.plot, f"Doc-to-LoRA on {args.model}: {args.train_docs} "
+                   f"training docs, lr {args.lr}, warm-up {args.warmup}, {steps_done} steps")
+        print(f"wrote {args.plot}")
 
 
 if __name__ == "__main__":

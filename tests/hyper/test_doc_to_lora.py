@@ -27,6 +27,7 @@ from lowrank_jax.hyper import (
     export_adapter,
     internalize,
     load_hypernetwork,
+    restore_hypernetwork,
     save_hypernetwork,
     topk_distill,
     train_doc_to_lora,
@@ -281,6 +282,53 @@ def test_resumed_training_equals_an_uninterrupted_run(tmp_path, base, fresh, dat
     assert loaded.config == fresh.config
     jax.tree.map(np.testing.assert_array_equal, nnx.state(loaded, nnx.Param),
                  nnx.state(resumed, nnx.Param))
+
+
+def test_answer_cross_entropy_term_is_the_nll_of_the_answer_tokens(base, trained, data):
+    batch = DistillData(*(jnp.asarray(x) for x in data))
+    bank = _generate(trained, batch.features, batch.mask)
+    kl_only, (kl, l1) = distill_loss(bank, base, trained.config, batch, l1_weight=0.1)
+    with_ce, (kl2, _) = distill_loss(bank, base, trained.config, batch, l1_weight=0.1,
+                                     ce_weight=0.5)
+    logp = np.asarray(jax.nn.log_softmax(_logits(base, batch.queries, bank, trained.config)))
+    w, q = np.asarray(data.weights), np.asarray(data.queries)
+    nll = [-sum(logp[i, t, q[i, t + 1]] for t in np.flatnonzero(w[i])) / w[i].sum()
+           for i in range(len(q))]  # answer token t + 1 at each weighted position t
+    np.testing.assert_allclose(float(with_ce - kl_only), 0.5 * np.mean(nll), rtol=1e-4)
+    np.testing.assert_allclose(float(kl2), float(kl), rtol=1e-6)  # the KL is reported alone
+
+
+def test_evaluations_are_logged_and_an_interrupted_run_restores(tmp_path, base, fresh, data):
+    calls = []
+
+    def evaluate(hyper):  # a value of the current weights: proves hyper holds them
+        calls.append(float(jnp.sum(hyper.scale_b[...])))
+        return {"probe": calls[-1]}
+
+    options = dict(batch_size=2, learning_rate=1e-2, warmup=1, save_every=2, evaluate=evaluate,
+                   eval_every=2)
+    partial = nnx.clone(fresh)
+    rows = train_doc_to_lora(partial, base, data, steps=4, run_dir=tmp_path, **options)
+    logged = [r for r in rows if "probe" in r]
+    assert [r["step"] for r in logged] == [2, 4] and calls[0] != calls[1]
+    np.testing.assert_allclose(logged[1]["kl_mean"], np.mean([r["kl"] for r in rows[2:]]),
+                               rtol=1e-6)
+    restored = _trained_like(nnx.clone(fresh))
+    step, curve = restore_hypernetwork(restored, tmp_path)
+    assert step == 4 and curve == [json.loads(json.dumps(r)) for r in logged]
+    jax.tree.map(np.testing.assert_array_equal, nnx.state(partial, nnx.Param),
+                 nnx.state(restored, nnx.Param))
+    # resuming past a lost evaluation row: rows after the restored step are dropped first
+    with open(tmp_path / "curve.jsonl", "a") as f:
+        f.write(json.dumps({"step": 5, "probe": -1.0}) + "\n")
+    more = train_doc_to_lora(nnx.clone(fresh), base, data, steps=6, run_dir=tmp_path,
+                             resume=True, **options)
+    assert [r["step"] for r in more] == [5, 6]
+    assert [r["step"] for r in restore_hypernetwork(nnx.clone(fresh), tmp_path)[1]] == [2, 4, 6]
+    with pytest.raises(FileNotFoundError, match="no checkpoints"):
+        restore_hypernetwork(nnx.clone(fresh), tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="needs evaluate"):
+        train_doc_to_lora(nnx.clone(fresh), base, data, steps=2, eval_every=1)
 
 
 def test_context_distillation_fits_one_document(base, fresh, data):
