@@ -81,17 +81,30 @@ class SVDCache:
 
     def __init__(self):
         self._store: dict = {}
+        self._extra: dict = {}
 
     def __len__(self) -> int:
         return len(self._store)
 
+    @staticmethod
+    def _key(x) -> tuple:
+        host = np.asarray(x)
+        return host.shape, hashlib.blake2b(host.tobytes(), digest_size=16).hexdigest()
+
     def get(self, x: Float[Array, "b L F"]):
         """``(u, s, vt)`` of ``x`` (thin, fp32), computed once per distinct matrix."""
-        host = np.asarray(x)
-        key = (host.shape, hashlib.blake2b(host.tobytes(), digest_size=16).hexdigest())
+        key = self._key(x)
         if key not in self._store:
             self._store[key] = _thin_svd(x)
         return self._store[key]
+
+    def memo(self, tag: tuple, x, compute):
+        """``compute()`` once per ``(tag, content of x)``: other ratio-independent analyses of
+        a group matrix (e.g. ``xkv_mixed``'s stored directions at every width)."""
+        key = (tag,) + self._key(x)
+        if key not in self._extra:
+            self._extra[key] = compute()
+        return self._extra[key]
 
 
 @jax.jit

@@ -65,7 +65,7 @@ def _setting(setting, group_size: int, sink_tokens: int, value_rank_scale: float
         out.setdefault("value_rank_scale", value_rank_scale)
         if method == "per_layer_svd":
             out["group_size"] = 1
-    elif method.startswith("xkv_quant"):
+    elif method.startswith(("xkv_quant", "xkv_mixed")):
         out.setdefault("sink_tokens", sink_tokens)
         out.setdefault("group_size", group_size)
     return out
@@ -137,7 +137,8 @@ def xkv_perplexity_sweep(
         options = _setting(setting, group_size, sink_tokens, value_rank_scale)
         method, ratio = options.pop("method"), options.pop("ratio", None)
         extra = {}
-        if (method in ("xkv", "per_layer_svd") or method.startswith("xkv_quant")) and \
+        if (method in ("xkv", "per_layer_svd")
+                or method.startswith(("xkv_quant", "xkv_mixed"))) and \
                 options.get("svd_method", "full") == "full" and "selective" not in options:
             extra["svd_cache"] = svd_cache
         cache = compress_kv(method, keys, values, rope_theta=theta, ratio=ratio, **options,
@@ -291,7 +292,7 @@ class KVCacheFactory:
         if self.method == "none":
             return {}
         out = dict(sink_tokens=self.sink_tokens)
-        if self.method == "xkv" or self.method.startswith("xkv_quant"):
+        if self.method == "xkv" or self.method.startswith(("xkv_quant", "xkv_mixed")):
             out["group_size"] = self.group_size
         return out
 

@@ -24,6 +24,10 @@ arrays a cache holds, and :func:`cache_ratio` is ``reference_bytes / stored_byte
                         groups of ``WIDE_QUANT_GROUP`` tokens instead of 32 (fewer fp16
                         scales / minima: more rank in the same bytes) and ``r_v / r_k``
                         1.25 instead of 1.5 (more of it to the keys)
+``xkv_mixed``           xKV whose every singular direction gets its own bits (8/4/2/1 for
+                        its token factor and its basis row, or dropped) by reverse water-
+                        filling on the measured quantization errors; Hadamard-rotated,
+                        clip-searched quantizers
 ======================  ==================================================================
 """
 
@@ -40,6 +44,7 @@ from flax import nnx
 from lowrank_jax.kv.cache import XKVCache, compressed_bytes
 from lowrank_jax.kv.compress import xkv_compress, xkv_reconstruct
 from lowrank_jax.kv.hybrid import QuantizedXKVCache, xkv_quant_compress, xkv_quant_reconstruct
+from lowrank_jax.kv.mixed import MixedBitsXKVCache, xkv_mixed_compress, xkv_mixed_reconstruct
 from lowrank_jax.kv.quantized import (
     STORAGE_DTYPE,
     KIVICache,
@@ -152,6 +157,15 @@ def _xkv_quant_wide(keys, values, **kwargs):
     return _xkv_quant_split(keys, values, **kwargs)
 
 
+def _xkv_mixed(keys, values, *, ratio, rope_theta, sink_tokens=DEFAULT_SINK_TOKENS,
+               **options):
+    rank = options.pop("rank", None)
+    options["group_size"] = _default_group(options.get("group_size"), keys)
+    return xkv_mixed_compress(keys, values, rope_theta=rope_theta,
+                              ratio=None if rank else ratio, rank=rank, sink_tokens=sink_tokens,
+                              **options)
+
+
 def _exact_reconstruct(cache: ExactCache, layer, kind="k"):
     return (cache.keys if kind == "k" else cache.values)[layer].astype(jnp.float32)
 
@@ -172,6 +186,8 @@ METHODS: dict[str, KVMethod] = {
                  _xkv_quant_split, xkv_quant_reconstruct),
         KVMethod("xkv_quant_wide", "xkv_quant_split, 256-token factor groups, r_v/r_k 1.25",
                  _xkv_quant_wide, xkv_quant_reconstruct),
+        KVMethod("xkv_mixed", "xKV, bits per singular direction by reverse water-filling",
+                 _xkv_mixed, xkv_mixed_reconstruct),
     )
 }
 
@@ -215,7 +231,7 @@ def _shape(cache):
         layers, b, _, hk, d = cache.keys.shape
     elif isinstance(cache, KIVICache):
         layers, b, _, hk, d = cache.sink_keys.shape
-    elif isinstance(cache, (XKVCache, QuantizedXKVCache)):
+    elif isinstance(cache, (XKVCache, QuantizedXKVCache, MixedBitsXKVCache)):
         layers, b, _, hk, d = cache.sink_keys.shape
     else:
         raise ValueError(f"cache of type {type(cache).__name__} is not a KV-method cache.")

@@ -100,6 +100,7 @@ FULL_OPTIONS = {
                                recent_tokens=5),
     "xkv_quant_split": dict(rank="full", factor_bits=16, value_factor_bits=16, basis_bits=16),
     "xkv_quant_wide": dict(rank="full", factor_bits=16, value_factor_bits=16, basis_bits=16),
+    "xkv_mixed": dict(rank="full", group_size=2),  # every direction at 16 bits (fp16)
 }
 
 
@@ -120,7 +121,8 @@ def test_full_rank_or_bits_reproduces_the_exact_cache(name):
 BYTES_CASES = [("xkv", 4.0), ("per_layer_svd", 3.0), ("kivi", 2.0), ("xkv_quant", 8.0),
                ("xkv_quant_energy", 8.0), ("xkv_quant_hadamard", 8.0),
                ("xkv_quant_hadamard", 16.0), ("xkv_quant_split", 8.0), ("xkv_quant_split", 16.0),
-               ("xkv_quant_wide", 8.0), ("xkv_quant_wide", 16.0)]
+               ("xkv_quant_wide", 8.0), ("xkv_quant_wide", 16.0), ("xkv_mixed", 8.0),
+               ("xkv_mixed", 16.0)]
 
 
 def test_every_compressed_method_has_a_bytes_and_a_chat_test():
@@ -238,7 +240,8 @@ CHAT_CASES = [
     pytest.param("xkv_quant_split", 4.0, marks=pytest.mark.slow),
     # at 8x it answers "The answer is: France": on this 132-token prompt its 256-token factor
     # groups are half padding (counted), so it has less rank than on long prompts
-    pytest.param("xkv_quant_wide", 4.0, marks=pytest.mark.slow)]
+    pytest.param("xkv_quant_wide", 4.0, marks=pytest.mark.slow),
+    pytest.param("xkv_mixed", 8.0, marks=pytest.mark.slow)]
 
 
 @pytest.mark.smollm2
@@ -351,3 +354,40 @@ def test_wide_groups_store_fewer_scales_and_buy_rank_at_equal_bytes():
     assert rv / rk == pytest.approx(methods.WIDE_VALUE_RANK_SCALE, abs=0.1)  # more to K
     assert methods.cache_ratio(wide) >= 8.0
     assert methods.stored_bytes(wide) == sum(int(x.nbytes) for x in jax.tree.leaves(wide))
+
+
+def test_clip_search_lowers_low_bit_error_and_keeps_the_format():
+    x = jnp.asarray(np.random.default_rng(12).standard_normal((4, 256)), jnp.float32)
+    for bits, gain in ((1, 1.5), (2, 1.5), (4, 1.05)):
+        plain = quantized.quantize(x, bits, axis=1, group_size=256)
+        clipped = quantized.quantize(x, bits, axis=1, group_size=256, search_clip=True)
+        assert clipped.codes.shape == plain.codes.shape and clipped.scale.shape == (4, 1, 1)
+        err = lambda q: float(jnp.sum((quantized.dequantize(q) - x) ** 2))  # noqa: E731
+        assert err(clipped) * gain < err(plain), bits  # min/max wastes levels on the tails
+    # the grid keeps c = 1 (min/max): a group that is already on the grid stays exact
+    grid = jnp.asarray([[0., 1., 2., 3.]])
+    exact = quantized.quantize(grid, 2, axis=1, group_size=4, search_clip=True)
+    np.testing.assert_allclose(quantized.dequantize(exact), grid)
+
+
+def test_mixed_bits_follow_the_spectrum_and_beat_one_width_at_equal_bytes():
+    from lowrank_jax.kv.mixed import xkv_mixed_compress
+
+    rng = np.random.default_rng(13)
+    # a decaying spectrum sigma_j = 10 * 0.9^j over 64 directions, 1 sink + 256 tokens
+    u = np.linalg.qr(rng.standard_normal((257, 64)))[0]
+    v = np.linalg.qr(rng.standard_normal((64, 64)))[0]
+    x = (u * 10 * 0.9 ** np.arange(64)) @ v.T
+    keys = jnp.asarray(np.stack([x[:, :32], x[:, 32:]]).reshape(2, 1, 257, 2, 16), jnp.float32)
+    values = keys[::-1]
+    cache = xkv_mixed_compress(keys, values, rope_theta=1e4, ratio=8.0, group_size=2)
+    bits = [fa for fa, _, _ in cache.tiers(0, "k")]
+    assert max(bits) >= 4 and min(bits) <= 2  # strong directions many bits, weak ones few
+    assert methods.cache_ratio(cache) >= 8.0
+    assert methods.stored_bytes(cache) == sum(int(x.nbytes) for x in jax.tree.leaves(cache))
+    err = lambda name, c: float(  # noqa: E731
+        jnp.linalg.norm(methods.reconstruct_all(name, c)[0] - keys) / jnp.linalg.norm(keys))
+    one = methods.compress_kv("xkv_quant_split", keys, values, rope_theta=1e4, ratio=8.0,
+                              group_size=2)
+    assert methods.stored_bytes(cache) <= methods.stored_bytes(one) * 1.02
+    assert err("xkv_mixed", cache) < 0.8 * err("xkv_quant_split", one)
