@@ -34,6 +34,7 @@ from scripts._shared import corpus_windows, load_model_and_codec
 # (label, method, options): the curve's rows; every ratio in --ratios is tried for each
 # (within a ratio the run goes in this order: the best combination first)
 CURVE = [
+    ("xKV, bits per singular direction (2/4/8, water-filling) + sink", "xkv_mixed", {}),
     ("xKV 8-bit K / 4-bit V factors, 256-token Hadamard groups + sink", "xkv_quant_wide", {}),
     ("xKV 8-bit K / 4-bit V Hadamard factors + sink", "xkv_quant_split", {}),
     ("xKV 4-bit Hadamard factors + sink", "xkv_quant_hadamard", {}),
