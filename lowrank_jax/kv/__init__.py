@@ -1,10 +1,12 @@
 """KV-cache compression: xKV cross-layer low-rank factors with selective reconstruction, a
-KIVI-style quantized cache, xKV with quantized factors, and the :data:`METHODS` registry that
-meets a target ratio with every stored byte counted."""
+KIVI-style quantized cache, xKV with quantized factors (one width, or bits per singular
+direction), and the :data:`METHODS` registry that meets a target ratio with every stored byte
+counted."""
 
 from lowrank_jax.kv.compress import SVDCache
 from lowrank_jax.kv.evaluate import KVCacheFactory, generate_text_with_kv, kv_cache_factory
 from lowrank_jax.kv.hybrid import QuantizedXKVCache, xkv_quant_compress, xkv_quant_reconstruct
+from lowrank_jax.kv.mixed import MixedBitsXKVCache, xkv_mixed_compress, xkv_mixed_reconstruct
 from lowrank_jax.kv.methods import (
     ExactCache,
     KVMethod,
@@ -60,12 +62,12 @@ from lowrank_jax.kv.xkv import (
 
 __all__ = [
     "ExactCache", "KIVICache", "KVCacheFactory", "KVMethod", "generate_text_with_kv",
-    "kv_cache_factory", "QuantizedArray", "QuantizedXKVCache",
+    "kv_cache_factory", "MixedBitsXKVCache", "QuantizedArray", "QuantizedXKVCache",
     "ReconstructDecodeKV", "SVDCache", "cache_ratio", "choose_kivi_settings", "compress_kv",
     "decode_step",
     "dequantize", "get_method", "kivi_compress", "kivi_reconstruct", "kv_generate", "quantize",
     "reconstruct_all", "reference_bytes", "start_decode", "stored_bytes", "xkv_quant_compress",
-    "xkv_quant_reconstruct",
+    "xkv_mixed_compress", "xkv_mixed_reconstruct", "xkv_quant_reconstruct",
     "DEFAULT_GROUP_SIZE", "DEFAULT_SINK_TOKENS", "METHODS", "ContextKV", "PrefillKV",
     "SelectiveConfig", "SelectiveState", "XKVCache", "XKVCacheFactory", "XKVDecodeKV",
     "choose_ranks", "compressed_bytes", "compression_ratio", "layer_groups",
