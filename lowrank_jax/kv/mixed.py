@@ -185,7 +185,7 @@ class _Matrix:
     factors: dict  # bits -> stored token factors of all k directions [b, k, N_pad]
     bases: dict  # bits -> per layer, stored bases of all k directions [b, hk, k, d]
     energy: float
-    factor_error: dict  # bits -> [k] (relative, summed over the batch)
+    factor_error: dict  # bits -> [k] squared error · σ_j², summed over the batch
     basis_error: dict
     factor_cost: dict  # bits -> bytes per direction
     basis_cost: dict
@@ -351,6 +351,12 @@ def xkv_mixed_compress(
     factored = length - sink_tokens
     tgroup = _token_group(factored, int(token_group))
     bgroup = _pow2_at_most(d, int(basis_group))
+    # a direction's codes must fill whole bytes (tiers are cut out of packed byte rows)
+    n_pad = -(-factored // tgroup) * tgroup
+    widths = tuple(w for w in widths if w == FULL_BITS or (n_pad * w % 8 == 0 and d * w % 8 == 0))
+    if not widths:
+        raise ValueError(f"bit_widths={bit_widths!r}: none packs a direction into whole bytes "
+                         f"({n_pad} padded tokens, head_dim {d}); add 8 or {FULL_BITS}.")
     keys32, values32 = jnp.asarray(keys, jnp.float32), jnp.asarray(values, jnp.float32)
     matrices = {"k": [], "v": []}
     for g, members in enumerate(groups):
