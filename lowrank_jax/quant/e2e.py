@@ -108,44 +108,53 @@ def finetune_end_to_end(
          jax.tree.map(lambda _: "norm", norms)),
     )
 
-    def teacher_logits(x):
-        return jax.lax.stop_gradient(nnx.merge(ref_graph, ref_state)(x)[0])
+    # the frozen states (codes, embeddings, the teacher) are jit arguments, not closed-over
+    # constants: XLA would otherwise fold the 49152-row embedding at every compilation
+    def teacher_logits(ref, x):
+        return jax.lax.stop_gradient(nnx.merge(ref_graph, ref)(x)[0])
 
-    def kl_to(p, x, teacher):
-        return _kl(teacher, nnx.merge(graph, *p, rest)(x)[0])
+    def kl_to(p, frozen, x, teacher):
+        return _kl(teacher, nnx.merge(graph, *p, frozen)(x)[0])
 
-    def loss_fn(p, x):
-        return kl_to(p, x, teacher_logits(x))
+    def loss_fn(p, frozen, ref, x):
+        return kl_to(p, frozen, x, teacher_logits(ref, x))
+
+    def update(loss_and_grads, p, state):
+        loss, grads = loss_and_grads
+        updates, state = tx.update(grads, state, p)
+        return optax.apply_updates(p, updates), state, loss
 
     size = min(batch, train.shape[0])
     if cache_teacher:  # the teacher never changes: run it once, in batches of the step's size
         forward = jax.jit(teacher_logits)
-        train_t = jnp.concatenate([forward(train[s:s + size])
+        train_t = jnp.concatenate([forward(ref_state, train[s:s + size])
                                    for s in range(0, train.shape[0], size)])
-        val_t = jnp.concatenate([forward(val[s:s + size]) for s in range(0, val.shape[0], size)])
+        val_t = jnp.concatenate([forward(ref_state, val[s:s + size])
+                                 for s in range(0, val.shape[0], size)])
 
         @jax.jit
-        def step(p, state, x, teacher):
-            loss, grads = jax.value_and_grad(kl_to)(p, x, teacher)
-            updates, state = tx.update(grads, state, p)
-            return optax.apply_updates(p, updates), state, loss
+        def step(p, state, frozen, x, teacher):
+            return update(jax.value_and_grad(kl_to)(p, frozen, x, teacher), p, state)
 
         val_fn = jax.jit(kl_to)
 
         def val_loss(p):
-            return float(val_fn(p, val, val_t))
+            return float(val_fn(p, rest, val, val_t))
+
+        def run_step(p, state, rows):
+            return step(p, state, rest, train[rows], train_t[rows])
     else:
         @jax.jit
-        def step(p, state, x, _):
-            loss, grads = jax.value_and_grad(loss_fn)(p, x)
-            updates, state = tx.update(grads, state, p)
-            return optax.apply_updates(p, updates), state, loss
+        def step(p, state, frozen, ref, x):
+            return update(jax.value_and_grad(loss_fn)(p, frozen, ref, x), p, state)
 
         val_fn = jax.jit(loss_fn)
-        train_t = None
 
         def val_loss(p):
-            return float(val_fn(p, val))
+            return float(val_fn(p, rest, ref_state, val))
+
+        def run_step(p, state, rows):
+            return step(p, state, rest, ref_state, train[rows])
 
     best = params
     best_val = before = val_loss(params)
@@ -155,8 +164,7 @@ def finetune_end_to_end(
     check_every = max(1, steps // 5)
     for i in range(steps):
         rows = np.sort(rng.choice(train.shape[0], size=size, replace=False))
-        target = None if train_t is None else train_t[rows]
-        params, state, loss = step(params, state, train[rows], target)
+        params, state, loss = run_step(params, state, rows)
         if (i + 1) % check_every == 0 or i + 1 == steps:
             v = val_loss(params)
             history.append((i + 1, v))

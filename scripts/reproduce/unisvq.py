@@ -23,9 +23,13 @@ Usage::
     python -m scripts.reproduce.unisvq --only unisvq4,e2e-unisvq4   # the 4-bit lattice
     python -m scripts.reproduce.unisvq --table-only    # merge the saved rows of this protocol
 
-CPU seconds measured for 30 blocks (2 cores): UniSVQ-2 579-603, UniSVQ-3 438, k-means VQ 761,
-scalar LDLQ 332-343, RTN a few; each 20-step e2e pass about 400; each quantized model's
-evaluation adds about a minute.
+CPU seconds measured for 30 blocks (2 cores, round 5): UniSVQ-2 413 (285 with
+``--finetune-steps 20``), UniSVQ-3 421, UniSVQ-4 427, k-means VQ 695-761, scalar LDLQ 332-343,
+RTN a few; a 20-step e2e pass about 270; each quantized model's evaluation adds about a minute.
+The ≤ 10-min 2-bit method (553 CPU s)::
+
+    python -m scripts.reproduce.unisvq --out runs/reproduce_unisvq_ft20 --finetune-steps 20 \
+        --only unisvq,e2e --e2e-steps 20
     python -m scripts.reproduce.unisvq --quick    # the first 4 blocks only, fewer steps
     python -m scripts.reproduce.unisvq --model tiny --quick   # smoke test (seconds)
 
