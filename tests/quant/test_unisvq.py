@@ -236,9 +236,9 @@ def test_quantize_command_bad_input(tmp_path):
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
-    args = parser.parse_args(["quantize", "--method", "unisvq", "--bits", "4", "--out",
+    args = parser.parse_args(["quantize", "--method", "unisvq", "--bits", "5", "--out",
                               str(tmp_path)])
-    with pytest.raises(ValueError, match="--bits 4 is not supported by --method unisvq"):
+    with pytest.raises(ValueError, match="--bits 5 is not supported by --method unisvq"):
         run(args)
     args = parser.parse_args(["quantize", "--calib-file", str(tmp_path / "none.txt"), "--out",
                               str(tmp_path)])
