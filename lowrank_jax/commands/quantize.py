@@ -1,9 +1,10 @@
-"""``lowrank-jax quantize``: UniSVQ 2- or 3-bit (or RTN) quantization of a Llama into a folder.
+"""``lowrank-jax quantize``: UniSVQ 2-, 3- or 4-bit (or RTN) quantization of a Llama into a folder.
 
 Example::
 
     lowrank-jax quantize --model smollm2 --bits 2 --method unisvq --out runs/smollm2-unisvq2
     lowrank-jax quantize --model smollm2 --bits 3 --method unisvq --out runs/smollm2-unisvq3
+    lowrank-jax quantize --model smollm2 --bits 4 --method unisvq --out runs/smollm2-unisvq4
     lowrank-jax quantize --model smollm2 --bits 4 --method rtn --out runs/smollm2-rtn4
 
 The folder (``quantization.json``, ``model.safetensors``, ``tokenizer.json``) loads with
@@ -19,7 +20,8 @@ import os
 
 from lowrank_jax.io.validate import non_negative_int, positive_int
 
-METHOD_BITS = {"unisvq": (2, 3), "rtn": (2, 3, 4, 8), "kmeans": (2,)}
+# the same as lowrank_jax.quant.pipeline.METHOD_BITS (tested), without importing jax here
+METHOD_BITS = {"unisvq": (2, 3, 4), "rtn": (2, 3, 4, 8), "kmeans": (2,)}
 
 
 def register(subparsers) -> None:
@@ -30,7 +32,8 @@ def register(subparsers) -> None:
     parser.add_argument("--model", default="smollm2", help="name, .gguf file or HF folder")
     parser.add_argument("--method", default="unisvq", choices=sorted(METHOD_BITS))
     parser.add_argument("--bits", type=int, default=2,
-                        help="2 or 3 (unisvq: {0..3}^4 or {0..7}^4 lattice); 2 (kmeans); "
+                        help="2, 3 or 4 (unisvq: {0..3}^4, {0..7}^4 or {0..15}^4 lattice); "
+                        "2 (kmeans); "
                         "2, 3, 4, 8 (rtn)")
     parser.add_argument("--group-size", type=positive_int, default=64,
                         help="RTN input coordinates per scale/zero (must divide every input dim)")

@@ -61,8 +61,9 @@ def save_quantized(model: Llama, folder: str | os.PathLike, *, tokenizer=None,
                     "block_in": lin.block_in, "block_out": lin.block_out, "bits": lin.bits}
             if lin.bits == 2:
                 arrays[prefix + ".codes"] = np.asarray(lin.codes[...], np.uint8)
-            else:  # 12-bit codes as a bit stream: 3 bits per weight on disk, not 4
-                arrays[prefix + ".codes12"] = pack_bits(np.asarray(lin.codes[...]), 12)
+            else:  # 12- or 16-bit codes as a bit stream: exactly 3 or 4 bits per weight on disk
+                width = 4 * lin.bits
+                arrays[f"{prefix}.codes{width}"] = pack_bits(np.asarray(lin.codes[...]), width)
             for name in ("scale_in", "scale_out", "affine", "offset"):
                 arrays[f"{prefix}.{name}"] = np.asarray(getattr(lin, name)[...], np.float16)
         elif isinstance(lin, VQLinear):
@@ -153,17 +154,19 @@ def load_quantized(folder: str | os.PathLike) -> tuple[Llama, Any]:
         prefix = f"layers.{i}.{proj}"
         meta = manifest["layers"][prefix]
         if meta["method"] == "unisvq":
-            if meta.get("bits", 2) == 3:
-                m, n = meta["shape"]
-                codes = unpack_bits(arrays[prefix + ".codes12"], 12, m * (n // 4))
-                codes = codes.reshape(m, n // 4)
-            else:
+            bits = int(meta.get("bits", 2))  # folders before the 3-bit lattice have no "bits"
+            if bits == 2:
                 codes = arrays[prefix + ".codes"]
+            else:
+                m, n = meta["shape"]
+                width = 4 * bits
+                codes = unpack_bits(arrays[f"{prefix}.codes{width}"], width, m * (n // 4))
+                codes = codes.reshape(m, n // 4)
             return QuantizedLinear(UniSVQWeight(
                 jnp.asarray(codes),
                 *(jnp.asarray(arrays[f"{prefix}.{n}"], jnp.float32)
                   for n in ("scale_in", "scale_out", "affine", "offset")),
-                block_in=meta["block_in"], block_out=meta["block_out"],
+                block_in=meta["block_in"], block_out=meta["block_out"], bits=bits,
             ))
         if meta["method"] == "kmeans":
             from lowrank_jax.quant.kmeans_vq import VQWeight

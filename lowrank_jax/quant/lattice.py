@@ -1,6 +1,6 @@
-"""The UniSVQ lattice codebook: ``A z + b`` over ``z ∈ {0..2^b − 1}⁴`` (``b`` = 2 or 3 bits per
-digit), its initial (scaled orthogonal) transform, the exhaustive nearest-codeword search and the
-exact rounding shortcut for a scaled orthogonal ``A``.
+"""The UniSVQ lattice codebook: ``A z + b`` over ``z ∈ {0..2^b − 1}⁴`` (``b`` = 2, 3 or 4 bits
+per digit), its initial (scaled orthogonal) transform, the exhaustive nearest-codeword search
+and the exact rounding shortcut for a scaled orthogonal ``A``.
 
 References:
     Wang et al, `UniSVQ: 2-bit Unified Scalar-Vector Quantization
@@ -18,14 +18,14 @@ from jaxtyping import Array, Float, Int
 from pallas_kernels.lattice_matmul.reference import unpack_codes
 
 LATTICE_SIGMA = math.sqrt(1.25)  # std of Uniform{0,1,2,3}
-LATTICE_BITS = (2, 3)  # bits per digit of the supported lattices ({0..3}⁴ and {0..7}⁴)
+LATTICE_BITS = (2, 3, 4)  # bits per digit of the supported lattices ({0..3}⁴, {0..7}⁴, {0..15}⁴)
 
 
 def check_lattice_bits(bits: int) -> int:
     """``bits`` if it is a supported lattice digit width, else a clear ``ValueError``."""
     if bits not in LATTICE_BITS:
-        raise ValueError(f"bits={bits!r}: UniSVQ has 2-bit ({{0..3}}⁴) and 3-bit ({{0..7}}⁴) "
-                         f"lattices; use one of {LATTICE_BITS}.")
+        raise ValueError(f"bits={bits!r}: UniSVQ has 2-bit ({{0..3}}⁴), 3-bit ({{0..7}}⁴) and "
+                         f"4-bit ({{0..15}}⁴) lattices; use one of {LATTICE_BITS}.")
     return bits
 
 
@@ -47,17 +47,22 @@ def random_orthogonal(key: Array, dim: int = 4) -> Float[Array, "d d"]:
 # 2.1x lower than 2-bit's, against 3.3x with this step). 2 bits keep the unit-variance grid
 # (step 0.894, near the optimal 0.996), as measured in the whole-model table.
 GAUSSIAN_STEP_3BIT = 0.5860
+# DERIVED likewise: the step of the MSE-optimal 16-level uniform quantizer of a unit Gaussian
+# (Max, 1960: 0.3352, MSE 0.01154); the unit-variance grid would have step 0.217 and clip at ±1.63.
+GAUSSIAN_STEP_4BIT = 0.3352
 
 
 def initial_lattice(rotation: Float[Array, "4 4"] | None = None,
                     bits: int = 2) -> tuple[Array, Array]:
-    """The lattice before fine-tuning, ``A = step·O``, ``b = −c·step·O·1`` with ``c = 1.5``
-    (2 bits) or ``3.5`` (3 bits): a grid centred on 0 with equal steps on every rotated axis.
+    """The lattice before fine-tuning, ``A = step·O``, ``b = −c·step·O·1`` with
+    ``c = (2^bits − 1)/2`` (1.5, 3.5, 7.5): a grid centred on 0 with equal steps on every rotated
+    axis.
 
     2 bits: ``step = 1/σ``, ``σ² = 1.25`` (unit-variance codewords); with ``O = I`` every
     coordinate takes the uniform 2-bit grid ``{−1.342, −0.447, 0.447, 1.342}``: scalar
-    quantization is the special case of the lattice. 3 bits: ``step = 0.586``, the MSE-optimal
-    uniform step for a unit Gaussian (:data:`GAUSSIAN_STEP_3BIT`).
+    quantization is the special case of the lattice. 3 and 4 bits: ``step = 0.586`` and
+    ``0.3352``, the MSE-optimal uniform steps for a unit Gaussian (:data:`GAUSSIAN_STEP_3BIT`,
+    :data:`GAUSSIAN_STEP_4BIT`).
 
     Example::
 
@@ -66,25 +71,27 @@ def initial_lattice(rotation: Float[Array, "4 4"] | None = None,
         [-1.342, -0.447, 0.447, 1.342]
     """
     o = jnp.eye(4) if rotation is None else jnp.asarray(rotation, jnp.float32)
-    step = 1.0 / lattice_sigma(bits) if bits == 2 else GAUSSIAN_STEP_3BIT
+    step = {2: 1.0 / lattice_sigma(2), 3: GAUSSIAN_STEP_3BIT,
+            4: GAUSSIAN_STEP_4BIT}[check_lattice_bits(bits)]
     center = ((1 << bits) - 1) / 2.0
     return o * step, -center * step * (o @ jnp.ones(4))
 
 
 def code_dtype(bits: int = 2):
-    """Code dtype of a lattice: ``uint8`` (2-bit digits) or ``uint16`` (3-bit digits)."""
+    """Code dtype of a lattice: ``uint8`` (2-bit digits) or ``uint16`` (3- and 4-bit digits)."""
     return jnp.uint8 if check_lattice_bits(bits) == 2 else jnp.uint16
 
 
 def all_digits(bits: int = 2) -> Int[Array, "k 4"]:
     """Digits of every code index ``0..16^bits − 1`` (first coordinate most significant)."""
     count = 1 << (4 * check_lattice_bits(bits))
-    return unpack_codes(jnp.arange(count, dtype=code_dtype(bits))[None, :])[0]
+    return unpack_codes(jnp.arange(count, dtype=jnp.int32).astype(code_dtype(bits))[None, :],
+                        bits)[0]
 
 
 def make_grid(affine: Float[Array, "4 4"], offset: Float[Array, "4"],
               bits: int = 2) -> Float[Array, "k 4"]:
-    """All codewords ``A z + b`` (256 for 2 bits, 4096 for 3), row ``idx`` for code ``idx``."""
+    """All codewords ``A z + b`` (256, 4096 or 65536 for 2, 3, 4 bits), row ``idx`` for ``idx``."""
     return all_digits(bits).astype(jnp.float32) @ affine.astype(jnp.float32).T + offset
 
 
@@ -118,6 +125,7 @@ def nearest_codeword(w4: Float[Array, "... 4"], grid: Float[Array, "k 4"]) -> In
 
 __all__ = [
     "GAUSSIAN_STEP_3BIT",
+    "GAUSSIAN_STEP_4BIT",
     "LATTICE_BITS",
     "LATTICE_SIGMA",
     "all_digits",

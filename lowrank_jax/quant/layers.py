@@ -29,7 +29,7 @@ class LatticeParam(nnx.Param):
 
 class QuantizedLinear(nnx.Module):
     """A bias-free linear layer whose weight is UniSVQ-quantized; ``y = x Wᵀ`` via the kernel API
-    (2-bit ``uint8`` or 3-bit ``uint16`` codes, the same kernel).
+    (2-bit ``uint8`` or 3-/4-bit ``uint16`` codes, the same kernel; ``bits`` says which).
 
     .. math::
         W = \\mathrm{diag}(s_{out}) H_m^\\top C H_n \\mathrm{diag}(s_{in}),\\quad
@@ -56,7 +56,7 @@ class QuantizedLinear(nnx.Module):
         self.out_features = int(weight.shape[0])
         self.block_in, self.block_out = int(weight.block_in), int(weight.block_out)
         self.mode, self.implementation = mode, implementation
-        self.bits = code_bits(weight.codes)  # uint8 codes: 2-bit digits, uint16: 3-bit
+        self.bits = code_bits(weight.codes, weight.bits)  # explicit digit width (2, 3 or 4)
         self.codes = QuantCodes(jnp.asarray(weight.codes))
         self.scale_in = QuantScale(jnp.asarray(weight.scale_in, jnp.float32))
         self.scale_out = QuantScale(jnp.asarray(weight.scale_out, jnp.float32))
@@ -69,7 +69,8 @@ class QuantizedLinear(nnx.Module):
 
     def weight(self) -> UniSVQWeight:
         return UniSVQWeight(self.codes[...], self.scale_in[...], self.scale_out[...],
-                            self.affine[...], self.offset[...], self.block_in, self.block_out)
+                            self.affine[...], self.offset[...], self.block_in, self.block_out,
+                            self.bits)
 
     def bits_per_weight(self) -> float:
         return unisvq_bits_per_weight(self.out_features, self.in_features, bits=self.bits)
@@ -78,7 +79,7 @@ class QuantizedLinear(nnx.Module):
         return lattice_matmul(
             x, self.codes[...], self.scale_in[...], self.scale_out[...], self.affine[...],
             self.offset[...], block_in=self.block_in, block_out=self.block_out, mode=self.mode,
-            implementation=self.implementation,
+            implementation=self.implementation, bits=self.bits,
         )
 
 

@@ -98,9 +98,9 @@ def unisvq_bits_per_weight(m: int, n: int, *, bits: int = 2,
         \\mathrm{bpw} = b + 16·(m + n + 20)/(m n)
 
     (``b``-bit digits: ``uint8`` codes of 4 weights for ``b = 2``, a 12-bit stream padded to a
-    whole byte once per matrix for ``b = 3``; fp16 ``s_in [n]``, ``s_out [m]``, ``A [4,4]``,
-    ``b [4]``; the Hadamard sign vectors are folded into ``s_in``/``s_out`` and the block size
-    is a shape rule, so they cost 0.)
+    whole byte once per matrix for ``b = 3``, a 16-bit stream for ``b = 4``; fp16 ``s_in [n]``,
+    ``s_out [m]``, ``A [4,4]``, ``b [4]``; the Hadamard sign vectors are folded into
+    ``s_in``/``s_out`` and the block size is a shape rule, so they cost 0.)
 
     Example::
 
@@ -108,9 +108,11 @@ def unisvq_bits_per_weight(m: int, n: int, *, bits: int = 2,
         2.0078
         >>> round(unisvq_bits_per_weight(4096, 4096, bits=3), 4)
         3.0078
+        >>> round(unisvq_bits_per_weight(4096, 4096, bits=4), 4)
+        4.0078
     """
-    if bits not in (2, 3):
-        raise ValueError(f"bits={bits!r}: UniSVQ stores 2- or 3-bit lattice digits.")
+    if bits not in (2, 3, 4):
+        raise ValueError(f"bits={bits!r}: UniSVQ stores 2-, 3- or 4-bit lattice digits.")
     code_bits = 8 * math.ceil(m * (n // 4) * 4 * bits / 8)
     return (code_bits + float_bits * (m + n + 20)) / (m * n)
 

@@ -49,7 +49,7 @@ from lowrank_jax.quant.unisvq import UniSVQConfig, finetune_block, quantize_line
 METHODS = ("unisvq", "rtn", "kmeans", "sq-ldlq")
 CALIBRATED = ("unisvq", "kmeans", "sq-ldlq")  # methods that need calibration text
 FINETUNED = ("unisvq", "kmeans")  # methods whose float parameters block fine-tuning trains
-UNISVQ_BITS = (2, 3)  # 2: z ∈ {0..3}⁴ (the paper); 3: z ∈ {0..7}⁴ (4096 codewords)
+UNISVQ_BITS = (2, 3, 4)  # 2: z ∈ {0..3}⁴ (the paper); 3: {0..7}⁴ (4096); 4: {0..15}⁴ (65536)
 METHOD_BITS = {"unisvq": UNISVQ_BITS, "rtn": (2, 3, 4, 8), "kmeans": (2,), "sq-ldlq": (2,)}
 
 
@@ -123,7 +123,7 @@ def quantize_model(
         model: a dense :class:`Llama`.
         calib_tokens: ``[n_seq, seq_len]`` int token ids (required for UniSVQ: Hessians and
             block fine-tuning; ignored by RTN).
-        method: ``"unisvq"`` (2 or 3 bits), ``"rtn"`` (2, 3, 4 or 8 bits), ``"kmeans"`` (2-bit
+        method: ``"unisvq"`` (2, 3 or 4 bits), ``"rtn"`` (2, 3, 4 or 8 bits), ``"kmeans"`` (2-bit
             k-means VQ baseline, a :class:`VQLinear`, fine-tuned like UniSVQ) or ``"sq-ldlq"``
             (the scalar 2-bit baseline of :mod:`lowrank_jax.quant.scalar_ldlq`, simulated: the
             dequantized weight stays in a dense layer; no fine-tuning, as GPTQ).

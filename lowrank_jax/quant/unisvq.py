@@ -1,4 +1,4 @@
-"""UniSVQ: 2-bit (or 3-bit) weights as an affine image of the integer lattice ``{0,1,2,3}⁴``.
+"""UniSVQ: 2-bit (or 3-, 4-bit) weights as an affine image of the integer lattice ``{0,1,2,3}⁴``.
 
 A weight ``W [m, n]`` (``y = W x``) is stored as
 
@@ -9,8 +9,10 @@ A weight ``W [m, n]`` (``y = W x``) is stored as
 with block-diagonal Hadamards ``H``, one ``A [4,4]``, ``b [4]`` per matrix, and one ``uint8`` code
 per 4 weights (``2 + 16(m+n+20)/(mn)`` bits per weight). The 3-bit variant
 (``UniSVQConfig(bits=3)``) uses ``z ∈ {0..7}⁴`` (4096 codewords, one 12-bit code per 4 weights,
-``uint16`` in memory, a 12-bit stream on disk: ``3 + 16(m+n+20)/(mn)`` bits per weight). The
-pipeline:
+``uint16`` in memory, a 12-bit stream on disk: ``3 + 16(m+n+20)/(mn)`` bits per weight); the
+4-bit variant (``bits=4``) uses ``z ∈ {0..15}⁴`` (65536 codewords, one ``uint16`` code per 4
+weights, ``4 + 16(m+n+20)/(mn)``). The digit width is explicit metadata of the weight
+(:attr:`UniSVQWeight.bits`), since ``uint16`` holds both 3- and 4-bit codes. The pipeline:
 
 1. randomized Hadamard transform (random signs folded into ``s_in``/``s_out``) + RMS scaling;
 2. LDLQ (Hessian-aware rounding, GPTQ/QuIP#-style) with the calibration Hessian ``E[x xᵀ]``,
@@ -39,6 +41,7 @@ from jaxtyping import Array, Float, UInt
 
 from lowrank_jax.quant.lattice import (  # noqa: F401 (re-exported: the public lattice API)
     GAUSSIAN_STEP_3BIT,
+    GAUSSIAN_STEP_4BIT,
     LATTICE_BITS,
     LATTICE_SIGMA,
     all_digits,
@@ -77,7 +80,8 @@ class UniSVQConfig:
         lr_scale: learning rate of ``s_in``/``s_out``; lr_affine: of ``A``/``b``.
         finetune_batch: calibration sequences per Adam step.
         seed: seed of the Hadamard signs and of ``O``.
-        bits: bits per lattice digit, 2 (``{0..3}⁴``, 256 codewords) or 3 (``{0..7}⁴``, 4096).
+        bits: bits per lattice digit, 2 (``{0..3}⁴``, 256 codewords), 3 (``{0..7}⁴``, 4096) or
+            4 (``{0..15}⁴``, 65536).
     """
 
     hadamard_block: int = 128
@@ -106,7 +110,9 @@ class UniSVQConfig:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class UniSVQWeight:
-    """A quantized matrix ``[m, n]``; array fields are pytree leaves, block sizes are static."""
+    """A quantized matrix ``[m, n]``; array fields are pytree leaves, block sizes and the digit
+    width ``bits`` are static metadata (``bits=None`` infers 2 from ``uint8`` codes, 3 from
+    ``uint16``: the historical layouts; 4-bit codes must say ``bits=4``)."""
 
     codes: UInt[Array, "m q"]
     scale_in: Float[Array, " n"]
@@ -115,14 +121,17 @@ class UniSVQWeight:
     offset: Float[Array, "4"]
     block_in: int = dataclasses.field(metadata=dict(static=True), default=128)
     block_out: int = dataclasses.field(metadata=dict(static=True), default=128)
+    bits: int | None = dataclasses.field(metadata=dict(static=True), default=None)
+
+    def __post_init__(self):
+        if self.bits is None:  # resolved once; unflatten always passes the stored value
+            self.bits = code_bits(self.codes)
+        else:
+            self.bits = code_bits(self.codes, int(self.bits))
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.codes.shape[0], self.codes.shape[1] * 4
-
-    @property
-    def bits(self) -> int:
-        return code_bits(self.codes)
 
     def bits_per_weight(self) -> float:
         return unisvq_bits_per_weight(*self.shape, bits=self.bits)
@@ -196,7 +205,8 @@ def _ldlq(w, h, lower, grid, tune_iters: int, scales=None, lattice=None, bits: i
     def round_group(target, k):
         if lattice is not None:
             idx = round_to_lattice(target, lattice[0], lattice[1], bits)
-            z = unpack_codes(idx.astype(code_dtype(bits))[:, None])[:, 0].astype(jnp.float32)
+            z = unpack_codes(idx.astype(code_dtype(bits))[:, None], bits)[:, 0]
+            z = z.astype(jnp.float32)
             return idx, z @ lattice[0].T + lattice[1]
         if scales is None:
             idx = nearest_codeword(target, grid)
@@ -260,11 +270,12 @@ def ldlq_quantize(
         h: Hessian of the rotated inputs ``[n, n]`` (SPD), or ``None``.
         affine, offset: the lattice ``A``, ``b``.
         tune_iters: coordinate-descent passes.
-        bits: lattice digit width, 2 (``{0..3}⁴``) or 3 (``{0..7}⁴``, exhaustive search over
-            4096 codewords here; the quantizer itself rounds with :func:`round_to_lattice`).
+        bits: lattice digit width, 2 (``{0..3}⁴``), 3 (``{0..7}⁴``) or 4 (``{0..15}⁴``);
+            exhaustive search over the ``16^bits`` codewords here (tiny shapes only for 4 bits;
+            the quantizer itself rounds with :func:`round_to_lattice` for 3 and 4 bits).
 
     Returns:
-        codes ``[m, n/4]``: ``uint8`` (2 bits) or ``uint16`` (3 bits).
+        codes ``[m, n/4]``: ``uint8`` (2 bits) or ``uint16`` (3 or 4 bits).
 
     Example::
 
@@ -325,7 +336,7 @@ def quantize_linear(
     use_h = h is not None and cfg.use_hessian
     arrays = _quantize_core(weight.astype(jnp.float32), h if use_h else None, key, cfg,
                             block_in, block_out)
-    return UniSVQWeight(*arrays, block_in, block_out)
+    return UniSVQWeight(*arrays, block_in, block_out, cfg.bits)
 
 
 @functools.partial(jax.jit, static_argnums=(3, 4, 5))
@@ -335,21 +346,17 @@ def _quantize_core(weight, h, key, cfg: UniSVQConfig, block_in: int, block_out: 
     w_rot, w_scale, s_in, s_out, h_rot = rotate_problem(weight, h, key, block_in, block_out)
     rotation = random_orthogonal(k_rot) if cfg.rotation == "random" else None
     affine, offset = initial_lattice(rotation, cfg.bits)
-    if cfg.bits == 2:  # the measured 2-bit path: exhaustive search over the 256 codewords
-        grid = make_grid(affine, offset)
-        if h is None:
-            codes = nearest_codeword(w_rot.reshape(m, n // 4, 4), grid).astype(jnp.uint8)
-        else:
-            lower, _ = block_ldl(h_rot)
-            codes, _ = _ldlq(w_rot, h_rot, lower, grid, cfg.tune_iters)
-    else:  # 4096 codewords: A = O/σ is scaled orthogonal, so rounding is the exact nearest
-        if h is None:
-            codes = round_to_lattice(w_rot.reshape(m, n // 4, 4), affine, offset, cfg.bits)
-            codes = codes.astype(code_dtype(cfg.bits))
-        else:
-            lower, _ = block_ldl(h_rot)
-            codes, _ = _ldlq(w_rot, h_rot, lower, None, cfg.tune_iters,
-                             lattice=(affine, offset), bits=cfg.bits)
+    # A = step·O is scaled orthogonal before fine-tuning, so the nearest of the 16^bits codewords
+    # is an exact coordinate rounding (round_to_lattice): no search over the codebook. For 2 bits
+    # this equals the exhaustive search over the 256 codewords (up to float ties; tested) and
+    # makes LDLQ's rounding O(4) instead of O(256) per 4-vector.
+    if h is None:
+        codes = round_to_lattice(w_rot.reshape(m, n // 4, 4), affine, offset, cfg.bits)
+        codes = codes.astype(code_dtype(cfg.bits))
+    else:
+        lower, _ = block_ldl(h_rot)
+        codes, _ = _ldlq(w_rot, h_rot, lower, None, cfg.tune_iters, lattice=(affine, offset),
+                         bits=cfg.bits)
     return codes, s_in, s_out * w_scale, affine, offset
 
 
@@ -378,7 +385,7 @@ def dequantize(w: UniSVQWeight) -> Float[Array, "m n"]:
     """Dense fp32 ``[m, n]`` of a :class:`UniSVQWeight` (the reference weight)."""
     return dequantize_reference(
         w.codes, w.scale_in, w.scale_out, w.affine, w.offset,
-        block_in=w.block_in, block_out=w.block_out,
+        block_in=w.block_in, block_out=w.block_out, bits=w.bits,
     )
 
 
@@ -483,6 +490,7 @@ def finetune_block(
 
 __all__ = [
     "GAUSSIAN_STEP_3BIT",
+    "GAUSSIAN_STEP_4BIT",
     "LATTICE_BITS",
     "LATTICE_SIGMA",
     "UniSVQConfig",

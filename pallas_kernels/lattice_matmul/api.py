@@ -46,12 +46,13 @@ def code_matmul(
     block_t: int | None = None,
     block_m: int = 64,
     block_k: int = 128,
+    bits: int | None = None,
 ) -> Float[Array, "t m"]:
-    """Rotated-domain product ``x_rot @ Cᵀ`` (fp32), ``C`` decoded from 2- or 3-bit codes.
+    """Rotated-domain product ``x_rot @ Cᵀ`` (fp32), ``C`` decoded from 2-, 3- or 4-bit codes.
 
     Args:
         x_rot: rotated activations ``[t, n]`` (``n = 4·q``); bf16 or fp32.
-        codes: packed codes ``[m, n/4]``: uint8 (2-bit digits) or uint16 (3-bit digits).
+        codes: packed codes ``[m, n/4]``: uint8 (2-bit digits) or uint16 (3- or 4-bit digits).
         affine: ``A [4, 4]``; offset: ``b [4]``.
         mode: ``"fold"`` (A onto the activations, integer-weight GEMM + rank-1 correction) or
             ``"dequant"`` (decode ``A z + b`` inside the kernel, float GEMM).
@@ -59,6 +60,8 @@ def code_matmul(
             the kernel on GPU/TPU (or with ``interpret=True``), the reference elsewhere. The
             kernel is inference-only: differentiate ``implementation="xla"``.
         block_t, block_m, block_k: tile sizes (tokens, output rows, packed K chunk).
+        bits: bits per digit (2, 3 or 4); ``None`` infers 2 (``uint8``) or 3 (``uint16``) from
+            the dtype, so 4-bit codes must say ``bits=4``.
 
     Returns:
         ``[t, m]`` fp32.
@@ -80,13 +83,13 @@ def code_matmul(
             f"x_rot has n={n} features but codes [{m}, {q}] encode {4 * q}; pass activations "
             "whose last dim is 4 × codes.shape[1]."
         )
-    bits = reference.code_bits(codes)  # uint8: 2-bit digits, uint16: 3-bit (clear error else)
+    bits = reference.code_bits(codes, bits)  # explicit, or by dtype: uint8 2-bit, uint16 3-bit
     impl, interpret = resolve(implementation, interpret, op="code_matmul")
     if impl == "xla":
         if mode == "fold":
             planes, correction = reference.fold_activations(x_rot, affine, offset)
-            return reference.planes_matmul_reference(planes, codes) + correction[:, None]
-        return reference.code_matmul_reference(x_rot, codes, affine, offset)
+            return reference.planes_matmul_reference(planes, codes, bits) + correction[:, None]
+        return reference.code_matmul_reference(x_rot, codes, affine, offset, bits)
 
     on_gpu = jax.default_backend() == "gpu" and not interpret
     if block_t is None:
@@ -129,6 +132,7 @@ def lattice_matmul(
     mode: Literal["fold", "dequant"] = "fold",
     implementation: Literal["auto", "pallas", "xla"] = "auto",
     interpret: bool | None = None,
+    bits: int | None = None,
 ) -> Float[Array, "... m"]:
     """``y = x @ Wᵀ`` for a UniSVQ weight, without ever forming ``W``.
 
@@ -140,7 +144,7 @@ def lattice_matmul(
         x: activations ``[..., n]``.
         codes, scale_in, scale_out, affine, offset: the quantized weight (see module doc).
         block_in, block_out: Hadamard block sizes on the input / output side.
-        mode, implementation, interpret: see :func:`code_matmul`.
+        mode, implementation, interpret, bits: see :func:`code_matmul`.
 
     Returns:
         ``[..., m]`` in ``x.dtype``.
@@ -161,7 +165,7 @@ def lattice_matmul(
                                      block_in)
     out = code_matmul(
         x_rot.astype(x.dtype), codes, affine, offset, mode=mode,
-        implementation=implementation, interpret=interpret,
+        implementation=implementation, interpret=interpret, bits=bits,
     )
     y = reference.block_hadamard(out, block_out, transpose=True) * scale_out.astype(jnp.float32)
     return y.astype(x.dtype).reshape(*lead, codes.shape[0])

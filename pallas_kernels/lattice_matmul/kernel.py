@@ -1,7 +1,7 @@
 """Pallas kernel: fused 2-bit unpack (+ affine decode) + matmul in the UniSVQ rotated domain.
 
-Codes are ``uint8`` (2-bit digits) or ``uint16`` (3-bit digits in the low 12 bits); the digit
-width is a static argument (``bits``), see ``reference.code_bits``.
+Codes are ``uint8`` (2-bit digits) or ``uint16`` (3-bit digits in the low 12 bits, or 4-bit
+digits in all 16); the digit width is a static argument (``bits``), see ``reference.code_bits``.
 
 Portable subset only (``pallas_call``, ``BlockSpec`` grid, ``fori_loop``, ref slicing), so the same
 body lowers with Triton on GPU and runs in interpret mode on CPU.
@@ -80,8 +80,8 @@ def lattice_planes_matmul(
             f"padded shapes t={t}, m={m}, q={q} must be multiples of block_t={block_t}, "
             f"block_m={block_m}, block_k={block_k}; call pallas_kernels.lattice_matmul.api."
         )
-    if bits not in (2, 3):
-        raise ValueError(f"bits={bits}: the lattice kernel decodes 2- or 3-bit digits.")
+    if bits not in (2, 3, 4):
+        raise ValueError(f"bits={bits}: the lattice kernel decodes 2-, 3- or 4-bit digits.")
     kernel = functools.partial(_lattice_kernel, block_k=block_k, num_k=q // block_k, mode=mode,
                                bits=bits)
     return pl.pallas_call(

@@ -20,11 +20,16 @@ Usage::
     python -m scripts.reproduce.unisvq --only unisvq   # one method (its rows: OUT/rows/*.json)
     python -m scripts.reproduce.unisvq --only e2e      # end-to-end pass on OUT/unisvq2
     python -m scripts.reproduce.unisvq --only unisvq3,e2e-unisvq3   # the 3-bit lattice
+    python -m scripts.reproduce.unisvq --only unisvq4,e2e-unisvq4   # the 4-bit lattice
     python -m scripts.reproduce.unisvq --table-only    # merge the saved rows of this protocol
 
-CPU seconds measured for 30 blocks (2 cores): UniSVQ-2 579-603, UniSVQ-3 438, k-means VQ 761,
-scalar LDLQ 332-343, RTN a few; each 20-step e2e pass about 400; each quantized model's
-evaluation adds about a minute.
+CPU seconds measured for 30 blocks (2 cores, round 5): UniSVQ-2 413 (285 with
+``--finetune-steps 20``), UniSVQ-3 421, UniSVQ-4 427, k-means VQ 695-761, scalar LDLQ 332-343,
+RTN a few; a 20-step e2e pass about 270; each quantized model's evaluation adds about a minute.
+The ≤ 10-min 2-bit method (553 CPU s)::
+
+    python -m scripts.reproduce.unisvq --out runs/reproduce_unisvq_ft20 --finetune-steps 20 \
+        --only unisvq,e2e --e2e-steps 20
     python -m scripts.reproduce.unisvq --quick    # the first 4 blocks only, fewer steps
     python -m scripts.reproduce.unisvq --model tiny --quick   # smoke test (seconds)
 
@@ -60,7 +65,7 @@ def parse_args(argv=None):
     p.add_argument("--no-kmeans", action="store_true")
     p.add_argument("--only", default=None,
                    help="comma-separated methods to run (rtn, sq-ldlq, kmeans, unisvq, unisvq3, "
-                   "e2e, e2e-kmeans, e2e-unisvq3); default all")
+                   "unisvq4, e2e, e2e-kmeans, e2e-unisvq3, e2e-unisvq4); default all")
     p.add_argument("--no-ablation", action="store_true",
                    help="skip UniSVQ without fine-tuning")
     p.add_argument("--table-only", action="store_true",
@@ -74,8 +79,10 @@ def parse_args(argv=None):
 
 
 QUESTION = "What is the capital of France?"
-FOLDERS = {"unisvq": "unisvq2", "unisvq3": "unisvq3", "kmeans": "kmeans2"}
-E2E_SOURCES = {"e2e": "unisvq", "e2e-kmeans": "kmeans", "e2e-unisvq3": "unisvq3"}
+FOLDERS = {"unisvq": "unisvq2", "unisvq3": "unisvq3", "unisvq4": "unisvq4", "kmeans": "kmeans2"}
+E2E_SOURCES = {"e2e": "unisvq", "e2e-kmeans": "kmeans", "e2e-unisvq3": "unisvq3",
+               "e2e-unisvq4": "unisvq4"}
+LATTICE_RUNS = {"unisvq3": 3, "unisvq4": 4}  # --only name -> bits of the UniSVQ lattice
 
 
 def write_and_chat(model, tokenizer, report, folder: str, max_new_tokens: int,
@@ -126,16 +133,21 @@ def run_e2e(args, fp_model, calib, ppl, source_rows, source: str, tokenizer,
         raise ValueError(f"the e2e pass on {source} needs its folder of the same protocol; run "
                          f"--only {source} first (without --no-folder).")
     model_q, _ = load_model(source_rows["folder"]["path"])
+    load0 = os.getloadavg()[0]
     c0 = os.times()
     info = finetune_end_to_end(model_q, fp_model, calib, steps=args.e2e_steps,
                                log=lambda line: print(line, flush=True))
     c1 = os.times()
     info["cpu_seconds"] = (c1.user + c1.system) - (c0.user + c0.system)
+    info["load_average"] = (load0, os.getloadavg()[0])
     base = source_rows["rows"][-1]
     value = ppl(model_q)
     print(f"{base['method']} + {args.e2e_steps}-step e2e: ppl {value:.3f} "
           f"(val KL {info['val_kl_before']:.4f} -> {info['val_kl_after']:.4f}, "
-          f"e2e time {info['seconds']:.1f}s wall, {info['cpu_seconds']:.1f}s CPU)", flush=True)
+          f"e2e time {info['seconds']:.1f}s wall, {info['cpu_seconds']:.1f}s CPU, load average "
+          f"{info['load_average'][0]:.1f} -> {info['load_average'][1]:.1f}); whole pipeline "
+          f"(block-wise + e2e) {source_rows['rows'][-1]['cpu_seconds'] + info['cpu_seconds']:.1f}"
+          "s CPU", flush=True)
     row = {"method": f"{base['method']} + {args.e2e_steps}-step e2e (KL)",
            "bits_per_weight": base["bits_per_weight"], "ppl": value,
            "seconds": base["seconds"] + info["seconds"],
@@ -243,6 +255,7 @@ def main(argv=None) -> int:
         runs.append(("k-means VQ-2 (RHT+LDLQ)", "kmeans", 2, None))
     runs.append(("UniSVQ-2 (RHT+LDLQ)", "unisvq", 2, None))
     runs.append(("UniSVQ-3 (RHT+LDLQ)", "unisvq3", 3, None))
+    runs.append(("UniSVQ-4 (RHT+LDLQ)", "unisvq4", 4, None))
     runs += [(name, name, 0, None) for name in E2E_SOURCES
              if not (args.no_kmeans and name == "e2e-kmeans")]
     if args.only:
@@ -268,13 +281,15 @@ def main(argv=None) -> int:
             write_rows(method, method_rows[method], {"folder": folder} if folder else None)
             continue
         m = fresh()
+        load0 = os.getloadavg()[0]
         c0 = cpu_seconds()
-        qmethod = "unisvq" if method == "unisvq3" else method
+        qmethod = "unisvq" if method in LATTICE_RUNS else method
         report = quantize_model(m, calib, method=qmethod, bits=bits, group_size=args.group_size,
                                 zero_point=zero_point or "integer",
                                 sq_group_size=args.sq_group_size, cfg=base_cfg, layers=layers,
                                 keep_unfinetuned=qmethod in FINETUNED and ft > 0)
         cpu = cpu_seconds() - c0
+        load = (load0, os.getloadavg()[0])  # 1-min load average at the start and the end
         variants = [(name if qmethod not in FINETUNED or ft == 0 else f"{name} + {ft}-step "
                      "block FT", m)]
         if "unfinetuned" in report:
@@ -292,10 +307,11 @@ def main(argv=None) -> int:
                 "method": label, "bits_per_weight": report["bits_per_weight"],
                 "ppl": value, "seconds": report["seconds"], "cpu_seconds": cpu,
                 "median_block_seconds": float(np.median(per_block)) if per_block else 0.0,
-                "blocks": report["blocks"],
+                "load_average": load, "blocks": report["blocks"],
             })
             print(f"{label}: ppl {value:.3f}, {report['bits_per_weight']:.4f} bpw, "
-                  f"{report['seconds']:.1f}s wall, {cpu:.1f}s CPU", flush=True)
+                  f"{report['seconds']:.1f}s wall, {cpu:.1f}s CPU (load average "
+                  f"{load[0]:.1f} -> {load[1]:.1f})", flush=True)
         extra = {}
         if method in FOLDERS and not args.no_folder:
             extra["folder"] = write_and_chat(
@@ -304,7 +320,7 @@ def main(argv=None) -> int:
         write_rows(method, method_rows[method], extra)
 
     order = ["fp32", "rtn", "sq-ldlq", "kmeans", "e2e-kmeans", "unisvq", "e2e", "unisvq3",
-             "e2e-unisvq3"]
+             "e2e-unisvq3", "unisvq4", "e2e-unisvq4"]
     saved = {k: read_rows(k) for k in order}
     missing = [k for k, v in saved.items() if v is None]
     if saved["fp32"] is None:

@@ -44,3 +44,15 @@ def test_e2e_lowers_the_calibration_kl_and_keeps_codes_and_reference():
         np.testing.assert_array_equal(a, b)
     for a, b in zip(fp_before, jax.tree.leaves(nnx.state(fp))):
         np.testing.assert_array_equal(a, b)
+
+
+def test_cached_teacher_logits_give_the_same_pass():
+    """``cache_teacher`` runs the FP model once instead of every step: the same losses."""
+    fp, q, tokens = _quantized_pair()
+    q2 = nnx.clone(q)
+    kw = dict(steps=4, lr_scale=3e-3, lr_affine=3e-4, lr_norm=3e-3, batch=3)
+    cached = finetune_end_to_end(q, fp, tokens, cache_teacher=True, **kw)
+    live = finetune_end_to_end(q2, fp, tokens, cache_teacher=False, **kw)
+    assert [s for s, _ in cached["history"]] == [0, 1, 2, 3, 4]
+    np.testing.assert_allclose([v for _, v in cached["history"]],
+                               [v for _, v in live["history"]], rtol=1e-4)

@@ -211,8 +211,8 @@ def test_quantize_model_bad_input():
     model = _tiny_llama()
     with pytest.raises(ValueError, match="calib_tokens is missing"):
         quantize_model(model, None, method="unisvq", bits=2, progress=False)
-    with pytest.raises(ValueError, match=r"bits \(method=unisvq\)=4"):
-        quantize_model(model, np.zeros((2, 8), int), method="unisvq", bits=4, progress=False)
+    with pytest.raises(ValueError, match=r"bits \(method=unisvq\)=5"):
+        quantize_model(model, np.zeros((2, 8), int), method="unisvq", bits=5, progress=False)
     with pytest.raises(ValueError, match="group_size=24"):
         quantize_model(model, None, method="rtn", bits=2, group_size=24, progress=False)
     with pytest.raises(ValueError, match="method='gptq'"):
@@ -236,9 +236,9 @@ def test_quantize_command_bad_input(tmp_path):
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
-    args = parser.parse_args(["quantize", "--method", "unisvq", "--bits", "4", "--out",
+    args = parser.parse_args(["quantize", "--method", "unisvq", "--bits", "5", "--out",
                               str(tmp_path)])
-    with pytest.raises(ValueError, match="--bits 4 is not supported by --method unisvq"):
+    with pytest.raises(ValueError, match="--bits 5 is not supported by --method unisvq"):
         run(args)
     args = parser.parse_args(["quantize", "--calib-file", str(tmp_path / "none.txt"), "--out",
                               str(tmp_path)])

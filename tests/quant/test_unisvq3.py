@@ -98,10 +98,10 @@ def test_12bit_codes_pack_to_exactly_3_bits_per_weight():
     with pytest.raises(ValueError, match="does not fit in bits=12"):
         pack_bits(np.array([4096]), 12)
     assert unisvq_bits_per_weight(24, 20, bits=3) == (24 * 5 * 12 + 16 * (24 + 20 + 20)) / 480
-    with pytest.raises(ValueError, match="bits=4"):
-        unisvq_bits_per_weight(8, 8, bits=4)
-    with pytest.raises(ValueError, match="bits=4"):
-        UniSVQConfig(bits=4)
+    with pytest.raises(ValueError, match="bits=5"):
+        unisvq_bits_per_weight(8, 8, bits=5)
+    with pytest.raises(ValueError, match="bits=5"):
+        UniSVQConfig(bits=5)
 
 
 @pytest.mark.parametrize("mode", ["fold", "dequant"])
