@@ -16,6 +16,7 @@ import dataclasses
 import json
 import pathlib
 import time
+import weakref
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -25,6 +26,7 @@ import optax
 from flax import nnx
 
 from lowrank_jax.hyper.doc_to_lora import DocToLoRA, LoRABank, adapted, chunk_encoder, chunk_tokens
+from lowrank_jax.nn.capture import capture
 
 
 def topk_distill(student_logits, teacher_logp, teacher_idx, weights=None):
@@ -81,27 +83,69 @@ def _pad(rows: Sequence[Sequence[int]], width: int) -> np.ndarray:
     return out
 
 
-def _teacher_fn(model, top_k: int):
+_TEACHER_PASSES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _teacher_pass(model, top_k: int, paths: tuple, chunk_len: int):
+    """``run(tokens, gather) -> (logp, idx, feats)``: one jitted pass of the teacher over
+    ``document + question + answer`` rows with the weights ``model`` has now. It gives the
+    top-k log-probabilities at the ``gather`` positions only (the LM head runs on those rows,
+    not on every position) and the inputs of the decoder layers ``paths`` at the first
+    ``chunk_len`` positions, which *are* the document's first-chunk features (the model is
+    causal: a prefix does not see what follows it). The jitted function is kept per model, so
+    its compilations (one per ``(batch, width)``) serve every later call."""
     graphdef, state = nnx.split(model)
+    cached = _TEACHER_PASSES.get(model)
+    if cached is None or cached[0] != graphdef:
+        cached = _TEACHER_PASSES[model] = (graphdef, {})
+    key = (top_k, paths, chunk_len)
+    if key not in cached[1]:
+        @jax.jit
+        def run(state, tokens, gather):
+            m = nnx.merge(graphdef, state)
+            with capture(m, list(paths)) as rec:
+                hidden, _ = m.hidden_states(tokens)
+            rows = jnp.take_along_axis(hidden, gather[..., None], axis=1)  # [B, A, d]
+            logp, idx = jax.lax.top_k(jax.nn.log_softmax(m.logits_from_hidden(rows), axis=-1),
+                                      top_k)
+            feats = jnp.stack([rec.inputs[p][0][:, :chunk_len] for p in paths], axis=1)
+            return logp, idx, feats.astype(jnp.float32)
 
-    @jax.jit
-    def run(state, tokens):
-        logits, _ = nnx.merge(graphdef, state)(tokens)
-        return jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), top_k)
+        cached[1][key] = run
+    run = cached[1][key]
+    return lambda tokens, gather: run(state, jnp.asarray(tokens), jnp.asarray(gather))
 
-    return lambda tokens: run(state, jnp.asarray(tokens))
+
+def _buckets(lengths: Sequence[int], batch_size: int, bucket: int):
+    """Row groups ``(width, rows)``: rows sorted by length, widths rounded up to a multiple of
+    ``bucket`` (few shapes, so few compilations), at most ``batch_size`` rows each."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    groups: dict[int, list[int]] = {}
+    for i in order:
+        groups.setdefault(-(-lengths[i] // bucket) * bucket, []).append(i)
+    return [(width, rows[s:s + batch_size]) for width, rows in sorted(groups.items())
+            for s in range(0, len(rows), batch_size)]
 
 
 def build_distill_data(model, documents: Sequence[Sequence[int]],
                        questions: Sequence[Sequence[int]], answers: Sequence[Sequence[int]], *,
                        layers: Sequence[int], chunk_len: int, max_chunks: int, top_k: int = 16,
-                       batch_size: int = 8) -> DistillData:
+                       batch_size: int = 32, bucket: int = 16,
+                       feature_dtype: Any = np.float32) -> DistillData:
     """Encode the documents and record the teacher (the model reading ``document + question``)
     on the answer tokens.
 
     The student sees ``question + answer``; position ``len(question) - 1 + j`` of its logits
     predicts answer token ``j``, and the teacher's top-k there comes from position
     ``len(document) + len(question) - 1 + j`` of the teacher's.
+
+    Batched for thousands of documents: rows are grouped by length (widths rounded up to a
+    multiple of ``bucket``; one compilation per width) into batches of ``batch_size``; one
+    teacher pass gives both the top-k (LM head on the answer positions only) and the first
+    chunk's features (the layer inputs at the document's positions, equal to encoding the
+    chunk alone since the model is causal); only chunks 2.. get an encoder pass of their own.
+    Features at masked (padding) positions are 0. ``feature_dtype`` (e.g. ``np.float16``)
+    halves the memory of the stored features; the hypernetwork computes in float32.
     """
     n = len(documents)
     if not (n == len(questions) == len(answers)) or n == 0:
@@ -109,42 +153,52 @@ def build_distill_data(model, documents: Sequence[Sequence[int]],
                          f"got {n}, {len(questions)}, {len(answers)}.")
     if any(len(a) == 0 for a in answers):
         raise ValueError("every answer needs at least one token.")
+    for key, value in (("batch_size", batch_size), ("bucket", bucket)):
+        if not (isinstance(value, int) and value >= 1):
+            raise ValueError(f"{key}={value!r} must be a positive integer.")
     chunks = [chunk_tokens(doc, chunk_len, max_chunks) for doc in documents]
     ids = np.stack([c[0] for c in chunks])
     mask = np.stack([c[1] for c in chunks])
-    encode = chunk_encoder(model, layers)
-    flat = ids.reshape(-1, chunk_len)
-    block = batch_size * max_chunks
-    feats = []
-    for i in range(0, len(flat), block):
-        part = flat[i:i + block]
-        padded = np.concatenate([part, np.zeros((block - len(part), chunk_len), np.int32)])
-        feats.append(np.asarray(encode(padded))[:len(part)])
-    features = np.concatenate(feats).reshape((n, max_chunks) + feats[0].shape[1:])
+    n_layers, d_model = len(layers), model.cfg.d_model
+    features = np.zeros((n, max_chunks, n_layers, chunk_len, d_model), feature_dtype)
     student = [list(q) + list(a) for q, a in zip(questions, answers)]
     width = max(len(s) for s in student)
-    teacher = [list(d) + s for d, s in zip(documents, student)]
-    teacher_width = max(len(t) for t in teacher)
-    teacher_tokens = _pad(teacher, teacher_width)
-    run = _teacher_fn(model, top_k)
-    logp_all, idx_all = [], []
-    for i in range(0, n, batch_size):
-        block = teacher_tokens[i:i + batch_size]
-        short = batch_size - len(block)
-        if short:
-            block = np.concatenate([block, np.zeros((short, teacher_width), np.int32)])
-        logp, idx = run(block)
-        logp_all.append(np.asarray(logp)[:batch_size - short])
-        idx_all.append(np.asarray(idx)[:batch_size - short])
-    t_logp, t_idx = np.concatenate(logp_all), np.concatenate(idx_all)
+    n_answer = max(len(a) for a in answers)
     weights = np.zeros((n, width), np.float32)
     out_logp = np.zeros((n, width, top_k), np.float32)
     out_idx = np.zeros((n, width, top_k), np.int32)
-    for i, (d, q, a) in enumerate(zip(documents, questions, answers)):
-        s0, t0 = len(q) - 1, len(d) + len(q) - 1
-        weights[i, s0:s0 + len(a)] = 1.0
-        out_logp[i, s0:s0 + len(a)] = t_logp[i, t0:t0 + len(a)]
-        out_idx[i, s0:s0 + len(a)] = t_idx[i, t0:t0 + len(a)]
+
+    teacher = [list(d) + s for d, s in zip(documents, student)]
+    # rows at least chunk_len wide, so the first chunk's features are all there
+    lengths = [max(len(t), chunk_len) for t in teacher]
+    run = _teacher_pass(model, top_k, tuple(f"layers/{int(i)}" for i in layers), chunk_len)
+    for w, rows in _buckets(lengths, batch_size, bucket):
+        tokens = np.zeros((batch_size, w), np.int32)
+        gather = np.zeros((batch_size, n_answer), np.int32)
+        for r, i in enumerate(rows):
+            tokens[r, :len(teacher[i])] = teacher[i]
+            t0 = len(documents[i]) + len(questions[i]) - 1
+            gather[r, :len(answers[i])] = np.arange(t0, t0 + len(answers[i]))
+        logp, idx, feats = (np.asarray(x) for x in run(tokens, gather))
+        for r, i in enumerate(rows):
+            s0, k = len(questions[i]) - 1, len(answers[i])
+            weights[i, s0:s0 + k] = 1.0
+            out_logp[i, s0:s0 + k] = logp[r, :k]
+            out_idx[i, s0:s0 + k] = idx[r, :k]
+            features[i, 0] = feats[r] * mask[i, 0][None, :, None]
+
+    later = [(i, c) for i in range(n) for c in range(1, max_chunks) if mask[i, c].any()]
+    if later:
+        encode = chunk_encoder(model, layers)
+        block = min(batch_size, len(later))
+        for s in range(0, len(later), block):
+            part = later[s:s + block]
+            tokens = np.zeros((block, chunk_len), np.int32)
+            for r, (i, c) in enumerate(part):
+                tokens[r] = ids[i, c]
+            feats = np.asarray(encode(tokens))
+            for r, (i, c) in enumerate(part):
+                features[i, c] = feats[r] * mask[i, c][None, :, None]
     return DistillData(features, mask, _pad(student, width), weights, out_logp, out_idx)
 
 

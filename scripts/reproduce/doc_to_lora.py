@@ -68,6 +68,55 @@ TRAIN_NAMES = ["Alice", "Bob", "Carol", "David", "Emma", "Frank", "Grace", "Henr
 TEST_NAMES = ["Wendy", "Xavier", "Yolanda", "Zachary", "Ursula", "Quentin", "Beatrice", "Oscar"]
 
 
+# round 5: many distinct documents (the previous round memorised 400). Filler from templates
+# (14 x 16 x 16 = 3584 sentences), 156 training names x 90 codes (14,040 pairs, each training
+# document a fresh pair), 40 test names that never occur in training.
+SUBJECTS = ["The farmer", "A small boy", "The old teacher", "My neighbour", "The doctor",
+            "A tired traveller", "The young painter", "Our captain", "The shopkeeper",
+            "A quiet student", "The mayor", "An old fisherman", "The gardener", "A nurse"]
+ACTIONS = ["walked slowly", "sang a song", "read a letter", "drank some tea", "waited",
+           "fixed a bicycle", "cooked dinner", "wrote a poem", "found a coin", "lost a glove",
+           "painted a fence", "fed the ducks", "took a photo", "sold apples", "counted sheep",
+           "lit a candle"]
+PLACES = ["near the river", "in the garden", "at the station", "by the sea", "in the kitchen",
+          "on the hill", "behind the school", "at the market", "in the forest", "on the bridge",
+          "under the bridge", "in the village", "at the harbour", "on the farm",
+          "in the library", "at noon"]
+VARIED_TRAIN_NAMES = (TRAIN_NAMES + """Aaron Abigail Adam Adrian Agnes Albert Alex Amanda Amber Amy
+    Andrew Angela Anna Anthony Arthur Audrey Barbara Ben Bernard Betty Bill Brandon Brian Bruce
+    Carl Caroline Catherine Charles Charlotte Chris Claire Clara Colin Daniel Diana Donald Doris
+    Dorothy Edward Eleanor Elijah Eliza Ellen Emily Eric Ethan Eva Evelyn Felix Fiona Florence
+    Frances George Gerald Gloria Gordon Hannah Harold Harry Helen Howard Hugo Ian Isaac Ivan Jack
+    Jacob Jane Janet Jason Jean Jeffrey Jennifer Jessica Joan John Joseph Joyce Julia Julian
+    Justin Keith Kevin Laura Lawrence Leo Linda Lisa Lucy Luke Margaret Mark Martha Martin Mary
+    Matthew Megan Michael Monica Nancy Neil Nicole Noah Norman Oliver Pamela Patrick Paul
+    Philip Ralph Raymond Rebecca Richard Robert Roger Ronald Rose Roy Ruth Ryan Samuel Sandra
+    Sarah Scott Sharon Sophia Stephen Steven Susan Thomas Timothy Tony Vera Walter Wayne
+    William""".split())
+VARIED_TEST_NAMES = TEST_NAMES + """Agatha Ambrose Barnaby Cedric Cornelia Desmond Dolores
+    Edmund Esther Gideon Gwendolyn Horace Imogen Jasper Lavinia Leopold Lorna Mabel Marcus
+    Mildred Murray Octavia Percival Priscilla Reginald Rosalind Rupert Silas Theodora Winifred
+    Ophelia Ignatius""".split()
+
+
+def make_varied_documents(rng, n, names, codes, min_filler, max_filler, exclude=()):
+    """``n`` documents, each a distinct (name, code) pair (none in ``exclude``) among template
+    filler sentences; returns the documents and the set of pairs used."""
+    pairs = [(a, c) for a in names for c in codes if (a, c) not in set(exclude)]
+    if n > len(pairs):
+        raise ValueError(f"{n} documents need {n} distinct (name, code) pairs; "
+                         f"only {len(pairs)} exist.")
+    docs = []
+    for j in rng.choice(len(pairs), n, replace=False):
+        name, code = pairs[int(j)]
+        k = int(rng.integers(min_filler, max_filler + 1))
+        sentences = [f"{rng.choice(SUBJECTS)} {rng.choice(ACTIONS)} {rng.choice(PLACES)}."
+                     for _ in range(k)]
+        sentences.insert(int(rng.integers(0, k + 1)), f"The secret code of {name} is {code}.")
+        docs.append({"doc": " ".join(sentences), "name": name, "code": int(code)})
+    return docs
+
+
 def make_documents(rng, n, names, codes, min_filler, max_filler):
     docs = []
     for _ in range(n):
@@ -221,6 +270,14 @@ def main(argv=None):
     p.add_argument("--chunk-len", type=int, default=64)
     p.add_argument("--train-docs", type=int, default=400)
     p.add_argument("--test-docs", type=int, default=16)
+    p.add_argument("--data", choices=("varied", "v1"), default="v1",
+                   help="varied: template filler and a distinct (name, code) pair per document "
+                        "(156 training / 40 test names); v1: the previous rounds' 12 filler "
+                        "sentences, 20 / 8 names")
+    p.add_argument("--feature-dtype", choices=("float32", "float16"), default="float32",
+                   help="storage of the cached document features (float16 halves memory)")
+    p.add_argument("--cd-docs", type=int, default=None,
+                   help="context distillation on the first N test documents (default all)")
     p.add_argument("--steps", type=int, default=1100)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=10)
@@ -257,8 +314,13 @@ def main(argv=None):
     model, tok = load_model(args.model)
     rng = np.random.default_rng(0)
     codes = list(range(10, 100))  # the closed answer vocabulary (pairs held out via names)
-    train = make_documents(rng, args.train_docs, TRAIN_NAMES, codes, 2, 7)
-    test = make_documents(rng, args.test_docs, TEST_NAMES, codes, 2, 7)
+    if args.data == "varied":
+        train = make_varied_documents(rng, args.train_docs, VARIED_TRAIN_NAMES, codes, 2, 7)
+        test = make_varied_documents(rng, args.test_docs, VARIED_TEST_NAMES, codes, 2, 7)
+    else:
+        train = make_documents(rng, args.train_docs, TRAIN_NAMES, codes, 2, 7)
+        test = make_documents(rng, args.test_docs, TEST_NAMES, codes, 2, 7)
+    assert not {d["name"] for d in train} & {d["name"] for d in test}
     max_chunks = 2
     tr, te = tokenize(tok, train), tokenize(tok, test)
     mean_train, mean_test = np.mean([len(d) for d in tr[0]]), np.mean([len(d) for d in te[0]])
@@ -266,11 +328,14 @@ def main(argv=None):
           f"test mean {mean_test:.0f}"
           f" (max {max(len(d) for d in tr[0] + te[0])}, chunk {args.chunk_len})", flush=True)
     build = dict(layers=layers, chunk_len=args.chunk_len, max_chunks=max_chunks, top_k=16)
+    if args.feature_dtype != "float32":
+        build["feature_dtype"] = args.feature_dtype
     t0 = time.time()
     train_data = cached_distill_data(args.cache_dir, args.model, model, tr, build)
     test_data = cached_distill_data(args.cache_dir, args.model, model, te, build)
     floor = teacher_floor(train_data)
-    print(f"teacher + features in {time.time() - t0:.0f}s; KL floor {floor:.3f}", flush=True)
+    build_seconds = time.time() - t0
+    print(f"teacher + features in {build_seconds:.0f}s; KL floor {floor:.3f}", flush=True)
 
     hyper = DocToLoRA.for_model(model, layers=layers, target=args.target, rank=args.rank,
                                 d_latent=128, n_latents=8, num_blocks=2, n_heads=4,
@@ -332,7 +397,8 @@ def main(argv=None):
     distill = context_distiller(model, hyper.config, total_rank=total_rank, steps=args.cd_steps,
                                 learning_rate=args.cd_lr)
     cd_hits, cd_lps, cd_digits, cd_times = [], [], [], []
-    for i in range(len(documents)):
+    n_cd = len(documents) if args.cd_docs is None else min(args.cd_docs, len(documents))
+    for i in range(n_cd):
         one = DistillData(*(np.asarray(x)[i:i + 1] for x in test_data))
         t0 = time.time()
         cd_bank = distill(one, seed=i)
@@ -344,7 +410,9 @@ def main(argv=None):
         cd_hits += h
         cd_lps += lp
         cd_digits += dg
-    results["context distillation (per doc)"] = (cd_hits, cd_lps, cd_digits)
+    cd_name = ("context distillation (per doc)" if n_cd == len(documents) else
+               f"context distillation (per doc, first {n_cd} test docs)")
+    results[cd_name] = (cd_hits, cd_lps, cd_digits)
     cd_seconds = float(np.mean(cd_times[1:] if len(cd_times) > 1 else cd_times))
 
     # memory: what XLA plans for one internalisation vs one context-distillation step
@@ -385,6 +453,8 @@ def main(argv=None):
         "date": time.strftime("%Y-%m-%d"), "quick": args.quick, "model": args.model,
         "layers": layers, "rank_per_chunk": args.rank, "chunk_len": args.chunk_len,
         "train_docs": args.train_docs, "test_docs": args.test_docs, "steps": args.steps,
+        "data": args.data, "feature_dtype": args.feature_dtype, "cd_docs": n_cd,
+        "build_seconds": build_seconds,
         "cd_steps": args.cd_steps, "lr": args.lr, "warmup": args.warmup,
         "steps_done": steps_done, "eval_only": args.eval_only, "target": args.target,
         "ce_weight": args.ce_weight, "kl_floor": floor, "curve": curve,

@@ -215,6 +215,54 @@ def test_distill_data_aligns_teacher_to_student_positions(base, data):
     assert data.features.shape == (4, 2, 2, CHUNK, 64)
 
 
+def _reference_distill_data(base, docs, questions, answers, layers, max_chunks, top_k):
+    """The build by its definition, one document at a time: each chunk encoded on its own,
+    the teacher's full logits on ``document + question + answer``, top-k at the answer."""
+    feats, masks, logps, idxs = [], [], [], []
+    width = max(len(q) + len(a) for q, a in zip(questions, answers))
+    encode = chunk_encoder(base, layers)
+    graph, state = nnx.split(base)
+    teacher = jax.jit(lambda st, t: jax.nn.log_softmax(nnx.merge(graph, st)(t)[0], axis=-1))
+    for d, q, a in zip(docs, questions, answers):
+        ids, mask = chunk_tokens(d, CHUNK, max_chunks)
+        feats.append(np.asarray(encode(ids)) * mask[:, None, :, None])
+        masks.append(mask)
+        row = np.zeros((1, 32), np.int32)  # right padding: causal, so one shape for all
+        row[0, :len(d + q + a)] = d + q + a
+        logp = teacher(state, row)[0]
+        top, idx = jax.lax.top_k(logp[len(d) + len(q) - 1:len(d) + len(q) - 1 + len(a)], top_k)
+        lp, ix = np.zeros((width, top_k), np.float32), np.zeros((width, top_k), np.int32)
+        lp[len(q) - 1:len(q) - 1 + len(a)], ix[len(q) - 1:len(q) - 1 + len(a)] = top, idx
+        logps.append(lp)
+        idxs.append(ix)
+    return np.stack(feats), np.stack(masks), np.stack(logps), np.stack(idxs)
+
+
+def test_batched_distill_data_equals_the_per_document_build(base):
+    """Length buckets, padded batches, top-k on the answer rows only and first-chunk features
+    taken from the teacher pass give what encoding / scoring each document alone gives."""
+    rng = np.random.default_rng(3)
+    docs = [[int(x) for x in rng.integers(1, 255, n)] for n in (3, 16, 9, 5, 13, 8, 11, 2)]
+    questions = [[7, 8, 9][:1 + i % 3] for i in range(len(docs))]
+    answers = [[d[0], d[-1]][:1 + i % 2] for i, d in enumerate(docs)]
+    fast = build_distill_data(base, docs, questions, answers, layers=(1, 0), chunk_len=CHUNK,
+                              max_chunks=2, top_k=4, batch_size=3, bucket=8)
+    feats, mask, logp, idx = _reference_distill_data(base, docs, questions, answers, (1, 0), 2, 4)
+    np.testing.assert_array_equal(fast.mask, mask)
+    np.testing.assert_allclose(fast.features, feats, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(fast.teacher_idx, idx)
+    np.testing.assert_allclose(fast.teacher_logp, logp, rtol=1e-5, atol=1e-5)
+    for i, (q, a) in enumerate(zip(questions, answers)):
+        np.testing.assert_array_equal(fast.queries[i, :len(q) + len(a)], q + a)
+        np.testing.assert_array_equal(np.flatnonzero(fast.weights[i]),
+                                      np.arange(len(q) - 1, len(q) - 1 + len(a)))
+    half = build_distill_data(base, docs[:3], questions[:3], answers[:3], layers=(1, 0),
+                              chunk_len=CHUNK, max_chunks=2, top_k=4, batch_size=3, bucket=8,
+                              feature_dtype=np.float16)
+    assert half.features.dtype == np.float16
+    np.testing.assert_allclose(half.features, feats[:3], rtol=2e-3, atol=2e-3)
+
+
 def _kl_gap(hyper, base, data, bank=None):
     """Distillation KL on ``data`` minus its floor (the teacher's own top-k cross-entropy)."""
     batch = DistillData(*(jnp.asarray(x) for x in data))
