@@ -30,6 +30,7 @@ from flax import nnx
 from lowrank_jax.io.outputs import staged_folder
 from lowrank_jax.nn.inject import LoRARule, apply_lora, linear_paths, lora_layers
 from lowrank_jax.nn.lora import LoRALinear, lora_scaling
+from lowrank_jax.nn.projection import projection_view
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -62,6 +63,63 @@ def our_module_path(hf_name: str) -> str:
     return name.replace(".", "/")
 
 
+#: HF decoder naming (Llama, Qwen2/3, Gemma, Mistral all use it) from the names JAX models give
+#: their projections (tunix / gemma / MaxText / ours): ``[(regex on our path, HF template)]``.
+_ATTN = r"(?:.*/)?layers/(\d+)/(?:self_attn|attn|attention)/"
+_MLP = r"(?:.*/)?layers/(\d+)/(?:mlp|feed_forward|ffn)/"
+HF_DECODER_MAP = (
+    (_ATTN + r"(q|k|v|o)_proj", r"model.layers.\1.self_attn.\2_proj"),
+    (_ATTN + "query", r"model.layers.\1.self_attn.q_proj"),
+    (_ATTN + "key", r"model.layers.\1.self_attn.k_proj"),
+    (_ATTN + "value", r"model.layers.\1.self_attn.v_proj"),
+    (_ATTN + "(?:out|o)", r"model.layers.\1.self_attn.o_proj"),
+    (_MLP + r"(gate|up|down)_proj", r"model.layers.\1.mlp.\2_proj"),
+    (_MLP + "wi_0", r"model.layers.\1.mlp.gate_proj"),
+    (_MLP + "wi_1", r"model.layers.\1.mlp.up_proj"),
+    (_MLP + "wo", r"model.layers.\1.mlp.down_proj"),
+    (r"(?:.*/)?lm_head", "lm_head"),
+)
+#: built-in name maps for ``name_map=``; ``"lowrank_jax"`` is our Llama's (the default)
+NAME_MAPS = {"llama": HF_DECODER_MAP, "qwen": HF_DECODER_MAP, "gemma": HF_DECODER_MAP,
+             "mistral": HF_DECODER_MAP, "hf": HF_DECODER_MAP}
+
+
+def name_mapper(name_map=None):
+    """``path -> HF module name`` for ``name_map``: ``None`` / ``"lowrank_jax"`` (our Llama:
+    :func:`hf_module_name`), a built-in key of :data:`NAME_MAPS` (``"llama"``, ``"qwen"``,
+    ``"gemma"``, ``"mistral"``: HF decoder naming from the usual JAX names), a function, or a
+    ``{regex: template}`` mapping / ``[(regex, template)]`` list (``re.fullmatch`` on the ``/``
+    path, ``re.sub`` template). A path no entry maps is a ``ValueError`` naming it.
+
+    Example::
+
+        >>> name_mapper("llama")("layers/2/attn/q_proj")
+        'model.layers.2.self_attn.q_proj'
+        >>> name_mapper({r"blocks/(\\d+)/fc1": r"h.\\1.mlp.c_fc"})("blocks/0/fc1")
+        'h.0.mlp.c_fc'
+    """
+    if name_map is None or name_map == "lowrank_jax":
+        return hf_module_name
+    if callable(name_map):
+        return name_map
+    if isinstance(name_map, str):
+        if name_map not in NAME_MAPS:
+            raise ValueError(f"name_map={name_map!r} is unknown; use one of "
+                             f"{', '.join(['lowrank_jax', *NAME_MAPS])}, a function or a "
+                             "{regex: template} mapping.")
+        name_map = NAME_MAPS[name_map]
+    entries = list(name_map.items()) if isinstance(name_map, Mapping) else list(name_map)
+
+    def mapped(path: str) -> str:
+        for pattern, template in entries:
+            if re.fullmatch(pattern, path):
+                return re.sub(pattern, template, path)
+        raise ValueError(
+            f"PEFT name map: no entry maps the module path {path!r} to a HF module name; add "
+            "one ({regex: template}) or pass name_map=a function path -> HF name.")
+    return mapped
+
+
 def _effective_alpha(layer: LoRALinear) -> float:
     return float(layer.rank if layer.alpha is None else layer.alpha)
 
@@ -78,6 +136,7 @@ def export_peft(
     initial_adapters: Mapping[str, tuple[Any, Any]] | None = None,
     task_type: str = "CAUSAL_LM",
     dtype: Any = np.float32,
+    name_map: Any = None,
 ) -> dict:
     """Write every :class:`LoRALinear` adapter of ``model`` as a PEFT LoRA adapter folder.
 
@@ -104,6 +163,11 @@ def export_peft(
         initial_adapters: optional ``{path: (A0 [in, r], B0 [r, out])}`` for PiSSA/OLoRA.
         task_type: PEFT task type (``"CAUSAL_LM"``).
         dtype: numpy dtype of the stored tensors (float32 default; bfloat16 via ml_dtypes).
+        name_map: how module paths become HF module names (see :func:`name_mapper`): default
+            our Llama's; ``"llama"`` / ``"qwen"`` / ``"gemma"`` for a user model with the usual
+            JAX names; a function or a ``{regex: template}`` mapping otherwise. Adapters of
+            multi-dimensional kernels (``[D, N, H]``) are stored flattened over their grouped
+            axes, the ``[out, in]`` layout of the equivalent HF ``Linear``.
 
     Returns:
         The config dict that was written.
@@ -122,9 +186,10 @@ def export_peft(
     """
     from safetensors.numpy import save_file
 
+    to_hf = name_mapper(name_map)
     layers = lora_layers(model)
     if not layers:
-        raise ValueError("export_peft: model has no LoRALinear layer; add adapters with "
+        raise ValueError("export_peft: model has no LoRA adapter; add adapters with "
                          "lowrank_jax.nn.apply_lora first.")
     merged = [p for p, m in layers if m.merged]
     if merged:
@@ -162,7 +227,7 @@ def export_peft(
             a, b = np.concatenate([a, a0], axis=1), np.concatenate([b, -b0], axis=0)
             alpha = alpha * (math.sqrt(2.0) if use_rslora else 2.0)
             rank = 2 * rank
-        name = hf_module_name(path)
+        name = to_hf(path)
         tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"] = np.ascontiguousarray(a.T).astype(dtype)
         tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"] = np.ascontiguousarray(b.T).astype(dtype)
         ranks[name], alphas[name] = rank, alpha
@@ -251,7 +316,7 @@ def _pattern_value(name: str, pattern: Mapping[str, Any], default):
 
 
 def import_peft(model: nnx.Module, folder: str | os.PathLike, *,
-                rngs: nnx.Rngs | None = None) -> list[str]:
+                rngs: nnx.Rngs | None = None, name_map: Any = None) -> list[str]:
     """Apply a PEFT LoRA adapter folder to ``model`` (in place); returns the adapted paths.
 
     Plain ``nnx.Linear`` layers named in the adapter are wrapped in :class:`LoRALinear` with
@@ -262,6 +327,7 @@ def import_peft(model: nnx.Module, folder: str | os.PathLike, *,
         model: an NNX model with HF ``LlamaForCausalLM`` module names.
         folder: a directory with ``adapter_config.json`` and ``adapter_model.safetensors``.
         rngs: keys for wrapping new layers (their random init is overwritten anyway).
+        name_map: as :func:`export_peft` (the same map reads the names back).
 
     Returns:
         The adapted module paths (ours, e.g. ``layers/0/self_attn/q_proj``).
@@ -318,12 +384,19 @@ def import_peft(model: nnx.Module, folder: str | os.PathLike, *,
     existing = {p: m for p, m in lora_layers(model)}
     plain = set(linear_paths(model))
     available = sorted(set(existing) | plain)
+    to_hf = name_mapper(name_map)
+    by_hf_name = {}
+    for p in available:
+        try:
+            by_hf_name[to_hf(p)] = p
+        except ValueError:
+            continue  # a module the map does not name cannot be in the adapter
     r_default, alpha_default = int(config.get("r", 8)), config.get("lora_alpha", 8)
     use_rslora = bool(config.get("use_rslora", False))
     plan = []
     for hf_name in sorted(modules):
         pair = modules[hf_name]
-        path = our_module_path(hf_name)
+        path = by_hf_name.get(hf_name, our_module_path(hf_name) if name_map is None else None)
         if path not in available:
             raise ValueError(
                 f"import_peft: the adapter targets module {hf_name!r} (our path {path!r}) "
@@ -337,7 +410,11 @@ def import_peft(model: nnx.Module, folder: str | os.PathLike, *,
         if layer is None:
             layer = next(m for p, m in nnx.iter_modules(model)
                          if "/".join(str(x) for x in p) == path)
-        in_f, out_f = layer.in_features, layer.out_features
+        if hasattr(layer, "in_features") and type(layer) is not nnx.LinearGeneral:
+            in_f, out_f = layer.in_features, layer.out_features
+        else:  # a projection of any layout: the sizes of its [in, out] matrix view
+            view = projection_view(layer)
+            in_f, out_f = view.in_features, view.out_features
         if a_t.shape != (rank, in_f) or b_t.shape != (out_f, rank):
             raise ValueError(
                 f"import_peft: {hf_name} has lora_A {a_t.shape} and lora_B {b_t.shape}; this "
@@ -371,5 +448,5 @@ def import_peft(model: nnx.Module, folder: str | os.PathLike, *,
     return [p for p, *_ in plan]
 
 
-__all__ = ["CONFIG_NAME", "PEFT_PREFIX", "WEIGHTS_NAME", "export_peft", "hf_module_name",
-           "import_peft", "our_module_path"]
+__all__ = ["CONFIG_NAME", "HF_DECODER_MAP", "NAME_MAPS", "PEFT_PREFIX", "WEIGHTS_NAME",
+           "export_peft", "hf_module_name", "import_peft", "name_mapper", "our_module_path"]

@@ -1,9 +1,16 @@
 """Flax NNX layers: LoRA, natively factorized linears, and adapter injection."""
 
-from lowrank_jax.nn.factorized import FactorizedLinear, LowRankFactor, balanced_factors
+from lowrank_jax.nn.factorized import (
+    FactorizedLinear,
+    FactorizedProjection,
+    LowRankFactor,
+    balanced_factors,
+    factorize,
+)
 from lowrank_jax.nn.inject import (
     LoRARule,
     apply_lora,
+    is_adaptable,
     linear_paths,
     lora_layers,
     merge_lora,
@@ -12,7 +19,7 @@ from lowrank_jax.nn.inject import (
 )
 from lowrank_jax.nn.init import gap_direction, init_lora, init_lora_model
 from lowrank_jax.nn.lokra import LoKRAPlusLinear, kruskal_penalty, lokra_regularizer
-from lowrank_jax.nn.lora import LoRALinear, lora_scaling
+from lowrank_jax.nn.lora import LoRALinear, LoRAProjection, lora_scaling
 from lowrank_jax.nn.multi_lora import (
     AdapterIds,
     MultiLoRALinear,
@@ -20,9 +27,34 @@ from lowrank_jax.nn.multi_lora import (
     multi_lora_layers,
     set_adapter_ids,
 )
+from lowrank_jax.nn.projection import (
+    DenseProjection,
+    ProjectionView,
+    is_projection,
+    kernel_as_matrix,
+    projection_paths,
+    projection_view,
+    register_projection,
+    set_kernel_from_matrix,
+)
+from lowrank_jax.nn.qlora import QuantizedProjection, quantize_projections
 from lowrank_jax.nn.rank_plan import allocate_ranks, plan_ranks, probe_importance
 
 __all__ = [
+    "DenseProjection",
+    "FactorizedProjection",
+    "LoRAProjection",
+    "ProjectionView",
+    "QuantizedProjection",
+    "factorize",
+    "is_adaptable",
+    "is_projection",
+    "kernel_as_matrix",
+    "projection_paths",
+    "projection_view",
+    "quantize_projections",
+    "register_projection",
+    "set_kernel_from_matrix",
     "AdapterIds",
     "FactorizedLinear",
     "MultiLoRALinear",

@@ -8,7 +8,8 @@ from typing import Any, Callable, Iterable, Mapping
 
 from flax import nnx
 
-from lowrank_jax.nn.lora import LoRALinear
+from lowrank_jax.nn.lora import LoRALinear, LoRAProjection
+from lowrank_jax.nn.projection import NOT_PROJECTIONS, is_projection, module_path, set_child
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +45,8 @@ class LinearLike:
 
 
 LINEAR_LIKE: dict[type, LinearLike] = {}
-ADAPTER_TYPES: list[type] = [LoRALinear]
+ADAPTER_TYPES: list[type] = [LoRALinear, LoRAProjection]
+NOT_PROJECTIONS.extend([LoRALinear, LoRAProjection])
 
 
 def register_linear_like(cls: type, entry: LinearLike, adapter_type: type | None = None) -> None:
@@ -63,29 +65,28 @@ def _is_linear_like(module: Any) -> bool:
     return type(module) in LINEAR_LIKE
 
 
-def module_path(path: tuple) -> str:
-    """``('layers', 3, 'mlp', 'up_proj')`` → ``'layers/3/mlp/up_proj'``."""
-    return "/".join(str(p) for p in path)
+def is_adaptable(module: Any) -> bool:
+    """Whether :func:`apply_lora` can adapt ``module``: an ``nnx.Linear``, a registered
+    linear-like (quantized) layer, or any projection of :mod:`lowrank_jax.nn.projection`
+    (``nnx.LinearGeneral``, ``nnx.Einsum``, einsum modules of the ecosystem)."""
+    return _is_linear_like(module) or is_projection(module)
+
+
+def adaptable_modules(model: nnx.Module) -> list[tuple[tuple, nnx.Module]]:
+    """``(path, module)`` of every layer :func:`apply_lora` can adapt, outermost only (the
+    quantized linear inside a :class:`~lowrank_jax.nn.QuantizedProjection` is part of it)."""
+    found = [(p, m) for p, m in nnx.iter_modules(model) if is_adaptable(m)]
+    paths = {p for p, _ in found}
+    return [(p, m) for p, m in found if not any(p[:i] in paths for i in range(len(p)))]
 
 
 def linear_paths(model: nnx.Module) -> list[str]:
-    """Paths of every plain ``nnx.Linear`` or registered linear-like layer (not yet adapted)."""
-    return [
-        module_path(p)
-        for p, m in nnx.iter_modules(model)
-        if _is_linear_like(m)
-    ]
+    """Paths of every layer :func:`apply_lora` can adapt (not yet adapted): ``nnx.Linear``,
+    registered linear-like layers and the other projections, in model order."""
+    return [module_path(p) for p, _ in adaptable_modules(model)]
 
 
-def _set_child(model: nnx.Module, path: tuple, new: Any) -> None:
-    parent = model
-    for p in path[:-1]:
-        parent = parent[p] if isinstance(p, int) else getattr(parent, p)
-    last = path[-1]
-    if isinstance(last, int):
-        parent[last] = new
-    else:
-        setattr(parent, last, new)
+
 
 
 def _as_rules(rules) -> list[LoRARule]:
@@ -105,8 +106,13 @@ def apply_lora(
     rngs: nnx.Rngs,
     ranks: Mapping[str, int] | None = None,
 ) -> list[str]:
-    """Replace every ``nnx.Linear`` whose path matches a rule by a :class:`LoRALinear` (in place).
+    """Give every projection whose path matches a rule a LoRA adapter (in place).
 
+    An ``nnx.Linear`` becomes a :class:`LoRALinear`, a quantized linear a
+    :class:`~lowrank_jax.nn.qlora.QLoRALinear`, and every other projection (``nnx.LinearGeneral``,
+    ``nnx.Einsum``, a user's einsum module: see :mod:`lowrank_jax.nn.projection`) a
+    :class:`~lowrank_jax.nn.LoRAProjection` that keeps the module's call signature, with ``A``
+    / ``B`` over the kernel's grouped ``[in, out]`` axes.
     The first matching rule wins. The base kernel is shared, and a fresh adapter has ``B = 0``
     (or the PiSSA residual split), so the model's output is unchanged at init.
 
@@ -136,7 +142,7 @@ def apply_lora(
         ValueError: when a rule matches no layer (the message lists the available paths).
     """
     rules = _as_rules(rules)
-    candidates = [(p, m) for p, m in nnx.iter_modules(model) if _is_linear_like(m)]
+    candidates = adaptable_modules(model)
     available = [module_path(p) for p, _ in candidates]
     hits: dict[int, int] = {i: 0 for i in range(len(rules))}
     adapted = []
@@ -146,20 +152,25 @@ def apply_lora(
             if re.search(rule.pattern, name):
                 hits[i] += 1
                 rank = rule.rank if ranks is None or name not in ranks else int(ranks[name])
-                wrap = (LoRALinear.from_linear if type(linear) is nnx.Linear
-                        else LINEAR_LIKE[type(linear)].wrap)
+                if type(linear) is nnx.Linear:
+                    wrap = LoRALinear.from_linear
+                elif type(linear) in LINEAR_LIKE:
+                    wrap = LINEAR_LIKE[type(linear)].wrap
+                else:
+                    wrap = LoRAProjection
                 new = wrap(
                     linear, rank=rank, alpha=rule.alpha, use_rslora=rule.use_rslora,
                     dropout=rule.dropout, init=rule.init, rngs=rngs,
                 )
-                _set_child(model, path, new)
+                set_child(model, path, new)
                 adapted.append(name)
                 break
     for i, count in hits.items():
         if count == 0:
             shown = ", ".join(available[:12]) + (" ..." if len(available) > 12 else "")
             raise ValueError(
-                f"apply_lora: rule pattern {rules[i].pattern!r} matches no nnx.Linear layer. "
+                f"apply_lora: rule pattern {rules[i].pattern!r} matches no projection "
+                "(nnx.Linear / LinearGeneral / Einsum / einsum module). "
                 f"Available layer paths: {shown or '(none)'}"
             )
     if ranks is not None:
@@ -195,16 +206,24 @@ def unmerge_lora(model: nnx.Module) -> int:
 
 
 def remove_lora(model: nnx.Module, *, merge: bool = True) -> int:
-    """Replace each :class:`LoRALinear` by a plain ``nnx.Linear`` (merging first if ``merge``)."""
+    """Replace each :class:`LoRALinear` by a plain ``nnx.Linear`` and each
+    :class:`~lowrank_jax.nn.LoRAProjection` by its base module (merging first if ``merge``)."""
     count = 0
     for path, m in list(nnx.iter_modules(model)):
-        if isinstance(m, LoRALinear):
+        if isinstance(m, LoRAProjection):
+            if merge and not m.merged:
+                m.merge()
+            elif not merge and m.merged:
+                m.unmerge()
+            set_child(model, path, m.base)
+            count += 1
+        elif isinstance(m, LoRALinear):
             if merge and not m.merged:
                 m.merge()
             lin = nnx.Linear(m.in_features, m.out_features, use_bias=m.bias is not None,
                              dtype=m.dtype, param_dtype=m.param_dtype, rngs=nnx.Rngs(0))
             lin.kernel = m.kernel
             lin.bias = m.bias
-            _set_child(model, path, lin)
+            set_child(model, path, lin)
             count += 1
     return count

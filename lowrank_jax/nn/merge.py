@@ -23,7 +23,9 @@ from typing import Callable, Literal
 import jax.numpy as jnp
 from flax import nnx
 
-from lowrank_jax.nn.inject import LINEAR_LIKE, _set_child, lora_layers
+from lowrank_jax.nn.inject import LINEAR_LIKE, lora_layers
+from lowrank_jax.nn.lora import LoRAProjection
+from lowrank_jax.nn.projection import DenseProjection, set_child, set_kernel_from_matrix
 
 Target = Literal["fp", "quantized"]
 
@@ -77,6 +79,10 @@ def merge_adapters(model: nnx.Module, *, target: Target = "fp") -> dict[str, flo
     errors = {}
     for name, layer in layers:
         w = _dense_of(layer) + layer.delta().astype(jnp.float32).T  # [out, in]
+        if isinstance(layer, LoRAProjection):
+            new, errors[name] = _merged_projection(layer, w, target)
+            set_child(model, paths[name], new)
+            continue
         base = getattr(layer, "base", None)
         entry = LINEAR_LIKE.get(type(base)) if base is not None else None
         if target == "quantized" and entry is not None:
@@ -92,8 +98,23 @@ def merge_adapters(model: nnx.Module, *, target: Target = "fp") -> dict[str, flo
             if bias is not None:
                 new.bias = bias
             errors[name] = 0.0
-        _set_child(model, paths[name], new)
+        set_child(model, paths[name], new)
     return errors
+
+
+def _merged_projection(layer, w, target):
+    """The merged module of a :class:`LoRAProjection` holding ``w`` ``[out, in]``, and the
+    re-quantization error."""
+    base = layer.base
+    if not hasattr(base, "dense_matrix"):  # a dense base keeps its own type
+        set_kernel_from_matrix(base, w.T)
+        return base, 0.0
+    if target == "quantized":
+        new = base.requantized(w)
+        w_hat = new.dense_matrix().T
+        return new, float(jnp.linalg.norm(w_hat - w) / jnp.maximum(jnp.linalg.norm(w), 1e-30))
+    bias = None if base.bias is None else base.bias[...]
+    return DenseProjection(base.view.equation, base.view.matrix_kernel(w.T), bias), 0.0
 
 
 def merge_report(
@@ -138,7 +159,7 @@ def dequantize_model(model: nnx.Module) -> int:
         w = LINEAR_LIKE[type(m)].dense(m).astype(jnp.float32)
         new = nnx.Linear(m.in_features, m.out_features, use_bias=False, rngs=nnx.Rngs(0))
         new.kernel = nnx.Param(w.T)
-        _set_child(model, path, new)
+        set_child(model, path, new)
     return len(found)
 
 

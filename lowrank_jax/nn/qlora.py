@@ -171,6 +171,160 @@ def _register_builtins() -> None:
 
 _register_builtins()
 
+
+class QuantizedProjection(nnx.Module):
+    """A frozen quantized base for a projection of any layout (``nnx.Linear``,
+    ``nnx.LinearGeneral``, ``nnx.Einsum``, a user einsum module): the matrix view's ``[out, in]``
+    weight held by a quantized linear (RTN, NF4, UniSVQ), applied as
+    ``unflat(quantized(flat(x))) (+ bias)``.
+
+    It declares its layout with ``projection_view()``, so :func:`~lowrank_jax.nn.apply_lora`
+    puts a :class:`~lowrank_jax.nn.LoRAProjection` on it (QLoRA) and
+    :func:`lowrank_jax.nn.merge.merge_adapters` merges into fp or a re-quantized base.
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> q = nnx.Einsum("BTD,DNH->BTNH", (64, 2, 32), rngs=nnx.Rngs(0))
+        >>> qp = QuantizedProjection.from_projection(q, "nf4")
+        >>> x = jnp.ones((1, 3, 64))
+        >>> error = jnp.linalg.norm(qp(x) - q(x)) / jnp.linalg.norm(q(x))
+        >>> qp(x).shape, bool(error < 0.15)
+        ((1, 3, 2, 32), True)
+
+    Args:
+        quantized: a registered quantized linear holding the ``[out, in]`` weight.
+        view: the :class:`~lowrank_jax.nn.projection.ProjectionView` of the original projection.
+        bias: the original bias over the output's kernel axes, kept in fp.
+    """
+
+    def __init__(self, quantized: nnx.Module, view, bias=None):
+        self.quantized = quantized
+        self.view = view
+        self.bias = nnx.Param(jnp.asarray(bias)) if bias is not None else nnx.data(None)
+
+    @classmethod
+    def from_projection(cls, module, method: str, *, group_size: int = 64,
+                        double_quant: bool = False) -> "QuantizedProjection":
+        """Quantize a projection module with ``method`` ``"nf4"`` or ``"rtn4"``."""
+        from lowrank_jax.nn.projection import kernel_as_matrix, projection_bias, projection_view
+
+        view = projection_view(module)
+        w = jnp.asarray(kernel_as_matrix(module), jnp.float32).T  # [out, in]
+        bias = projection_bias(module)
+        bias = None if bias is None else bias[...]
+        if bias is not None and tuple(bias.shape) != view.out_shape:
+            raise ValueError(f"quantize_projections: a bias of shape {bias.shape} is not over the "
+                             f"output's kernel axes {view.out_shape}; it cannot be kept.")
+        return cls(quantize_matrix(w, method, group_size=group_size,
+                                   double_quant=double_quant), view, bias)
+
+    def projection_view(self):
+        """The layout of the original projection."""
+        return self.view
+
+    def dense_matrix(self):
+        """The dequantized matrix view ``[in, out]`` (fp32)."""
+        return linear_like_of(self.quantized).dense(self.quantized).T
+
+    def requantized(self, weight) -> "QuantizedProjection":
+        """The same kind of base holding ``weight`` ``[out, in]`` (for merging)."""
+        new = linear_like_of(self.quantized).requantize(self.quantized, weight)
+        return QuantizedProjection(new, self.view,
+                                   None if self.bias is None else self.bias[...])
+
+    def __call__(self, inputs):
+        y = self.view.unflatten_output(self.quantized(self.view.flatten_input(inputs)))
+        if self.bias is not None:
+            y = y + jnp.reshape(self.bias[...], self.view.bias_shape(y.ndim)).astype(y.dtype)
+        return y
+
+
+PROJECTION_QUANTIZERS = ("nf4", "rtn4")
+
+
+def quantize_matrix(weight, method: str, *, group_size: int = 64, double_quant: bool = False):
+    """A quantized linear (``y = x Ŵᵀ``) holding ``weight`` ``[out, in]``: ``"nf4"`` (QLoRA's
+    NF4, blocks of ``group_size`` inputs) or ``"rtn4"`` (RTN 4-bit, groups of ``group_size``)."""
+    from lowrank_jax.quant.layers import RTNLinear
+    from lowrank_jax.quant.nf4 import NF4Linear, nf4_quantize
+    from lowrank_jax.quant.rtn import rtn_quantize
+
+    if method == "nf4":
+        return NF4Linear(nf4_quantize(weight, group_size, double_quant=double_quant))
+    if method == "rtn4":
+        return RTNLinear(rtn_quantize(weight, 4, group_size))
+    raise ValueError(f"quantize_projections: method={method!r} is unknown; use one of "
+                     f"{', '.join(PROJECTION_QUANTIZERS)} (UniSVQ needs calibration: "
+                     "lowrank_jax.quant.pipeline).")
+
+
+def quantize_projections(model: nnx.Module, rules, method: str = "nf4", *,
+                         group_size: int = 64, double_quant: bool = False) -> dict[str, float]:
+    """Quantize the matched projections of any NNX model (in place) for QLoRA.
+
+    Every projection whose ``/`` path a rule (a regex or a list of regexes) matches becomes a
+    :class:`QuantizedProjection`; then ``apply_lora`` adds adapters on top and ``merge_adapters``
+    merges them. Works through the projection protocol, not through our ``Llama``.
+
+    Example::
+
+        >>> from flax import nnx
+        >>> class MLP(nnx.Module):
+        ...     def __init__(self, rngs):
+        ...         self.up = nnx.Linear(64, 128, rngs=rngs)
+        >>> errors = quantize_projections(MLP(nnx.Rngs(0)), "up", "nf4")
+        >>> list(errors), 0 < errors["up"] < 0.2
+        (['up'], True)
+
+    Args:
+        model: any NNX module.
+        rules: a regex ``re.search``-ed in the module paths, or a list of them.
+        method: ``"nf4"`` or ``"rtn4"``.
+        group_size: inputs per absmax block / scale group (the ``in`` size of every matched
+            projection's matrix view must be a multiple of it).
+        double_quant: NF4 double quantization.
+
+    Returns:
+        ``{path: relative Frobenius error of the quantized weight}``.
+    """
+    import re
+
+    from lowrank_jax.nn.projection import (
+        is_projection, kernel_as_matrix, module_path, projection_view, set_child)
+
+    patterns = [rules] if isinstance(rules, str) else list(rules)
+    if method not in PROJECTION_QUANTIZERS:
+        quantize_matrix(None, method)  # raises the clear error
+    candidates = [(p, m) for p, m in nnx.iter_modules(model)
+                  if is_projection(m) and not isinstance(m, QuantizedProjection)]
+    hits = {k: 0 for k in patterns}
+    errors = {}
+    for path, module in candidates:
+        name = module_path(path)
+        pattern = next((k for k in patterns if re.search(k, name)), None)
+        if pattern is None:
+            continue
+        hits[pattern] += 1
+        view = projection_view(module, f"quantize_projections({name}): ")
+        if view.in_features % group_size:
+            raise ValueError(
+                f"quantize_projections: {name} has {view.in_features} inputs, not a multiple of "
+                f"group_size={group_size}; pass a group_size that divides it.")
+        w = jnp.asarray(kernel_as_matrix(module), jnp.float32)
+        new = QuantizedProjection.from_projection(module, method, group_size=group_size,
+                                                  double_quant=double_quant)
+        errors[name] = float(jnp.linalg.norm(new.dense_matrix() - w)
+                             / jnp.maximum(jnp.linalg.norm(w), 1e-30))
+        set_child(model, path, new)
+    missing = [k for k, n in hits.items() if n == 0]
+    if missing:
+        shown = [module_path(p) for p, _ in candidates][:12]
+        raise ValueError(f"quantize_projections: rule {missing[0]!r} matches no projection; "
+                         f"projections: {shown or '(none)'}")
+    return errors
+
 QUANTIZE_METHODS = ("nf4", "rtn4", "unisvq2")
 
 
@@ -262,5 +416,6 @@ def memory_bytes(model: nnx.Module, optimizer: Any = None) -> dict[str, int]:
             "total": trainable + frozen + opt}
 
 
-__all__ = ["QUANTIZE_METHODS", "QLoRALinear", "linear_like_of", "memory_bytes",
-           "quantize_base", "save_quantized_base"]
+__all__ = ["PROJECTION_QUANTIZERS", "QUANTIZE_METHODS", "QLoRALinear", "QuantizedProjection",
+           "linear_like_of", "memory_bytes", "quantize_base", "quantize_matrix",
+           "quantize_projections", "save_quantized_base"]

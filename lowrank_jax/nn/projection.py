@@ -1,0 +1,404 @@
+"""The projection protocol: how the library sees any model's linear maps, not only our Llama's.
+
+A *projection* is a module that maps the last axes of its input through one kernel: ``nnx.Linear``
+(``'...i,io->...o'``), ``nnx.LinearGeneral`` (trailing ``axis``, no ``batch_axis``), ``nnx.Einsum``
+with a constructor ``einsum_str`` (``'BTD,DNH->BTNH'``), and the einsum modules of tunix, gemma
+and MaxText (a kernel ``nnx.Param`` plus an einsum string), found by duck typing; anything else is
+declared with :func:`register_projection`. Every method that adapts, factorizes or quantizes a
+projection reads it through :func:`projection_view`: the kernel as a matrix ``[in, out]`` whose
+rows are the contracted axes (in the order they appear in the input) and whose columns are the
+free axes (in the order they appear in the output), flattened row-major. That is also PEFT's
+layout: the transpose of the matrix view is the ``[out, in]`` weight of the equivalent
+``torch.nn.Linear`` (``q: [D, N, H] -> weight [N*H, D]``).
+
+.. math:: y = \\mathrm{einsum}(x, K) = \\mathrm{unflat}(\\mathrm{flat}(x)\\,M),\\qquad
+          M = \\mathrm{matrix}(K) \\in \\mathbb{R}^{\\text{in} \\times \\text{out}}
+
+Example::
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> q = nnx.Einsum("BTD,DNH->BTNH", (8, 2, 4), rngs=nnx.Rngs(0))
+    >>> view = projection_view(q)
+    >>> view.in_shape, view.out_shape, view.kernel_matrix(q.kernel[...]).shape
+    ((8,), (2, 4), (8, 8))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import string
+from typing import Any, Callable
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+
+def _tokens(spec: str) -> list[str]:
+    """``'...BD'`` -> ``['...', 'B', 'D']`` (``...`` is one token)."""
+    out, i = [], 0
+    while i < len(spec):
+        if spec.startswith("...", i):
+            out.append("...")
+            i += 3
+        else:
+            out.append(spec[i])
+            i += 1
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ProjectionView:
+    """A projection's kernel seen as a matrix ``[in, out]``, and the einsums of its adapter.
+
+    Attributes:
+        equation: the einsum ``'<x>,<kernel>-><out>'`` (spaces removed; ``...`` allowed in the
+            input and output, not in the kernel).
+        kernel_shape: the kernel's shape.
+        in_axes: kernel axes contracted with the input, in the input's order.
+        out_axes: kernel axes kept in the output, in the output's order.
+    """
+
+    equation: str
+    kernel_shape: tuple[int, ...]
+    in_axes: tuple[int, ...]
+    out_axes: tuple[int, ...]
+
+    @classmethod
+    def from_equation(cls, equation: str, kernel_shape, where: str = "") -> "ProjectionView":
+        """Parse ``equation`` for a kernel of ``kernel_shape``; a clear ``ValueError`` when the
+        einsum is not a projection (a kernel axis that is also a batch axis, a summed-out kernel
+        axis, a kernel with ``...``, a shape that does not fit)."""
+        eq = equation.replace(" ", "")
+        kernel_shape = tuple(int(s) for s in kernel_shape)
+        try:
+            lhs, out = eq.split("->")
+            xs, ks = lhs.split(",")
+        except ValueError:
+            raise ValueError(f"{where}einsum {equation!r} must read '<input>,<kernel>-><output>' "
+                             "(two operands, explicit output).") from None
+        x_t, k_t, o_t = _tokens(xs), _tokens(ks), _tokens(out)
+        if "..." in k_t:
+            raise ValueError(f"{where}einsum {equation!r}: the kernel operand may not hold '...'.")
+        if len(k_t) != len(kernel_shape) or len(set(k_t)) != len(k_t):
+            raise ValueError(f"{where}einsum {equation!r} names {len(k_t)} kernel axes but the "
+                             f"kernel has shape {kernel_shape}.")
+        shared = [c for c in k_t if c in x_t and c in o_t]
+        if shared:
+            raise ValueError(
+                f"{where}einsum {equation!r}: kernel axes {shared} are batch axes (in the input, "
+                "the kernel and the output), e.g. per-head weights; that is not one projection "
+                "[in, out]. Register a custom view with lowrank_jax.nn.register_projection or "
+                "leave this module out of the rule.")
+        lost = [c for c in k_t if c not in x_t and c not in o_t]
+        if lost:
+            raise ValueError(f"{where}einsum {equation!r}: kernel axes {lost} are summed out; "
+                             "that is not a projection.")
+        dropped = [c for c in x_t if c != "..." and c not in k_t and c not in o_t]
+        if dropped:
+            raise ValueError(f"{where}einsum {equation!r}: input axes {dropped} are summed out "
+                             "without the kernel; that is not a projection.")
+        in_axes = tuple(k_t.index(c) for c in x_t if c in k_t)
+        out_axes = tuple(k_t.index(c) for c in o_t if c in k_t)
+        if not in_axes or not out_axes:
+            raise ValueError(f"{where}einsum {equation!r} contracts no input axis or keeps no "
+                             "kernel axis; that is not a projection.")
+        return cls(eq, kernel_shape, in_axes, out_axes)
+
+    # ------------------------------------------------------------------ the matrix view
+    @property
+    def in_shape(self) -> tuple[int, ...]:
+        """Sizes of the contracted axes, in the input's order."""
+        return tuple(self.kernel_shape[a] for a in self.in_axes)
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        """Sizes of the free axes, in the output's order."""
+        return tuple(self.kernel_shape[a] for a in self.out_axes)
+
+    @property
+    def in_features(self) -> int:
+        """Rows of the matrix view (product of :attr:`in_shape`)."""
+        return int(math.prod(self.in_shape))
+
+    @property
+    def out_features(self) -> int:
+        """Columns of the matrix view (product of :attr:`out_shape`)."""
+        return int(math.prod(self.out_shape))
+
+    def kernel_matrix(self, kernel):
+        """The kernel as a matrix ``[in, out]`` (a transpose and a reshape, no copy of values)."""
+        return jnp.transpose(kernel, self.in_axes + self.out_axes).reshape(
+            self.in_features, self.out_features)
+
+    def matrix_kernel(self, matrix):
+        """Inverse of :meth:`kernel_matrix`: a matrix ``[in, out]`` back in the kernel's layout."""
+        perm = self.in_axes + self.out_axes
+        grouped = jnp.reshape(matrix, tuple(self.kernel_shape[a] for a in perm))
+        return jnp.transpose(grouped, tuple(int(i) for i in np.argsort(perm)))
+
+    # ------------------------------------------------------------------ adapter einsums
+    def _parts(self):
+        lhs, out = self.equation.split("->")
+        xs, ks = lhs.split(",")
+        x_t, k_t, o_t = _tokens(xs), _tokens(ks), _tokens(out)
+        batch = [c for c in x_t if c not in k_t]
+        contracted = [c for c in x_t if c in k_t]
+        free = [c for c in o_t if c in k_t]
+        used = set(self.equation)
+        rank = next(c for c in string.ascii_letters[::-1] if c not in used)
+        return x_t, o_t, batch, contracted, free, rank
+
+    def apply_factors(self, x, a, b):
+        """``unflat(flat(x) @ a @ b)`` without forming ``a @ b``: ``a`` ``[in, r]``, ``b``
+        ``[r, out]`` over the matrix view's grouped axes."""
+        x_t, o_t, batch, contracted, free, r = self._parts()
+        rank = a.shape[-1]
+        a = jnp.reshape(a, self.in_shape + (rank,))
+        b = jnp.reshape(b, (rank,) + self.out_shape)
+        h = jnp.einsum(f"{''.join(x_t)},{''.join(contracted)}{r}->{''.join(batch)}{r}", x, a)
+        return jnp.einsum(f"{''.join(batch)}{r},{r}{''.join(free)}->{''.join(o_t)}", h, b)
+
+    def apply_kernel(self, x, kernel):
+        """The projection itself, ``einsum(equation, x, kernel)``."""
+        return jnp.einsum(self.equation, x, kernel)
+
+    def flatten_input(self, x):
+        """``x`` with its batch axes first and its contracted axes flattened: ``[..., in]``."""
+        x_t, _, batch, contracted, _, _ = self._parts()
+        moved = jnp.einsum(f"{''.join(x_t)}->{''.join(batch)}{''.join(contracted)}", x)
+        return moved.reshape(moved.shape[:moved.ndim - len(contracted)] + (self.in_features,))
+
+    def unflatten_output(self, y):
+        """Inverse of :meth:`flatten_input` on the output side: ``[..., out]`` -> the output."""
+        _, o_t, batch, _, free, _ = self._parts()
+        y = y.reshape(y.shape[:-1] + self.out_shape)
+        return jnp.einsum(f"{''.join(batch)}{''.join(free)}->{''.join(o_t)}", y)
+
+    def bias_shape(self, ndim_out: int) -> tuple[int, ...]:
+        """How a bias of shape :attr:`out_shape` broadcasts onto an output of ``ndim_out`` axes
+        (1 on every axis that is not a kernel axis)."""
+        _, o_t, _, _, free, _ = self._parts()
+        if "..." in o_t:
+            extra = ndim_out - (len(o_t) - 1)
+            o_t = [c for t in o_t for c in ([t] * extra if t == "..." else [t])]
+        return tuple(self.kernel_shape[self.kernel_axis(c)] if c in free else 1 for c in o_t)
+
+    def kernel_axis(self, letter: str) -> int:
+        """The kernel axis that ``letter`` names."""
+        return _tokens(self.equation.split("->")[0].split(",")[1]).index(letter)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProjectionType:
+    """How to read one projection module type.
+
+    ``kernel`` is the attribute holding the kernel ``nnx.Param``; ``equation(module)`` its einsum
+    string (input first, kernel second); ``bias`` the attribute of a bias added on the output's
+    kernel axes (``None``: no bias); ``input_arg`` the position of the input in the module's call
+    (gemma's ``Einsum.__call__(eqn, x)`` has ``input_arg=1``).
+    """
+
+    name: str
+    kernel: str
+    equation: Callable[[Any], str]
+    bias: str | None = None
+    input_arg: int = 0
+
+
+def _linear_general_equation(m) -> str:
+    if len(m.batch_axis):
+        raise ValueError("nnx.LinearGeneral with batch_axis is not one projection [in, out] "
+                         "(its kernel holds a batch axis); leave it out of the rule.")
+    n_in = len(m.in_features)
+    axis = tuple(m.axis) if isinstance(m.axis, (tuple, list)) else (m.axis,)
+    if tuple(axis) != tuple(range(-n_in, 0)):
+        raise ValueError(
+            f"nnx.LinearGeneral(axis={m.axis!r}): only trailing, increasing negative axes "
+            f"(axis={tuple(range(-n_in, 0))}) are supported as a projection; register a custom "
+            "view with lowrank_jax.nn.register_projection.")
+    letters = string.ascii_lowercase
+    ins, outs = letters[:n_in], letters[n_in:n_in + len(m.out_features)]
+    return f"...{ins},{ins}{outs}->...{outs}"
+
+
+def _einsum_equation(m) -> str:
+    if getattr(m, "einsum_str", None) is None:
+        raise ValueError(
+            "nnx.Einsum without a constructor einsum_str: its kernel layout is only known at call "
+            "time; construct it with einsum_str=... or register it with register_projection.")
+    return m.einsum_str
+
+
+PROJECTION_TYPES: dict[type, ProjectionType] = {
+    nnx.Linear: ProjectionType("nnx.Linear", "kernel", lambda m: "...i,io->...o", "bias"),
+    nnx.LinearGeneral: ProjectionType("nnx.LinearGeneral", "kernel", _linear_general_equation,
+                                      "bias"),
+    nnx.Einsum: ProjectionType("nnx.Einsum", "kernel", _einsum_equation, "bias"),
+}
+#: attribute names duck typing looks for: the einsum string, then the kernel
+EQUATION_ATTRS = ("einsum_str", "equation", "eqn")
+KERNEL_ATTRS = ("kernel", "w", "weight")
+#: types that are never projections themselves (adapters and factorized layers register here)
+NOT_PROJECTIONS: list[type] = []
+
+
+def register_projection(cls: type, *, kernel: str = "kernel", equation: str | Callable = None,
+                        bias: str | None = None, input_arg: int = 0) -> None:
+    """Declare that modules of type ``cls`` are projections (the registration hook).
+
+    Args:
+        cls: the module class (matched exactly, not its subclasses).
+        kernel: the attribute holding the kernel ``nnx.Param``.
+        equation: the einsum string (``'BTD,DNH->BTNH'``), or ``module -> str`` when it differs
+            per instance.
+        bias: the attribute of a bias over the output's kernel axes, if any.
+        input_arg: the position of the input among the call's positional arguments.
+
+    Example::
+
+        >>> import jax, jax.numpy as jnp
+        >>> from flax import nnx
+        >>> class Proj(nnx.Module):  # gemma-style: the equation comes at call time
+        ...     def __init__(self, shape):
+        ...         self.w = nnx.Param(jnp.ones(shape))
+        ...     def __call__(self, eqn, x):
+        ...         return jnp.einsum(eqn, x, self.w[...])
+        >>> register_projection(Proj, kernel="w", equation="BTD,NDH->BTNH", input_arg=1)
+        >>> projection_view(Proj((2, 4, 3))).out_shape
+        (2, 3)
+    """
+    if equation is None:
+        raise ValueError("register_projection: pass equation= (an einsum string or a function "
+                         "module -> einsum string).")
+    fn = equation if callable(equation) else (lambda _m, e=equation: e)
+    PROJECTION_TYPES[cls] = ProjectionType(cls.__name__, kernel, fn, bias, input_arg)
+
+
+def _duck_type(module) -> ProjectionType | None:
+    eq_attr = next((a for a in EQUATION_ATTRS if isinstance(getattr(module, a, None), str)), None)
+    k_attr = next((a for a in KERNEL_ATTRS if isinstance(getattr(module, a, None), nnx.Param)),
+                  None)
+    if eq_attr is None or k_attr is None:
+        return None
+    bias = "bias" if isinstance(getattr(module, "bias", None), nnx.Param) else None
+    return ProjectionType(type(module).__name__, k_attr, lambda m, a=eq_attr: getattr(m, a), bias)
+
+
+def projection_type(module) -> ProjectionType | None:
+    """The :class:`ProjectionType` of ``module``, or ``None`` when it is not a projection.
+
+    Looked up in order: the registry (exact type), a ``projection_view()`` method of the module
+    itself (how a layer with a non-dense base, e.g. a quantized one, declares its layout), duck
+    typing (a kernel ``nnx.Param`` plus an einsum string attribute)."""
+    cls = type(module)
+    if cls in NOT_PROJECTIONS or not isinstance(module, nnx.Module):
+        return None
+    if cls in PROJECTION_TYPES:
+        return PROJECTION_TYPES[cls]
+    if callable(getattr(cls, "projection_view", None)):
+        return ProjectionType(cls.__name__, "", lambda m: m.projection_view().equation)
+    return _duck_type(module)
+
+
+def is_projection(module) -> bool:
+    """Whether ``module`` is a projection the protocol can read."""
+    return projection_type(module) is not None
+
+
+def projection_view(module, where: str = "") -> ProjectionView:
+    """The :class:`ProjectionView` of a projection module (clear error when it is not one)."""
+    kind = projection_type(module)
+    if kind is None:
+        raise ValueError(
+            f"{where}{type(module).__name__} is not a projection: the protocol reads nnx.Linear, "
+            "nnx.LinearGeneral, nnx.Einsum and modules with a kernel nnx.Param "
+            f"({'/'.join(KERNEL_ATTRS)}) and an einsum string ({'/'.join(EQUATION_ATTRS)}); "
+            "declare others with lowrank_jax.nn.register_projection.")
+    if not kind.kernel:
+        return module.projection_view()
+    kernel = getattr(module, kind.kernel)
+    return ProjectionView.from_equation(kind.equation(module), kernel[...].shape,
+                                        where or f"{kind.name}: ")
+
+
+def projection_kernel(module):
+    """The kernel ``nnx.Param`` of a projection (``None`` for one that declares its own view and
+    holds no dense kernel, e.g. a quantized projection)."""
+    kind = projection_type(module)
+    return getattr(module, kind.kernel) if kind.kernel else None
+
+
+def projection_bias(module):
+    """The bias ``nnx.Param`` of a projection, or ``None``."""
+    kind = projection_type(module)
+    return None if kind.bias is None else getattr(module, kind.bias, None)
+
+
+def kernel_as_matrix(module):
+    """A projection's kernel as the matrix ``[in, out]`` of its :class:`ProjectionView` (a
+    quantized projection's ``dense_matrix()``, dequantized)."""
+    if callable(getattr(module, "dense_matrix", None)):
+        return module.dense_matrix()
+    return projection_view(module).kernel_matrix(projection_kernel(module)[...])
+
+
+def set_kernel_from_matrix(module, matrix) -> None:
+    """Write a matrix ``[in, out]`` into a projection's kernel (in its own layout and dtype)."""
+    kernel = projection_kernel(module)
+    kernel[...] = projection_view(module).matrix_kernel(matrix).astype(kernel[...].dtype)
+
+
+def module_path(path: tuple) -> str:
+    """``('layers', 3, 'mlp', 'up_proj')`` -> ``'layers/3/mlp/up_proj'``."""
+    return "/".join(str(p) for p in path)
+
+
+def projection_paths(model: nnx.Module) -> list[str]:
+    """Paths of every projection of ``model`` (not yet adapted, factorized or quantized)."""
+    return [module_path(p) for p, m in nnx.iter_modules(model) if is_projection(m)]
+
+
+def set_child(model: nnx.Module, path: tuple, new: Any) -> None:
+    """Replace the sub-module at ``path`` (attribute names and list indices) by ``new``."""
+    parent = model
+    for p in path[:-1]:
+        parent = parent[p] if isinstance(p, int) else getattr(parent, p)
+    last = path[-1]
+    if isinstance(last, int):
+        parent[last] = new
+    else:
+        setattr(parent, last, new)
+
+
+class DenseProjection(nnx.Module):
+    """A plain projection ``einsum(equation, x, kernel) (+ bias)``: what a merge writes back for
+    a projection whose base was quantized (the original module type cannot be rebuilt).
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> p = DenseProjection("BTD,DNH->BTNH", jnp.ones((4, 2, 3)))
+        >>> p(jnp.ones((1, 5, 4))).shape
+        (1, 5, 2, 3)
+    """
+
+    def __init__(self, equation: str, kernel, bias=None):
+        self.view = ProjectionView.from_equation(equation, jnp.shape(kernel), "DenseProjection: ")
+        self.equation = self.view.equation
+        self.kernel = nnx.Param(jnp.asarray(kernel))
+        self.bias = nnx.Param(jnp.asarray(bias)) if bias is not None else nnx.data(None)
+
+    def __call__(self, inputs):
+        y = self.view.apply_kernel(inputs, self.kernel[...].astype(jnp.result_type(inputs)))
+        if self.bias is not None:
+            y = y + jnp.reshape(self.bias[...], self.view.bias_shape(y.ndim))
+        return y
+
+
+__all__ = ["DenseProjection", "PROJECTION_TYPES", "ProjectionType", "ProjectionView",
+           "is_projection", "kernel_as_matrix", "module_path", "projection_bias",
+           "projection_kernel", "projection_paths", "projection_type", "projection_view",
+           "register_projection", "set_child", "set_kernel_from_matrix"]
