@@ -68,7 +68,8 @@ def run(args) -> int:
     from lowrank_jax.io.validate import check_regex
 
     check_regex(args.layers, "--layers")
-    prepare_output(args.out, command="analyze", overwrite=args.overwrite)
+    prepare_output(args.out, command="analyze", overwrite=args.overwrite,
+                   reads={"--model": args.model, "--compare": args.compare})
     start = time.time()
     model, tokenizer = _load(args.model)
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))

@@ -47,7 +47,8 @@ def run(args) -> int:
         raise ValueError(f"--gamma {args.gamma} must lie in (0, 1], e.g. 0.9.")
     check_regex(args.layers, "--layers")
     check_text_file(args.edits, "--edits")
-    prepare_output(args.out, command="edit", overwrite=args.overwrite)
+    prepare_output(args.out, command="edit", overwrite=args.overwrite,
+                   reads={"--model": args.model, "--edits": args.edits})
     edits = ed.load_edits(args.edits)
     model, tokenizer = load_model(args.model)
     if tokenizer is None:

@@ -38,8 +38,10 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from lowrank_jax.io.outputs import check_not_input
     from lowrank_jax.train.structure import export_salaad
 
+    check_not_input(args.out, {"--run": args.run})  # before the run is read: fails in a second
     report = export_salaad(args.run, args.budget, args.out, gamma=args.gamma,
                            overwrite=args.overwrite)
     print(f"wrote {args.out}: {report['params']:,} of {report['dense_params']:,} parameters "

@@ -34,6 +34,9 @@ def run(args) -> int:
         except ValueError as error:
             raise ValueError(f"--seeds {args.seeds!r}: give integers like 0,1,2.") from error
     config = experiment.load_config(args.config, overrides)
+    from lowrank_jax.io.outputs import check_not_input
+
+    check_not_input(config.run_dir, {"--config": args.config}, argument="run_dir")
     if args.rounds is not None:
         if args.rounds < 1:
             raise ValueError(f"--rounds {args.rounds} must be >= 1.")

@@ -78,7 +78,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from lowrank_jax.io.outputs import atomic_write_text, prepare_output
+    from lowrank_jax.io.outputs import atomic_write_text, check_not_input, prepare_output
     from lowrank_jax.io.validate import check_jobs_file, check_regex, check_text_file
 
     mesh = _mesh_of(args)
@@ -88,8 +88,9 @@ def run(args) -> int:
         if mesh is not None:
             raise ValueError("--jobs trains packed jobs on one device; drop --mesh (or --jobs).")
 
-        prepare_output(check_jobs_file(args.jobs, args.out)[1], command="finetune",
-                       overwrite=args.overwrite)
+        jobs_out = check_jobs_file(args.jobs, args.out)[1]
+        prepare_output(jobs_out, command="finetune", overwrite=args.overwrite,
+                       reads={"--jobs": args.jobs, "--model": args.model})
 
         run_jobs(load_jobs(args.jobs), model=args.model, out=args.out,
                  progress=not args.no_progress, log=print)
@@ -107,8 +108,13 @@ def run(args) -> int:
     check_regex(args.targets, "--targets")
     check_text_file(args.data, "--data")
     multihost.on_main_process(  # files are written once, by process 0
-        lambda: prepare_output(args.out, command="finetune", overwrite=args.overwrite),
+        lambda: prepare_output(args.out, command="finetune", overwrite=args.overwrite,
+                               reads={"--model": args.model, "--data": args.data}),
         what="checking --out")
+    for flag in ("--save-base", "--save-merged"):  # extra outputs: never over an input
+        check_not_input(getattr(args, flag[2:].replace("-", "_"), None),
+                        {"--model": args.model, "--data": args.data, "--out": args.out},
+                        argument=flag)
     lr = args.lr if args.lr is not None else (1e-4 if args.method == "balora" else 1e-3)
     model, tokens, base_name = load_model_and_tokens(args.model, args.data)
     if getattr(args, "quantize", None):

@@ -60,7 +60,8 @@ def run(args) -> int:
     text = check_text_file(args.doc, "--doc")
     if not text.strip():
         raise ValueError(f"--doc {args.doc}: the file is empty; give the document's text.")
-    prepare_output(args.out, command="internalize", overwrite=args.overwrite)
+    prepare_output(args.out, command="internalize", overwrite=args.overwrite,
+                   reads={"--model": args.model, "--doc": args.doc, "--hyper": args.hyper})
     model, tokenizer = load_model_from_args(args)
     if args.hyper is not None:
         hyper = load_hypernetwork(args.hyper)

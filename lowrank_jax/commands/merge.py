@@ -48,7 +48,8 @@ def run(args) -> int:
     if not os.path.isdir(args.adapter):
         raise FileNotFoundError(f"--adapter {args.adapter}: no such folder; pass a PEFT adapter "
                                 "folder (adapter_config.json + adapter_model.safetensors).")
-    prepare_output(args.out, command="merge", overwrite=args.overwrite)
+    prepare_output(args.out, command="merge", overwrite=args.overwrite,
+                   reads={"--model": args.model, "--adapter": args.adapter, "--data": args.data})
     model, tokenizer = load_model(args.model)
     if args.quantize:
         quantize_base(model, args.quantize)

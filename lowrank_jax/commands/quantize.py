@@ -75,11 +75,10 @@ def run(args: argparse.Namespace) -> int:
     from lowrank_jax.io.validate import check_text_file
 
     check_text_file(args.calib_file, "--calib-file")
-    if os.path.exists(os.path.join(args.out, "quantization.json")) and not args.overwrite:
-        raise FileExistsError(f"--out {args.out!r} already holds a quantized model; pick another.")
     from lowrank_jax.io.outputs import prepare_output
 
-    prepare_output(args.out, command="quantize", overwrite=args.overwrite)
+    prepare_output(args.out, command="quantize", overwrite=args.overwrite,
+                   reads={"--model": args.model, "--calib-file": args.calib_file})
 
     from lowrank_jax.models.hub import load_model
 

@@ -45,6 +45,10 @@ def _load_npy(path: str, flag: str):
     return np.load(path, mmap_mode="r")
 
 
+def _weights_path(out: str) -> str:
+    return os.path.splitext(out)[0] + "_weights.npy"
+
+
 def run(args: argparse.Namespace) -> int:
     """Load or embed, select, save, print a summary line; returns the exit code."""
     import jax
@@ -52,8 +56,14 @@ def run(args: argparse.Namespace) -> int:
 
     from lowrank_jax.data.selection import chunk_tokens, compact, select_subset, text_embeddings
 
+    from lowrank_jax.io.outputs import check_not_input
+
     if args.budget < 1:
         raise ValueError(f"--budget {args.budget} must be a positive number of draws.")
+    reads = {"--embeddings": args.embeddings, "--losses": args.losses, "--text": args.text,
+             "--model": args.model if args.text is not None else None}
+    check_not_input(args.out, reads)
+    check_not_input(_weights_path(args.out), reads, argument="the weights file")
     losses = None if args.losses is None else np.asarray(_load_npy(args.losses, "--losses"))
     if args.text is not None:
         from lowrank_jax.models import load_model
@@ -82,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
                             chunk_rows=chunk_rows)
     idx, weights = compact(coreset.idx, coreset.weights)
     np.save(args.out, idx)
-    weights_path = os.path.splitext(args.out)[0] + "_weights.npy"
+    weights_path = _weights_path(args.out)
     np.save(weights_path, weights.astype(np.float32))
     print(f"selected {len(idx)} distinct of {A.shape[0]} rows ({args.budget} draws, "
           f"method={args.method}, rank={args.rank}, lipschitz={float(coreset.lipschitz):.4g}, "

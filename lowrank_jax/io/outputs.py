@@ -7,7 +7,11 @@ training, so a bad target fails in a second instead of after an hour:
   file is not in the way, a probe file can be created);
 - a folder that is not empty and was not created by ``lowrank-jax`` is refused, and so is one
   holding another run, unless ``overwrite`` (replace) or ``resume`` (continue) says otherwise;
-- the folder gets a small marker file (:data:`MARKER`) naming the command that owns it.
+- the folder gets a small marker file (:data:`MARKER`) naming the command that owns it, and
+  that kind never changes: a folder of another command is refused even with ``overwrite``;
+- the folder is never one the command reads from (``reads``): an output equal to, inside or
+  containing an input (``--out RUN`` with ``--run RUN``) is refused, with or without
+  ``overwrite`` (:func:`check_not_input`).
 
 Files are written with :func:`atomic_write_text` / :func:`staged_folder` (temporary name, then a
 rename), and paths built from user-given names go through :func:`inside`, which refuses
@@ -48,6 +52,61 @@ def _owner(folder: pathlib.Path) -> dict | None:
         return None
 
 
+def _kind(folder: pathlib.Path) -> str | None:
+    """The command that made ``folder``: its marker, or ``pretrain`` for a run made before
+    markers (a ``checkpoints/`` folder of numbered steps)."""
+    owner = _owner(folder)
+    if isinstance(owner, dict) and isinstance(owner.get("command"), str):
+        return owner["command"]
+    steps = folder / "checkpoints"
+    if steps.is_dir() and any(p.name.isdigit() for p in steps.iterdir()):
+        return "pretrain"
+    return None
+
+
+def _resolved(path: str | os.PathLike) -> pathlib.Path:
+    return pathlib.Path(os.path.abspath(os.path.realpath(os.path.expanduser(str(path)))))
+
+
+def check_not_input(out: str | os.PathLike | None, reads: dict, *,
+                    argument: str = "--out") -> None:
+    """Refuse an output path that is, lies inside or contains a path the command reads.
+
+    Args:
+        out: the output folder (or file) the command writes.
+        reads: ``{argument: path}`` of the command's inputs (``{"--run": "runs/a"}``); ``None``
+            and names that are not on disk (a preset such as ``tiny``) are skipped.
+        argument: how the user gave ``out``, for the message.
+
+    Raises:
+        ValueError: one line naming both paths; ``--overwrite`` does not lift it (writing there
+            would destroy what is being read).
+
+    Example::
+
+        >>> check_not_input("runs/b", {"--run": "runs/a"})  # disjoint: fine
+    """
+    if out is None or str(out).strip() == "":
+        return
+    target = _resolved(out)
+    for name, path in reads.items():
+        if path is None or str(path).strip() == "" or not os.path.exists(str(path)):
+            continue
+        source = _resolved(path)
+        if source == target:
+            relation = "is"
+        elif source in target.parents:
+            relation = "lies inside"
+        elif target in source.parents:
+            relation = "contains"
+        else:
+            continue
+        raise ValueError(
+            f"{argument} {out} {relation} {name} {path}: a command never writes into what it "
+            f"reads (not even with --overwrite); choose a separate {argument}, e.g. "
+            f"{source.parent / (source.stem + '-out')}.")
+
+
 def check_writable(path: str | os.PathLike, argument: str) -> pathlib.Path:
     """Check (without creating anything) that ``path`` can become a folder we write into.
 
@@ -83,7 +142,7 @@ def check_writable(path: str | os.PathLike, argument: str) -> pathlib.Path:
 
 def prepare_output(path: str | os.PathLike, *, command: str, argument: str = "--out",
                    overwrite: bool = False, resume: bool = False,
-                   owned_names: tuple[str, ...] = ()) -> pathlib.Path:
+                   owned_names: tuple[str, ...] = (), reads: dict | None = None) -> pathlib.Path:
     """Check and claim the output folder ``path`` before any work starts.
 
     Args:
@@ -97,14 +156,23 @@ def prepare_output(path: str | os.PathLike, *, command: str, argument: str = "--
         resume: continue a run of the same command in this folder (``--resume``).
         owned_names: stale outputs of ``command`` removed by ``overwrite`` (e.g. the
             checkpoints of a previous run, which would otherwise be resumed).
+        reads: ``{argument: path}`` of what the command reads; ``path`` may not be, contain or
+            lie inside the output (see :func:`check_not_input`).
 
     Returns:
         The folder, created, with its marker.
 
     Raises:
-        ValueError: the folder is not writable, not empty and not ours, or holds another run.
+        ValueError: the folder is not writable, not empty and not ours, holds another run, is
+            a folder of another command (even with ``overwrite``), or is one of ``reads``.
     """
+    check_not_input(path, reads or {}, argument=argument)
     target = check_writable(path, argument)
+    kind = _kind(target) if target.is_dir() else None
+    if kind is not None and kind != command:
+        raise ValueError(
+            f"{argument} {path}: the folder holds a {kind} run; choose another folder for "
+            f"{command} (a folder's kind never changes, not even with --overwrite).")
     if target.is_dir() and any(p.name != MARKER for p in target.iterdir()):
         owner = _owner(target)
         contents = _listing(target)
@@ -120,10 +188,6 @@ def prepare_output(path: str | os.PathLike, *, command: str, argument: str = "--
                 f"{argument} {path}: the folder is not empty ({contents}) and was not created "
                 f"by lowrank-jax; choose an empty or new folder, or pass --overwrite to "
                 "write into it anyway.")
-        elif owner is not None and owner.get("command") != command:
-            raise ValueError(
-                f"{argument} {path}: the folder holds a {owner.get('command')} run; choose "
-                f"another folder for {command}, or pass --overwrite to replace it.")
         elif not resume:
             hint = "pass --resume to continue it, " if command == "pretrain" else ""
             raise ValueError(
@@ -211,5 +275,5 @@ def describe_os_error(error: OSError) -> str:
     return f"{where}{error.strerror.lower()}; {fix}."
 
 
-__all__ = ["MARKER", "atomic_write_text", "check_writable", "describe_os_error", "inside",
-           "prepare_output", "staged_folder"]
+__all__ = ["MARKER", "atomic_write_text", "check_not_input", "check_writable",
+           "describe_os_error", "inside", "prepare_output", "staged_folder"]

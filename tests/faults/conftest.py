@@ -122,6 +122,28 @@ def tiny_runs(tmp_path_factory):
     return {"full": base / "full", "split": base / "split", "full_result": full}
 
 
+# the tiny run with the SALAAD structure (what `export` reads)
+TINY_SALAAD = [*TINY, "structure=salaad", "salaad.rho=0.005", "salaad.kI_alpha=0.02",
+               "salaad.every=2", "train.steps=4"]
+
+
+@pytest.fixture(scope="session")
+def tiny_salaad():
+    """The ``--set`` overrides of the tiny SALAAD run (:func:`salaad_run`)."""
+    return list(TINY_SALAAD)
+
+
+@pytest.fixture(scope="session")
+def salaad_run(tmp_path_factory):
+    """A tiny ``structure=salaad`` pretraining run (4 steps, checkpoints at 2 and 4)."""
+    from lowrank_jax.train import load_config, train
+
+    run = tmp_path_factory.mktemp("salaad_run") / "run"
+    train(load_config("tiny", TINY_SALAAD + [f"run_dir={run}"]), progress=False,
+          log=lambda *_: None)
+    return run
+
+
 def pytest_terminal_summary(terminalreporter):
     if not _RESULTS:
         return
