@@ -5,11 +5,17 @@ UTF-8 or not writable, a full disk, malformed YAML, a bad regex) exits with stat
 line ``lowrank-jax <command>: error: ...`` naming the argument / file / key, what was wrong and
 how to fix it. Anything else is a bug: one line asking for ``--debug``, status 1. ``--debug``
 shows the full traceback in both cases.
+
+The libraries' own detail (orbax / TensorStore / absl / asyncio log records, Python warnings,
+``Exception ignored in ...`` at shutdown) goes to the run folder's ``lowrank-jax.log``, not to
+the terminal (:mod:`lowrank_jax.io.quiet`; ``--debug`` shows it), and every checkpoint manager
+is closed before the command returns, so the one clear line is the last line of stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import pkgutil
 import re
@@ -71,8 +77,27 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    from lowrank_jax.io.quiet import quiet_libraries
+
+    # called as the program (argv None): the hooks stay for the interpreter's shutdown
+    quiet = (contextlib.nullcontext() if args.debug
+             else quiet_libraries(keep_after=argv is None))
+    with quiet:
+        return _run(args)
+
+
+def _close_checkpoints() -> None:
+    checkpoint = sys.modules.get("lowrank_jax.train.checkpoint")  # imported only if used
+    if checkpoint is not None:
+        checkpoint.close_managers()
+
+
+def _run(args) -> int:
     try:
-        return int(args.func(args) or 0)
+        try:
+            return int(args.func(args) or 0)
+        finally:
+            _close_checkpoints()  # before the message: nothing of orbax's comes after it
     except KeyboardInterrupt:
         print(f"lowrank-jax {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -27,6 +27,7 @@ import pathlib
 import shutil
 import signal
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from lowrank_jax.io import quiet
 from lowrank_jax.io.outputs import atomic_write_text
 
 INTEGRITY_NAME = "lowrank_jax_integrity.json"
@@ -43,11 +45,40 @@ CORRUPT_DIR = "corrupt_checkpoints"
 _STATELESS_MODEL_FIELDS = ("attention", "dtype")
 
 
+_OPEN: weakref.WeakSet = weakref.WeakSet()  # managers not closed yet (close_managers)
+
+
 def checkpoint_manager(run_dir: pathlib.Path, *, create: bool = True):
-    """The run's orbax manager over ``run_dir/checkpoints`` (the last two steps are kept)."""
+    """The run's orbax manager over ``run_dir/checkpoints`` (the last two steps are kept).
+
+    ``create=True`` (a run that writes): the libraries' detail (orbax / TensorStore log records,
+    see :mod:`lowrank_jax.io.quiet`) goes to ``run_dir/lowrank-jax.log``. Every manager made
+    here is closed by :func:`close_managers` (the ``lowrank-jax`` command calls it on every
+    path, so no background thread or event loop outlives the command).
+    """
     options = ocp.CheckpointManagerOptions(max_to_keep=2, create=create)
-    return ocp.CheckpointManager((pathlib.Path(run_dir) / "checkpoints").absolute(),
-                                 options=options)
+    manager = ocp.CheckpointManager((pathlib.Path(run_dir) / "checkpoints").absolute(),
+                                    options=options)
+    if create:
+        quiet.log_to(run_dir)
+    _OPEN.add(manager)
+    return manager
+
+
+def close_manager(manager) -> None:
+    """Close ``manager`` (waiting for its saves), never raising: it runs on error paths, where
+    the disk that failed the save may fail the close too (the detail goes to the run log)."""
+    try:
+        manager.close()
+    except Exception as error:  # noqa: BLE001
+        quiet.record(f"closing the checkpoint manager of {manager.directory}: {error!r}")
+    _OPEN.discard(manager)
+
+
+def close_managers() -> None:
+    """Close every manager made by :func:`checkpoint_manager` and not closed yet."""
+    for manager in list(_OPEN):
+        close_manager(manager)
 
 
 def fingerprint(cfg) -> dict[str, Any]:
@@ -131,6 +162,7 @@ def save_checkpoint(manager, state, cfg=None) -> None:
                 atomic_write_text(_step_dir(manager, state.step) / INTEGRITY_NAME,
                                   json.dumps(record, indent=1))
         except Exception as error:  # orbax/tensorstore wrap OS errors
+            quiet.record(f"saving step {int(state.step)} failed: {error!r}")
             raise _save_error(error, manager, state.step) from error
     if pending:
         raise KeyboardInterrupt
@@ -209,6 +241,7 @@ def _restore_step(manager, step: int, abstract, cfg, run_dir) -> Any:
     try:
         restored = manager.restore(step, args=ocp.args.StandardRestore(abstract))
     except Exception as error:  # noqa: BLE001 - any orbax/tensorstore failure = damaged step
+        quiet.record(f"restoring step {step} failed: {error!r}")
         raise _CorruptStep(_short(error)) from None
     if record is not None:
         saved = record["checksums"]
@@ -265,9 +298,10 @@ def restore_checkpoint(manager, state, cfg=None, *, log: Callable[[str], None] =
             bad.append((step, str(error)))
             # move it aside now: orbax infers the layout of the next steps from what it lists
             _quarantine(run_dir, _step_dir(manager, step))
-            manager.close()
-            manager = checkpoint_manager(run_dir)
+            close_manager(manager)
+            manager = checkpoint_manager(run_dir, create=False)
     if good is None:
+        close_manager(manager)
         listed = "; ".join(f"step {s}: {why}" for s, why in bad)
         raise ValueError(f"--resume: every checkpoint in {checkpoints} is corrupt ({listed}); "
                          f"they were moved to {run_dir / CORRUPT_DIR}; start the run again "
@@ -303,5 +337,6 @@ def truncate_metrics(metrics_path: pathlib.Path, step: int) -> int:
     return dropped
 
 
-__all__ = ["CORRUPT_DIR", "INTEGRITY_NAME", "checkpoint_manager", "checksums", "fingerprint",
-           "restore_checkpoint", "save_checkpoint", "shield_interrupts", "truncate_metrics"]
+__all__ = ["CORRUPT_DIR", "INTEGRITY_NAME", "checkpoint_manager", "checksums", "close_manager",
+           "close_managers", "fingerprint", "restore_checkpoint", "save_checkpoint",
+           "shield_interrupts", "truncate_metrics"]

@@ -4,7 +4,9 @@ Every test here injects one fault a user meets (a bad value, a full disk, a dama
 checkpoint, an occupied output folder, ...) and records what the command did through the
 ``faults`` fixture: ``clear error`` (exit 2, one line naming what was wrong), ``recovered``
 (the work continued correctly), or a failure class (traceback, unclear error, silent result,
-data lost). At the end of the session the counts are printed as the table quoted in README.md
+data lost). Every command's stderr is captured at the file-descriptor level (what a terminal
+shows, C++ libraries included) and held to :data:`STDERR_BUDGET` lines, the clear line last.
+At the end of the session the counts are printed as the table quoted in README.md
 ("Reliability"); ``LOWRANK_FAULTS_JSON=path`` also writes them as JSON.
 """
 
@@ -30,6 +32,8 @@ TINY = [
 ]
 
 _RESULTS: list[tuple[str, str]] = []
+STDERR_BUDGET = 5  # lines a user sees after a fault (issue 40: recoveries printed thousands)
+_STDERR_LINES: dict[str, int] = {}
 
 
 def tree_digest(folder: pathlib.Path, *, skip: tuple[pathlib.Path, ...] = ()) -> dict[str, str]:
@@ -48,9 +52,10 @@ def tree_digest(folder: pathlib.Path, *, skip: tuple[pathlib.Path, ...] = ()) ->
 class Faults:
     """Runs the CLI in-process and classifies what happened."""
 
-    def __init__(self, name, capsys, tmp_path):
-        self.name, self.capsys, self.tmp_path = name, capsys, tmp_path
+    def __init__(self, name, capfd, tmp_path):
+        self.name, self.capsys, self.tmp_path = name, capfd, tmp_path
         self.outcome = None
+        self.stderr_lines = 0
 
     def cli(self, argv, *, out=None):
         """Run ``lowrank-jax argv``; return ``(code, stdout, stderr)``. Files under
@@ -65,6 +70,13 @@ class Faults:
             self.outcome = "traceback"
             raise AssertionError(f"{argv}: raised {type(error).__name__}: {error}") from error
         captured = self.capsys.readouterr()
+        lines = [line for line in captured.err.splitlines() if line.strip()]
+        self.stderr_lines = max(self.stderr_lines, len(lines))
+        if len(lines) > STDERR_BUDGET or (code not in (0, None) and lines
+                                          and not lines[-1].startswith("lowrank-jax ")):
+            self.outcome = "unclear error"
+            raise AssertionError(f"{argv}: {len(lines)} stderr lines (budget {STDERR_BUDGET}, "
+                                 f"the clear line last): {lines[:3]} ... {lines[-2:]}")
         after = tree_digest(self.tmp_path, skip=(out,) if out else ())
         if before != after:
             self.outcome = "data lost"
@@ -96,11 +108,12 @@ class Faults:
 
 
 @pytest.fixture
-def faults(request, capsys, tmp_path, monkeypatch):
+def faults(request, capfd, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # a stray relative write would land here and be noticed
-    recorder = Faults(request.node.name, capsys, tmp_path)
+    recorder = Faults(request.node.name, capfd, tmp_path)
     yield recorder
     _RESULTS.append((request.node.nodeid, recorder.outcome or "unclassified"))
+    _STDERR_LINES[request.node.nodeid] = recorder.stderr_lines
 
 
 @pytest.fixture(scope="session")
@@ -162,9 +175,12 @@ def pytest_terminal_summary(terminalreporter):
         - counts["traceback"] - counts["unclear error"] - counts["silent result"]
         - counts["data lost"],
     }
+    table[f"most stderr lines of a case (budget {STDERR_BUDGET})"] = max(
+        _STDERR_LINES.values(), default=0)
     terminalreporter.write_sep("-", "reliability (tests/faults)")
     for key, value in table.items():
         terminalreporter.write_line(f"{key:<40}{value:>5}")
     if os.environ.get("LOWRANK_FAULTS_JSON"):
         pathlib.Path(os.environ["LOWRANK_FAULTS_JSON"]).write_text(
-            json.dumps({"table": table, "results": _RESULTS}, indent=1))
+            json.dumps({"table": table, "results": _RESULTS, "stderr_lines": _STDERR_LINES},
+                       indent=1))
