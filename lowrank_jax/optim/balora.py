@@ -21,6 +21,7 @@ from jaxtyping import Array, Float
 
 from lowrank_jax.optim.factors import (
     PairFn,
+    has_unmasked_leaves,
     flatten_by_path,
     lora_pairs,
     path_str,
@@ -260,7 +261,13 @@ def scale_by_balora(
             )
         project = (state.count >= start_step) & (state.count % every == 0)
         out = dict(up)
-        for pa, pb in pair_fn(params):
+        pairs = pair_fn(params)
+        if not pairs and has_unmasked_leaves(updates):
+            raise ValueError(
+                f"scale_by_balora: the tree has no LoRA factor pairs (leaves "
+                f"{[path_str(p) for p in order][:3]}); balora balances lora_a / lora_b pairs: "
+                "apply_lora first, or pass pair_fn=factor_pairs for (a, b) factors.")
+        for pa, pb in pairs:
             if pa not in up or pb not in up:
                 continue  # masked out of this partition
             left, right = par[pa], par[pb]

@@ -184,6 +184,32 @@ def lora_pairs(params) -> list[tuple[Path, Path]]:
     return find_pairs(params, kinds=("lora",))
 
 
+def check_learning_rate(owner: str, value, name: str = "learning_rate") -> None:
+    """Refuse a learning rate that is not a finite number > 0 (a schedule, or a value traced by
+    ``optax.inject_hyperparams``, is taken as given).
+
+    Raises:
+        TypeError: ``value`` is neither a number nor a callable schedule.
+        ValueError: a NaN / inf / non-positive number, naming ``owner`` and ``name``.
+    """
+    if callable(value) or isinstance(value, jax.core.Tracer):
+        return
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{owner}: {name}={value!r} must be a number or an optax schedule, "
+                        "e.g. 0.02 or optax.cosine_decay_schedule(0.02, 1000).") from None
+    if not (number > 0 and number != float("inf")):
+        raise ValueError(f"{owner}: {name}={value!r} must be a finite number > 0 (or an optax "
+                         "schedule), e.g. 0.02.")
+
+
+def has_unmasked_leaves(tree) -> bool:
+    """Whether ``tree`` holds any leaf other than ``optax.MaskedNode``."""
+    leaves = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+    return any(not isinstance(x, optax.MaskedNode) for x in leaves)
+
+
 def flatten_by_path(tree) -> tuple[dict[Path, Any], list[Path], Any]:
     """``({path: leaf}, paths in leaf order, treedef)`` of a pytree (the pair_fn path keys).
 

@@ -52,6 +52,8 @@ from lowrank_jax.optim.linalg import Numeric
 from lowrank_jax.optim.linalg import gathered, with_sharding_of
 from lowrank_jax.optim.factors import (
     PairFn,
+    check_learning_rate,
+    has_unmasked_leaves,
     flatten_by_path,
     lora_pairs,
     path_str,
@@ -133,6 +135,11 @@ def _map_pairs(fn, updates, params, subspaces, pair_fn: PairFn = lora_pairs):
     ups, order, treedef = flatten_by_path(updates)
     pars, _, _ = flatten_by_path(params)
     pairs = lora_pair_paths(updates, pair_fn)
+    if not pairs and has_unmasked_leaves(updates):
+        raise ValueError(
+            f"janus: the tree has no LoRA factor pairs (leaves {[path_str(p) for p in order][:3]}"
+            "); janus updates lora_a / lora_b pairs: apply_lora first, or pass the LoRA "
+            "parameters only (nnx.Optimizer(..., wrt=nnx.LoRAParam)).")
     subspaces = subspaces or {}
     unknown = sorted(set(subspaces) - set(pairs))
     if unknown:
@@ -254,6 +261,7 @@ def janus(
     References:
         Chen et al, `JANUS-LoRA <https://arxiv.org/abs/2605.28495>`_, 2026.
     """
+    check_learning_rate("janus", learning_rate)
     return optax.chain(
         scale_by_janus(scale, precondition=precondition, eps_rel=eps_rel, tol=tol,
                        pair_fn=pair_fn),

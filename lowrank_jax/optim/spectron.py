@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from lowrank_jax.optim.factors import (
     Path,
     PairFn,
+    check_learning_rate,
     default_pair_fn,
     flatten_by_path,
     label_factors,
@@ -104,6 +105,10 @@ def _check_layout(params, pair_fn: PairFn) -> tuple[list[tuple[Path, Path]], dic
                 "spectron_with_adamw."
             )
         shapes[p] = jnp.shape(_value(leaf))
+        dtype = jnp.result_type(_value(leaf))
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise TypeError(f"spectron: factor {path_str(p)!r} has dtype {dtype}; factors must be "
+                            "floating point (cast with .astype(jnp.float32)).")
         if len(shapes[p]) != 2:
             raise ValueError(f"spectron: factor {path_str(p)!r} must be 2-D, got {shapes[p]}.")
     for pa, pb in pairs:
@@ -369,6 +374,7 @@ def spectron(
         Janson et al, `Stabilizing Native Low-Rank LLM Pretraining
         <https://arxiv.org/abs/2602.12429>`_, 2026.
     """
+    check_learning_rate("spectron", learning_rate)
     return optax.chain(
         scale_by_spectron(
             momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, ns_coeffs=ns_coeffs,
@@ -429,6 +435,8 @@ def spectron_with_adamw(
         >>> params = {"p": {"a": jnp.ones((8, 2)), "b": jnp.ones((2, 4))}, "norm": jnp.ones(4)}
         >>> state = tx.init(params)
     """
+    check_learning_rate("spectron_with_adamw", eta, "eta")
+    check_learning_rate("spectron_with_adamw", adamw_lr, "adamw_lr")
     tx = optax.partition(
         {
             "spectron": spectron(
