@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 
+from lowrank_jax.io.validate import positive_int
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "federate", help="simulate federated LoRA (FedHera, FedTreeLoRA, baselines)",
@@ -13,7 +16,7 @@ def register(subparsers) -> None:
     p.add_argument("--config", default="configs/fed_hera.yaml",
                    help="YAML config (configs/fed_hera.yaml, configs/fed_tree.yaml)")
     p.add_argument("--seeds", default=None, help="comma-separated seeds overriding the config")
-    p.add_argument("--rounds", type=int, default=None, help="override schedule.rounds")
+    p.add_argument("--rounds", type=positive_int, default=None, help="override schedule.rounds")
     p.add_argument("--run-dir", default=None, help="override the config's run_dir")
     p.add_argument("--no-checkpoint", action="store_true", help="do not save / resume rounds")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
@@ -33,6 +36,12 @@ def run(args) -> int:
             overrides["seeds"] = [int(s) for s in args.seeds.split(",")]
         except ValueError as error:
             raise ValueError(f"--seeds {args.seeds!r}: give integers like 0,1,2.") from error
+    import os
+
+    from lowrank_jax.io.validate import read_yaml_mapping
+
+    if os.path.isfile(args.config):
+        read_yaml_mapping(args.config, "--config")  # invalid YAML: one line with file and line
     config = experiment.load_config(args.config, overrides)
     from lowrank_jax.io.outputs import check_not_input
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from lowrank_jax.io.validate import non_negative_int, positive_int
+
 
 def register(subparsers) -> None:
     """Add the ``select`` subcommand."""
@@ -23,17 +25,20 @@ def register(subparsers) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--embeddings", help="[n, d] float .npy (memory-mapped, streamed in chunks)")
     src.add_argument("--text", help="UTF-8 text file: chunked and embedded with --model")
-    p.add_argument("--budget", type=int, required=True, help="number of draws m")
+    p.add_argument("--budget", type=positive_int, required=True, help="number of draws m")
     p.add_argument("--out", required=True, help="output .npy of selected row/chunk indices")
     p.add_argument("--losses", default=None, help="[n] .npy of per-row losses (optional)")
     p.add_argument("--method", default="lowrank", choices=("lowrank", "kmeans", "uniform"))
-    p.add_argument("--rank", type=int, default=32, help="subspace rank k")
+    p.add_argument("--rank", type=positive_int, default=32, help="subspace rank k")
     p.add_argument("--angular", action="store_true", help="normalise rows (angular residuals)")
-    p.add_argument("--chunk-rows", type=int, default=65536, help="rows per streamed block")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chunk-rows", type=positive_int, default=65536,
+                   help="rows per streamed block")
+    p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--model", default="smollm2", help="with --text: model name or path")
-    p.add_argument("--max-tokens", type=int, default=256, help="with --text: tokens per chunk")
-    p.add_argument("--batch-size", type=int, default=8, help="with --text: chunks per forward")
+    p.add_argument("--max-tokens", type=positive_int, default=256,
+                   help="with --text: tokens per chunk")
+    p.add_argument("--batch-size", type=positive_int, default=8,
+                   help="with --text: chunks per forward")
     p.set_defaults(func=run)
 
 
@@ -42,7 +47,28 @@ def _load_npy(path: str, flag: str):
 
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{flag} {path}: no such file.")
-    return np.load(path, mmap_mode="r")
+    try:
+        array = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError) as error:
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ValueError(f"{flag} {path}: not a NumPy .npy array ({reason[:80]}); save it "
+                         "with numpy.save.") from None
+    if not np.issubdtype(array.dtype, np.number):
+        raise ValueError(f"{flag} {path}: holds {array.dtype} values; give a float array.")
+    return array
+
+
+def _check_finite(array, flag: str, path: str, block: int = 65536) -> None:
+    """Refuse NaN / inf entries (streamed in blocks of rows: the file may be larger than
+    memory)."""
+    import numpy as np
+
+    for start in range(0, max(int(array.shape[0]), 1), block):
+        part = np.asarray(array[start:start + block])
+        if part.size and not np.isfinite(part).all():
+            row = start + int(np.argwhere(~np.isfinite(part))[0][0])
+            raise ValueError(f"{flag} {path}: row {row} holds NaN or inf values; remove or "
+                             "fix those rows.")
 
 
 def _weights_path(out: str) -> str:
@@ -65,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
     check_not_input(args.out, reads)
     check_not_input(_weights_path(args.out), reads, argument="the weights file")
     losses = None if args.losses is None else np.asarray(_load_npy(args.losses, "--losses"))
+    if losses is not None and losses.ndim >= 1:
+        _check_finite(losses, "--losses", args.losses)
     if args.text is not None:
         from lowrank_jax.models import load_model
 
@@ -84,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
         chunk_rows = None
     else:
         A = _load_npy(args.embeddings, "--embeddings")
+        if A.ndim >= 1:
+            _check_finite(A, "--embeddings", args.embeddings, args.chunk_rows)
         chunk_rows = args.chunk_rows if A.shape[0] > args.chunk_rows else None
         if chunk_rows is None:
             A = np.asarray(A, np.float32)
