@@ -25,7 +25,7 @@ def register(subparsers) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--embeddings", help="[n, d] float .npy (memory-mapped, streamed in chunks)")
     src.add_argument("--text", help="UTF-8 text file: chunked and embedded with --model")
-    p.add_argument("--budget", type=positive_int, required=True, help="number of draws m")
+    p.add_argument("--budget", type=int, required=True, help="number of draws m")
     p.add_argument("--out", required=True, help="output .npy of selected row/chunk indices")
     p.add_argument("--losses", default=None, help="[n] .npy of per-row losses (optional)")
     p.add_argument("--method", default="lowrank", choices=("lowrank", "kmeans", "uniform"))

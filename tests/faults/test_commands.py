@@ -106,7 +106,7 @@ CASES = {
     ],
     "select": [
         (["select", "--embeddings", "d/emb.npy", "--budget", "0", "--out", "o.npy"],
-         "argument --budget: 0 must be a positive integer"),
+         "--budget 0 must be a positive number of draws"),
         (["select", "--embeddings", "d/none.npy", "--budget", "2", "--out", "o.npy"],
          "--embeddings d/none.npy: no such file"),
         (["select", "--embeddings", "d/bad.npy", "--budget", "2", "--out", "o.npy"],
