@@ -188,6 +188,34 @@ CASES = {
         (["finetune", "--jobs", "d/jobs_lr.yaml", "--mesh", "data=3", "--out", "o"],
          "mesh data=3 x fsdp=1 x tensor=1 needs 3 devices, but "),
     ],
+    # the older commands, so that every command of `lowrank-jax --help` has cases here
+    "bench": [
+        (["bench", "--only", "nope", "--out", "o"], "--only nope: unknown benchmark; choose "
+                                                    "from spectron_overhead"),
+        (["bench", "--reps", "0", "--out", "o"], "argument --reps: 0 must be a positive"),
+        (["bench", "--out", "d/text.txt", "--only", "load_time"],
+         "--out d/text.txt: is a file, not a folder"),
+    ],
+    "plan": [
+        (["plan", "--devices", "0"], "--devices=0 must be a positive integer"),
+        (["plan", "--devices", "1", "--config", "d/none.yaml"],
+         "Config 'd/none.yaml' not found; presets: ['1b'"),
+        (["plan", "--devices", "1", "--set", "model.d_model=-1"],
+         "model.d_model=-1 must be a positive integer"),
+        (["plan", "--devices", "1", "--set", "nokey=1"], "Unknown config key 'nokey'"),
+    ],
+    "analyze": [
+        (["analyze", "--model", "d/none", "--out", "o"], "model='d/none' is neither a known "
+                                                         "name"),
+        (["analyze", "--model", "tiny", "--top-k", "0", "--out", "o"],
+         "argument --top-k: 0 must be a positive integer"),
+    ],
+    "edit": [
+        (["edit", "--edits", "d/none.jsonl", "--out", "o"], "--edits d/none.jsonl: file not "
+                                                            "found"),
+        (["edit", "--edits", "d/text.txt", "--gamma", "0", "--out", "o"],
+         "--gamma 0.0 must lie in (0, 1]"),
+    ],
     "pretrain structure=salaad": [
         (["pretrain", "--set", "structure=salaad", "--set", "run_dir=o"],
          "structure=salaad needs model.projection=dense"),
