@@ -181,3 +181,29 @@ def test_the_program_stays_quiet_through_shutdown(faults, tiny_runs, tiny, tmp_p
     assert proc.stderr.strip() == "", proc.stderr[-2000:]
     assert "Event loop is closed" in _log(run)
     faults.recovered()
+
+
+@pytest.mark.parametrize("damaged", [("4",), ("2", "4")], ids=["newest step", "every step"])
+def test_a_lost_data_folder_is_quiet_as_a_program(faults, tiny_runs, tiny, tmp_path, damaged):
+    """The noise as users met it (no injection): a step whose ``default/d`` data folder is
+    gone makes orbax's TensorStore callbacks hit a closed event loop (on main: 192 stderr
+    lines for the recovery, 265 before the clear line when every step is gone)."""
+    run = tmp_path / "run"
+    shutil.copytree(tiny_runs["split"], run)
+    for step in damaged:
+        shutil.rmtree(run / "checkpoints" / step / "default" / "d")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-m", "lowrank_jax.cli", "pretrain", "--no-progress",
+                           "--resume", *_sets(tiny + [f"run_dir={run}"])],
+                          capture_output=True, text=True, env=env, timeout=600)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    if len(damaged) == 1:
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "step 4 is corrupt" in proc.stdout and "resuming from step 2" in proc.stdout
+        assert lines == [], lines[:5]
+        faults.recovered()
+    else:
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert len(lines) == 1, lines[:5]
+        assert lines[0].startswith("lowrank-jax pretrain: error: --resume: every checkpoint in")
+        faults.clear_error()
