@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any, Callable, Iterable, Mapping
 
+import numpy as np
 from flax import nnx
 
 from lowrank_jax.nn.lora import LoRALinear, LoRAProjection
@@ -26,6 +28,32 @@ class LoRARule:
     use_rslora: bool = False
     dropout: float = 0.0
     init: str = "standard"
+
+    def __post_init__(self):
+        try:
+            re.compile(self.pattern)
+        except (re.error, TypeError) as e:
+            raise ValueError(
+                f"LoRARule pattern {self.pattern!r} is not a valid regex ({e}); pass a regex "
+                "searched in the module path, e.g. r'(q|v)_proj'."
+            ) from None
+        _check_positive_int(self.rank, "LoRARule rank")
+        if self.alpha is not None and not (
+            isinstance(self.alpha, (int, float)) and math.isfinite(self.alpha) and self.alpha > 0
+        ):
+            raise ValueError(
+                f"LoRARule alpha={self.alpha!r} must be a finite number > 0 "
+                "(or None for alpha = rank)."
+            )
+        if not (isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0):
+            raise ValueError(f"LoRARule dropout={self.dropout!r} must lie in [0, 1).")
+
+
+def _check_positive_int(value: Any, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(
+            f"{name}={value!r} must be a positive int (the adapter rank r); e.g. rank=8."
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +123,7 @@ def _as_rules(rules) -> list[LoRARule]:
     if isinstance(rules, str):
         return [LoRARule(rules)]
     if isinstance(rules, Mapping):
-        return [LoRARule(k, rank=int(v)) for k, v in rules.items()]
+        return [LoRARule(k, rank=v) for k, v in rules.items()]
     return [r if isinstance(r, LoRARule) else LoRARule(**r) for r in rules]
 
 
@@ -151,7 +179,11 @@ def apply_lora(
         for i, rule in enumerate(rules):
             if re.search(rule.pattern, name):
                 hits[i] += 1
-                rank = rule.rank if ranks is None or name not in ranks else int(ranks[name])
+                rank = rule.rank
+                if ranks is not None and name in ranks:
+                    rank = ranks[name]
+                    _check_positive_int(rank, f"ranks[{name!r}]")
+                    rank = int(rank)
                 if type(linear) is nnx.Linear:
                     wrap = LoRALinear.from_linear
                 elif type(linear) in LINEAR_LIKE:

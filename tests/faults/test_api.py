@@ -105,10 +105,16 @@ CASES = {
         ("subspaces given for ['m']", "")),
     "apply_lora rank 0": (
         lambda: _nn().apply_lora(_Model(), {"q_proj": 0}, rngs=nnx.Rngs(1)), ValueError,
-        ("rank=0", "Lower the rank")),
+        ("rank=0", "must be a positive int")),
     "apply_lora rank above min(in, out)": (
         lambda: _nn().apply_lora(_Model(), {"q_proj": 9}, rngs=nnx.Rngs(1)), ValueError,
         ("rank=9", "[1, 4]")),
+    "apply_lora rank 2.5": (
+        lambda: _nn().apply_lora(_Model(), {"q_proj": 2.5}, rngs=nnx.Rngs(1)), ValueError,
+        ("rank=2.5", "must be a positive int")),
+    "LoRARule alpha NaN": (
+        lambda: _nn().LoRARule("q_proj", rank=2, alpha=NAN), ValueError,
+        ("alpha=nan", "finite number > 0")),
     "apply_lora a rule matching nothing": (
         lambda: _nn().apply_lora(_Model(), {"zzz": 2}, rngs=nnx.Rngs(1)), ValueError,
         ("rule pattern 'zzz' matches no projection", "Available layer paths: q_proj")),
