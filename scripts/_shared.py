@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import math
 
-import jax
 import numpy as np
-import optax
-from flax import nnx
 
 from lowrank_jax.data import corpus_text
 from lowrank_jax.models import LlamaConfig
@@ -40,33 +37,10 @@ def lr_shape(step: int, total: int, warmup_frac: float) -> float:
     return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def build_step(graphdef, tx):
-    def loss_fn(params, x, y):
-        model = nnx.merge(graphdef, params)
-        logits, _ = model(x)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-    @jax.jit
-    def step(params, opt_state, x, y):
-        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    @jax.jit
-    def evaluate(params, x, y):
-        return loss_fn(params, x, y)
-
-    return step, evaluate
-
-
 def load_model_and_codec(name: str):
-    """``(model, encode, decode)``: a preset (byte codec) or anything ``load_model`` reads."""
-    from lowrank_jax.models import PRESETS, load_model, preset_model
+    """``(model, encode, decode)`` of anything :func:`lowrank_jax.models.load_model` reads."""
+    from lowrank_jax.models import load_model
 
-    if name in PRESETS:
-        encode = lambda text: list(text.encode("utf-8"))  # noqa: E731
-        decode = lambda ids: bytes(int(i) % 256 for i in ids).decode("utf-8", "replace")  # noqa: E731
-        return preset_model(name), encode, decode
     model, tok = load_model(name)
     return model, (lambda text: tok.encode(text, add_bos=False)), tok.decode
 

@@ -21,12 +21,13 @@ from flax import nnx
 
 from lowrank_jax.bench.timing import time_interleaved
 from lowrank_jax.bench.training import _tokens, row
+from lowrank_jax.core.losses import cross_entropy
 from lowrank_jax.models.llama import Llama, LlamaConfig
 from lowrank_jax.nn import LoRARule, apply_lora
 from lowrank_jax.nn.multi_lora import apply_multi_lora
 from lowrank_jax.train.jobs import make_packed_step
-from lowrank_jax.train.losses import cross_entropy
 from lowrank_jax.train.multi_job import per_job_adamw
+from lowrank_jax.train.step import make_step
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 RANKS = (4, 8, 16, 4, 8, 16, 4, 8)
@@ -46,14 +47,11 @@ def _sequential_runner(base: Llama, k_jobs: int, batch: int, seq: int):
             graph, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
             tx = optax.adamw(1e-3)
 
-            @jax.jit
-            def step(lora, opt, rest, x, y, graph=graph, tx=tx):
-                def loss_fn(lora):
-                    logits, _ = nnx.merge(graph, lora, rest)(x)
-                    return cross_entropy(logits, y)
-                loss, grads = jax.value_and_grad(loss_fn)(lora)
-                updates, opt = tx.update(grads, opt, lora)
-                return optax.apply_updates(lora, updates), opt, loss
+            def loss_fn(lora, rest, x, y, graph=graph):
+                logits, _ = nnx.merge(graph, lora, rest)(x)
+                return cross_entropy(logits, y)
+
+            step = make_step(loss_fn, tx)
 
             per_rank[rank] = (step, lora, rest, tx)
         step, lora, rest, tx = per_rank[rank]

@@ -3,7 +3,15 @@ they turn them into a model."""
 
 from __future__ import annotations
 
+import inspect
+
 from lowrank_jax.io.validate import non_negative_int, positive_float, positive_int
+
+
+def library_default(fn, name: str):
+    """The default of parameter ``name`` of ``fn`` (a function or a dataclass): a command's
+    default read from the library constructor it calls, so the two never differ."""
+    return inspect.signature(fn).parameters[name].default
 
 
 def add_model_arguments(parser, *, kv_help: str) -> None:

@@ -10,6 +10,9 @@ from lowrank_jax.io.validate import positive_float, positive_int
 
 
 def register(subparsers) -> None:
+    from lowrank_jax.commands._common import library_default
+    from lowrank_jax.editing import EditConfig, capability_data
+
     p = subparsers.add_parser(
         "edit", help="edit facts in a model with CrispEdit (or plain fine-tuning / LoRA)",
         description="Edit a model from a JSONL file of {prompt, target, paraphrases}; reports "
@@ -17,18 +20,21 @@ def register(subparsers) -> None:
     )
     p.add_argument("--model", default="smollm2", help="'smollm2', a .gguf file or a HF folder")
     p.add_argument("--edits", required=True, help="JSONL: {prompt, target, paraphrases}")
-    p.add_argument("--gamma", type=float, default=0.9,
-                   help="curvature energy removed, in (0, 1] (default 0.9)")
-    p.add_argument("--method", default="crispedit", choices=["crispedit", "finetune", "lora"])
-    p.add_argument("--order", default="strict", choices=["strict", "faithful"],
+    config = lambda name: library_default(EditConfig, name)  # noqa: E731
+    data = lambda name: library_default(capability_data, name)  # noqa: E731
+    p.add_argument("--gamma", type=float, default=config("gamma"),
+                   help=f"curvature energy removed, in (0, 1] (default {config('gamma')})")
+    p.add_argument("--method", default=config("method"),
+                   choices=["crispedit", "finetune", "lora"])
+    p.add_argument("--order", default=config("order"), choices=["strict", "faithful"],
                    help="strict: project after Adam (curvature bound); faithful: before")
-    p.add_argument("--layers", default=r"layers/(1[6-9])/mlp/down_proj",
-                   help="regex over dense layer paths")
-    p.add_argument("--steps", type=positive_int, default=15, help="passes over the edits")
-    p.add_argument("--lr", type=positive_float, default=1e-3)
-    p.add_argument("--seq-len", type=positive_int, default=64)
-    p.add_argument("--capability-seqs", type=positive_int, default=16)
-    p.add_argument("--held-seqs", type=positive_int, default=8)
+    p.add_argument("--layers", default=config("layers"), help="regex over dense layer paths")
+    p.add_argument("--steps", type=positive_int, default=config("steps"),
+                   help=f"passes over the edits (default {config('steps')})")
+    p.add_argument("--lr", type=positive_float, default=config("lr"))
+    p.add_argument("--seq-len", type=positive_int, default=data("seq_len"))
+    p.add_argument("--capability-seqs", type=positive_int, default=data("n_capability"))
+    p.add_argument("--held-seqs", type=positive_int, default=data("n_held"))
     p.add_argument("--out", default="runs/edit",
                    help="folder for the edited model (loadable by eval/generate/--model) and "
                         "edit.json")

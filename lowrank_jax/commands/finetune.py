@@ -24,7 +24,7 @@ from lowrank_jax.io.validate import (
     positive_float,
     positive_int,
 )
-from lowrank_jax.train.finetune import METHODS
+from lowrank_jax.train.finetune import FALLBACK_LR, METHODS, default_lr
 
 
 def register(subparsers) -> None:
@@ -53,7 +53,8 @@ def register(subparsers) -> None:
     p.add_argument("--alpha", type=positive_float, default=16.0)
     p.add_argument("--steps", type=positive_int, default=100)
     p.add_argument("--lr", type=positive_float, default=None,
-                   help="learning rate (default 1e-3; 1e-4 for balora)")
+                   help=f"learning rate (default {FALLBACK_LR:g}; {default_lr('balora'):g} for "
+                        "balora)")
     p.add_argument("--batch-size", type=positive_int, default=4)
     p.add_argument("--seq-len", type=positive_int, default=64)
     p.add_argument("--targets", default=r"(q|v)_proj",
@@ -115,7 +116,7 @@ def run(args) -> int:
         check_not_input(getattr(args, flag[2:].replace("-", "_"), None),
                         {"--model": args.model, "--data": args.data, "--out": args.out},
                         argument=flag)
-    lr = args.lr if args.lr is not None else (1e-4 if args.method == "balora" else 1e-3)
+    lr = args.lr if args.lr is not None else default_lr(args.method)
     model, tokens, base_name = load_model_and_tokens(args.model, args.data)
     if getattr(args, "quantize", None):
         from lowrank_jax.nn.qlora import quantize_base, save_quantized_base

@@ -5,7 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lowrank_jax.commands._common import add_model_arguments, load_model_from_args
+from lowrank_jax.commands._common import (
+    add_model_arguments,
+    library_default,
+    load_model_from_args,
+)
 from lowrank_jax.io.validate import (
     non_negative_float,
     non_negative_int,
@@ -33,7 +37,10 @@ def register(subparsers) -> None:
                            "default when the model has one)")
     mode.add_argument("--raw", action="store_true",
                       help="continue the prompt text as is (no chat template)")
-    parser.add_argument("--max-new-tokens", type=positive_int, default=128)
+    from lowrank_jax.models.generate import generate
+
+    parser.add_argument("--max-new-tokens", type=positive_int,
+                        default=library_default(generate, "max_new_tokens"))
     parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=positive_float, default=1.0,
                         help="nucleus mass in (0, 1] (with T > 0)")

@@ -46,8 +46,13 @@ def register(subparsers) -> None:
                         help="calibration text file (default: the stdlib-docstring corpus)")
     parser.add_argument("--calib-seqs", type=positive_int, default=32)
     parser.add_argument("--seq-len", type=positive_int, default=128)
-    parser.add_argument("--tune-iters", type=non_negative_int, default=3)
-    parser.add_argument("--finetune-steps", type=non_negative_int, default=20)
+    from lowrank_jax.commands._common import library_default
+    from lowrank_jax.quant.unisvq import UniSVQConfig
+
+    parser.add_argument("--tune-iters", type=non_negative_int,
+                        default=library_default(UniSVQConfig, "tune_iters"))
+    parser.add_argument("--finetune-steps", type=non_negative_int,
+                        default=library_default(UniSVQConfig, "finetune_steps"))
     parser.add_argument("--layers", type=positive_int, default=None,
                         help="quantize only the first N blocks (quick runs)")
     parser.add_argument("--seed", type=non_negative_int, default=0)

@@ -39,6 +39,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from lowrank_jax.core.losses import token_nll
 from lowrank_jax.nn.capture import Recorder, module_path, named_modules, recording, tapped
 
 Batch = Mapping[str, Any]  # {"inputs": ..., "labels": int [...], "mask": optional [...]}
@@ -191,8 +192,7 @@ def layer_statistics(
 
     def loss(probes):
         logits, inputs = run(probes)
-        logp = jax.nn.log_softmax(logits, axis=-1)
-        nll = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
+        nll = token_nll(logits, labels)
         return jnp.sum(nll * mask), inputs
 
     grads, inputs = jax.grad(loss, has_aux=True)(probes)

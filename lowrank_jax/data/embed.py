@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lowrank_jax.core.losses import token_nll
+
 
 def text_embeddings(
     model, token_chunks, *, batch_size: int = 8, with_loss: bool = False
@@ -39,8 +41,7 @@ def text_embeddings(
         hidden, _ = m.hidden_states(tokens)
         hidden = hidden.astype(jnp.float32)
         pooled = jnp.sum(hidden * mask[..., None], 1) / jnp.maximum(mask.sum(1, keepdims=True), 1)
-        logp = jax.nn.log_softmax(m.logits_from_hidden(hidden[:, :-1]), axis=-1)
-        nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+        nll = token_nll(m.logits_from_hidden(hidden[:, :-1]), tokens[:, 1:])
         valid = mask[:, 1:]
         return pooled, jnp.sum(nll * valid, 1) / jnp.maximum(valid.sum(1), 1)
 

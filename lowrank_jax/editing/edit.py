@@ -31,8 +31,10 @@ import optax
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from lowrank_jax.core.losses import cross_entropy, token_logprob, token_nll
 from lowrank_jax.curvature import kfac
 from lowrank_jax.optim import crispedit as ce
+from lowrank_jax.train.step import make_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,8 +145,7 @@ def _logits(model, inputs):
 @nnx.jit
 def _target_scores(model, inputs, labels, mask):
     logits = _logits(model, inputs).astype(jnp.float32)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    tok_logp = jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
+    tok_logp = token_logprob(logits, labels)
     hit = (jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32)
     success = jnp.all((hit > 0) | (mask == 0), axis=-1)
     log_prob = jnp.sum(tok_logp * mask, axis=-1)
@@ -167,8 +168,7 @@ def edit_scores(model, tokenizer, prompts: Sequence[str], targets: Sequence[str]
 def _capability_sums(model, tokens):
     logits = _logits(model, tokens[:, :-1]).astype(jnp.float32)
     labels = tokens[:, 1:]
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    nll = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
+    nll = token_nll(logits, labels)
     correct = (jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32)
     return jnp.sum(nll), jnp.sum(correct), nll.size
 
@@ -307,15 +307,9 @@ def edit_model(
 
     def loss_fn(trainable, rest, batch):
         logits = _logits(nnx.merge(graphdef, trainable, rest), batch["inputs"])
-        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-        nll = -jnp.take_along_axis(logp, batch["labels"][..., None], axis=-1)[..., 0]
-        return jnp.sum(nll * batch["mask"]) / jnp.maximum(jnp.sum(batch["mask"]), 1.0)
+        return cross_entropy(logits, batch["labels"], batch["mask"])
 
-    @jax.jit
-    def step(trainable, opt_state, rest, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(trainable, rest, batch)
-        updates, opt_state = tx.update(grads, opt_state, trainable)
-        return optax.apply_updates(trainable, updates), opt_state, loss
+    step = make_step(loss_fn, tx)
 
     batches = [
         tokenize_edits(tokenizer, [e.prompt for e in edits[i : i + config.batch_size]],

@@ -29,6 +29,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from lowrank_jax.core.losses import token_nll
 from lowrank_jax.federated.fedhera import rank_costs
 from lowrank_jax.nn import lora_layers
 
@@ -149,8 +150,7 @@ class AdapterModel:
 
 def cross_entropy_and_accuracy(logits, labels, weights):
     """Weighted mean cross-entropy (nats) and accuracy of integer ``labels``."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    nll = -jnp.take_along_axis(logp, labels[:, None], axis=-1)[:, 0]
+    nll = token_nll(logits, labels)
     total = jnp.maximum(weights.sum(), 1e-12)
     correct = (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
     return (nll * weights).sum() / total, (correct * weights).sum() / total

@@ -25,6 +25,8 @@ import numpy as np
 import optax
 from flax import nnx
 
+from lowrank_jax.core.losses import token_nll
+from lowrank_jax.train.step import make_step
 from lowrank_jax.hyper.doc_to_lora import DocToLoRA, LoRABank, adapted, chunk_encoder, chunk_tokens
 from lowrank_jax.nn.capture import capture
 
@@ -223,7 +225,7 @@ def distill_loss(bank: LoRABank, model, config, batch: DistillData, *, l1_weight
     total = kl + l1_weight * l1
     if ce_weight:
         labels = jnp.concatenate([batch.queries[:, 1:], batch.queries[:, -1:]], axis=1)
-        nll = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
+        nll = token_nll(logits, labels)
         total = total + ce_weight * jnp.mean(jnp.sum(nll * w, axis=1) / denom)
     return total, (kl, l1)
 
@@ -357,16 +359,12 @@ def train_doc_to_lora(hyper: DocToLoRA, model, data: DistillData, *, steps: int,
     base_graph, base_state = nnx.split(model)
     config = hyper.config
 
-    @jax.jit
-    def step_fn(params, opt_state, base_state, batch):
-        def loss_fn(p):
-            bank = nnx.merge(hyper_graph, p)(batch.features, batch.mask)
-            return distill_loss(bank, nnx.merge(base_graph, base_state), config, batch,
-                                l1_weight=l1_weight, ce_weight=ce_weight)
+    def loss_fn(p, base_state, batch):
+        bank = nnx.merge(hyper_graph, p)(batch.features, batch.mask)
+        return distill_loss(bank, nnx.merge(base_graph, base_state), config, batch,
+                            l1_weight=l1_weight, ce_weight=ce_weight)
 
-        (loss, (kl, l1)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss, kl, l1
+    step_fn = make_step(loss_fn, tx, has_aux=True)
 
     state = HyperTrainState(0, params, tx.init(params))
     manager = None
@@ -384,8 +382,8 @@ def train_doc_to_lora(hyper: DocToLoRA, model, data: DistillData, *, steps: int,
     history, since_eval, t_start = [], [], time.perf_counter()
     while state.step < steps:
         idx = np.random.default_rng((seed, state.step)).choice(n, batch_size, replace=False)
-        params, opt_state, loss, kl, l1 = step_fn(state.params, state.opt_state, base_state,
-                                                  _batch(data, idx))
+        params, opt_state, (loss, (kl, l1)) = step_fn(state.params, state.opt_state,
+                                                      base_state, _batch(data, idx))
         state = HyperTrainState(state.step + 1, params, opt_state)
         row = {"step": state.step, "loss": float(loss), "kl": float(kl), "l1": float(l1)}
         history.append(row)
@@ -422,15 +420,11 @@ def context_distiller(model, config, *, total_rank: int, steps: int = 50,
     graph, state = nnx.split(model)
     n_layers = len(config.layers)
 
-    @jax.jit
-    def step_fn(params, opt_state, state, batch):
-        def loss_fn(p):
-            return distill_loss(LoRABank(*p), nnx.merge(graph, state), config, batch,
-                                l1_weight=l1_weight)[0]
+    def loss_fn(p, state, batch):
+        return distill_loss(LoRABank(*p), nnx.merge(graph, state), config, batch,
+                            l1_weight=l1_weight)[0]
 
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+    step_fn = make_step(loss_fn, tx)
 
     def distill(batch: DistillData, seed: int = 0) -> LoRABank:
         a0 = jax.random.normal(jax.random.key(seed), (1, n_layers, total_rank, config.d_in))

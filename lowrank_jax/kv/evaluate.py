@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from lowrank_jax.core.losses import cross_entropy
 from lowrank_jax.kv.cache import SelectiveConfig, XKVCache
 from lowrank_jax.kv.compress import SVDCache
 from lowrank_jax.kv.model import ContextKV, prefill_kv, xkv_decode_step, xkv_generate, xkv_prefill
@@ -152,8 +153,7 @@ def xkv_perplexity_sweep(
                     key_error=rel(ctx_k, keys), value_error=rel(ctx_v, values))
         ctx_k = _rotate_context(ctx_k, float(theta))
         logits = _block_logits(model, inputs, ctx_k, ctx_v.astype(jnp.float32))
-        logp = jax.nn.log_softmax(logits, axis=-1)
-        nll = -float(jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1)))
+        nll = float(cross_entropy(logits, targets))
         results.append(dict(method=method, target_ratio=None if method == "none" else ratio,
                             sink_tokens=options.get("sink_tokens"),
                             group_size=options.get("group_size"), options=options, nll=nll,

@@ -21,7 +21,6 @@ References:
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -30,6 +29,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from lowrank_jax.core.losses import PerplexityResult, window_nll_sum, windowed_perplexity
 from lowrank_jax.models.llama import KVCache, Llama, ScannedLayers, decoder_forward, lm_logits
 
 CacheFactory = Callable[..., Any]  # (cfg, batch, max_len) -> a cache the model accepts
@@ -42,15 +42,6 @@ class GenerationResult(NamedTuple):
     text: str | None  # their decoded text (None without a tokenizer)
     stopped_at_eos: bool
     logits: np.ndarray | None  # [new_tokens, vocab] fp32 when return_logits=True
-
-
-class PerplexityResult(NamedTuple):
-    """Output of :func:`perplexity`."""
-
-    perplexity: float  # exp(mean negative log-likelihood)
-    nll: float  # mean negative log-likelihood per scored token (nats)
-    n_tokens: int  # scored tokens
-    n_windows: int
 
 
 class _Static:
@@ -376,11 +367,7 @@ def generate(
 def _window_nll(static, state, tokens, lo, hi, cache):
     """Summed NLL of targets ``tokens[r]`` for ``lo <= r < hi`` (r = position in the window)."""
     logits, _ = forward(static, state, tokens, cache)
-    logp = jax.nn.log_softmax(logits[0, :-1].astype(jnp.float32), axis=-1)
-    nll = -jnp.take_along_axis(logp, tokens[0, 1:, None], axis=-1)[:, 0]
-    r = jnp.arange(1, tokens.shape[1])
-    mask = (r >= lo) & (r < hi)
-    return jnp.sum(jnp.where(mask, nll, 0.0)), jnp.sum(mask)
+    return window_nll_sum(logits, tokens, lo, hi)
 
 
 def perplexity(
@@ -424,8 +411,6 @@ def perplexity(
         >>> res.n_tokens, res.n_windows  # windows [0,8) [8,16) [12,20): 7 + 7 + 4 scored
         (18, 3)
     """
-    from tqdm.auto import tqdm
-
     ids = np.asarray(token_ids, dtype=np.int32).reshape(-1)
     n = ids.shape[0]
     cfg = model.cfg
@@ -435,37 +420,18 @@ def perplexity(
         raise ValueError(
             f"window={window} must lie in [2, {cfg.max_seq_len}] (the model's context)."
         )
-    stride = window if stride is None else stride
-    if not 1 <= stride <= window:
-        raise ValueError(f"stride={stride} must lie in [1, window={window}].")
     if ids.min() < 0 or ids.max() >= cfg.vocab_size:
         raise ValueError(
             f"token ids must lie in [0, {cfg.vocab_size}); got {ids.min()}..{ids.max()}."
         )
     width = min(window, n)
-    starts = list(range(0, max(n - width, 0) + 1, stride))
-    if starts[-1] + width < n:
-        starts.append(n - width)
     static, state = prepare(model, scan_layers=cache_factory is None)
-    total, count, prev_end, windows = 0.0, 0, 0, 0
-    bar = tqdm(starts, desc="perplexity", unit="window", disable=not progress, leave=False)
-    for begin in bar:
-        end = min(begin + width, n)
-        chunk = jnp.asarray(ids[begin:end][None, :])
-        lo = max(prev_end, begin + 1) - begin
-        hi = end - begin
+
+    def score(chunk, lo, hi):
         cache = None if cache_factory is None else cache_factory(cfg, 1, width)
-        s, c = _window_nll(static, state, chunk, lo, hi, cache)
-        total += float(s)
-        count += int(c)
-        windows += 1
-        prev_end = end
-        if progress:
-            bar.set_postfix(ppl=f"{math.exp(total / max(count, 1)):.2f}")
-        if end >= n:
-            break
-    nll = total / count
-    return PerplexityResult(math.exp(nll), nll, count, windows)
+        return _window_nll(static, state, chunk, lo, hi, cache)
+
+    return windowed_perplexity(score, ids, window=window, stride=stride, progress=progress)
 
 
 def english_eval_text(*, include_python_license: bool = True) -> str:

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from lowrank_jax.core.losses import token_logprob
 from lowrank_jax.nn.inject import module_path
 
 Strategy = Literal["fixed", "adaptive", "uniform"]
@@ -82,9 +83,8 @@ def per_sample_loss_and_confidence(
         >>> round(float(conf[0]), 2)
         0.25
     """
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     valid = targets >= 0
-    gold = jnp.take_along_axis(logp, jnp.maximum(targets, 0)[..., None], axis=-1)[..., 0]
+    gold = token_logprob(logits, jnp.maximum(targets, 0))
     count = jnp.maximum(valid.sum(axis=1), 1)
     loss = -jnp.where(valid, gold, 0.0).sum(axis=1) / count
     conf = jnp.where(valid, jnp.exp(gold), 0.0).sum(axis=1) / count

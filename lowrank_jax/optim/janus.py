@@ -131,6 +131,33 @@ def rectify_pair(
     return delta_a, delta_b
 
 
+def clamp_pair(
+    delta_a: Float[Array, "d r"],
+    delta_b: Float[Array, "r o"],
+    a: Float[Array, "d r"],
+    basis: Float[Array, "d k"],
+    *,
+    tol: Numeric = 1e-6,
+):
+    """Clamped ``(P δa, Π δb)`` of one LoRA pair's final update (fp32), ``P = I − V Vᵀ``,
+    ``Π = I − Q Qᵀ`` with ``Q`` a basis of ``range(aᵀ V)``.
+
+    For inputs ``x`` in ``span(V)`` the layer's output ``x (a + δa)(b + δb)`` then equals
+    ``x a b`` exactly: ``Vᵀ P δa = 0`` and ``(Vᵀ a) Π δb = 0``.
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> da, db = clamp_pair(jnp.ones((4, 2)), jnp.ones((2, 3)), jnp.eye(4, 2), jnp.eye(4, 1))
+        >>> da[0].tolist(), db[0].tolist()
+        ([0.0, 0.0], [0.0, 0.0, 0.0])
+    """
+    v = basis.astype(jnp.float32)
+    pi = _range_projector(a.astype(jnp.float32).T @ v, tol)
+    da32 = delta_a.astype(jnp.float32)
+    return da32 - v @ (v.T @ da32), pi @ delta_b.astype(jnp.float32)
+
+
 def _map_pairs(fn, updates, params, subspaces, pair_fn: PairFn = lora_pairs):
     ups, order, treedef = flatten_by_path(updates)
     pars, _, _ = flatten_by_path(params)
@@ -292,10 +319,8 @@ def orthogonality_clamp(
         return optax.EmptyState()
 
     def clamp(da, db, a, b, v):
-        v = v.astype(jnp.float32)
-        pi = _range_projector(a.astype(jnp.float32).T @ v, tol)
-        da32 = da.astype(jnp.float32)
-        return da32 - v @ (v.T @ da32), pi @ db.astype(jnp.float32)
+        del b
+        return clamp_pair(da, db, a, v, tol=tol)
 
     def update_fn(updates, state, params=None, *, subspaces=None, **extra):
         del extra
@@ -435,7 +460,7 @@ def decoupled_margin_loss(
 
 
 __all__ = [
-    "SubspaceMemory", "decoupled_margin_loss", "janus", "janus_rectify", "lora_pair_paths",
-    "oe_accumulate", "oe_finalize", "orthogonality_clamp", "orthonormalize_basis", "reanchor",
-    "rectify_pair", "scale_by_janus",
+    "SubspaceMemory", "clamp_pair", "decoupled_margin_loss", "janus", "janus_rectify",
+    "lora_pair_paths", "oe_accumulate", "oe_finalize", "orthogonality_clamp",
+    "orthonormalize_basis", "reanchor", "rectify_pair", "scale_by_janus",
 ]

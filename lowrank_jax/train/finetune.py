@@ -21,6 +21,20 @@ from typing import Any, Callable
 import numpy as np
 
 METHODS = ("lora", "balora", "pissa", "olora", "gap", "lokra")
+# BaLoRA trains with a small learning rate (its paper: AdamW, large adapter scale, small lr)
+DEFAULT_LR = {"balora": 1e-4}
+FALLBACK_LR = 1e-3
+
+
+def default_lr(method: str) -> float:
+    """The learning rate :func:`finetune` (and ``lowrank-jax finetune``) uses when none is given.
+
+    Example::
+
+        >>> default_lr("lora"), default_lr("balora")
+        (0.001, 0.0001)
+    """
+    return DEFAULT_LR.get(method, FALLBACK_LR)
 
 
 @dataclasses.dataclass
@@ -83,7 +97,7 @@ def finetune(
     rank: int = 8,
     alpha: float = 16.0,
     steps: int = 100,
-    lr: float = 1e-3,
+    lr: float | None = None,
     weight_decay: float = 0.0,
     seed: int = 0,
     ranks: dict[str, int] | None = None,
@@ -102,7 +116,8 @@ def finetune(
             (standard init + Kruskal-rank penalty).
         targets: regex of module paths to adapt.
         rank, alpha: LoRA rank and alpha (scale ``alpha / rank``).
-        steps, lr, weight_decay: AdamW settings (the same base optimizer for every method).
+        steps, lr, weight_decay: AdamW settings (the same base optimizer for every method);
+            ``lr=None`` takes :func:`default_lr` (1e-4 for ``balora``, 1e-3 otherwise).
         seed: adapter init seed.
         ranks: optional per-path ranks (CSPLoRA plan).
         lokra_lambda: penalty weight for ``lokra``.
@@ -154,6 +169,7 @@ def finetune(
     if method in ("pissa", "olora"):
         initial = {p: (np.asarray(m.lora_a[...]), np.asarray(m.lora_b[...]))
                    for p, m in lora_layers(model)}
+    lr = default_lr(method) if lr is None else lr
     base = optax.adamw(lr, weight_decay=weight_decay)
     tx = balora(base) if method == "balora" else base
     if mesh is not None:

@@ -76,28 +76,24 @@ def make_packed_step(graph, rest, ids, tx, k_jobs: int):
     constants that XLA constant-folds (minutes for SmolLM2's embedding on CPU).
     """
     import jax
-    import jax.numpy as jnp
-    import optax
     from flax import nnx
 
+    from lowrank_jax.core.losses import token_nll
     from lowrank_jax.nn.multi_lora import set_adapter_ids
+    from lowrank_jax.train.step import make_step
     from lowrank_jax.train.multi_job import packed_loss
 
-    @jax.jit
-    def jitted(lora, opt, rest, x, y):
-        def loss_fn(lora):  # fresh Variables in this trace: set_adapter_ids mutates them
-            m = nnx.merge(graph, lora, jax.tree.map(lambda v: v, rest))
-            set_adapter_ids(m, ids)
-            logits, _ = m(x)
-            per_token = -jnp.take_along_axis(jax.nn.log_softmax(logits), y[..., None], -1)[..., 0]
-            return packed_loss(per_token.mean(-1), ids, k_jobs)
+    def loss_fn(lora, rest, x, y):  # fresh Variables in this trace: set_adapter_ids mutates them
+        m = nnx.merge(graph, lora, jax.tree.map(lambda v: v, rest))
+        set_adapter_ids(m, ids)
+        logits, _ = m(x)
+        return packed_loss(token_nll(logits, y).mean(-1), ids, k_jobs)
 
-        (_, per_job), grads = jax.value_and_grad(loss_fn, has_aux=True)(lora)
-        updates, opt = tx.update(grads, opt, lora)
-        return optax.apply_updates(lora, updates), opt, per_job
+    jitted = make_step(loss_fn, tx, has_aux=True)
 
     def step(lora, opt, x, y):
-        return jitted(lora, opt, rest, x, y)
+        lora, opt, (_, per_job) = jitted(lora, opt, rest, x, y)
+        return lora, opt, per_job
 
     return step
 

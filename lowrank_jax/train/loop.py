@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import yaml
@@ -41,8 +40,9 @@ from lowrank_jax.train.checkpoint import (  # re-exported for existing callers
     truncate_metrics,
 )
 from lowrank_jax.train.config import RunConfig
-from lowrank_jax.train.losses import cross_entropy
+from lowrank_jax.core.losses import cross_entropy
 from lowrank_jax.train.optimizers import build_optimizer
+from lowrank_jax.train.step import make_step
 from lowrank_jax.train.structure import with_structure
 
 
@@ -71,6 +71,18 @@ def init_state(cfg: RunConfig, mesh=None) -> tuple[TrainState, optax.GradientTra
     return TrainState(graphdef, params, opt_state, 0), tx
 
 
+def lm_loss(graphdef) -> Callable:
+    """``loss(params, inputs, targets)``: next-token cross entropy of ``nnx.merge(graphdef,
+    params)`` (the pretraining loss; pass it to :func:`lowrank_jax.train.step.make_step`)."""
+
+    def loss_fn(params, inputs, targets):
+        model = nnx.merge(graphdef, params)
+        logits, _ = model(inputs)
+        return cross_entropy(logits, targets)
+
+    return loss_fn
+
+
 def make_train_step(graphdef, tx, *, params=None, opt_state=None, batch_sharding=None) -> Callable:
     """``step(params, opt_state, inputs, targets) -> (params, opt_state, metrics)``, jitted.
 
@@ -78,41 +90,18 @@ def make_train_step(graphdef, tx, *, params=None, opt_state=None, batch_sharding
     is then compiled with explicit in/out shardings equal to the current ones, so the state's
     sharding never drifts from the rules between steps.
     """
-
-    def loss_fn(params, inputs, targets):
-        model = nnx.merge(graphdef, params)
-        logits, _ = model(inputs)
-        return cross_entropy(logits, targets)
-
-    def step(params, opt_state, inputs, targets):
-        loss, grads = jax.value_and_grad(loss_fn)(params, inputs, targets)
-        updates, new_opt_state = tx.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-        finite = jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(updates))
-        # Never apply a non-finite update: keep the old state and report it.
-        new_params = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_params, params)
-        new_opt_state = jax.tree.map(
-            lambda n, o: jnp.where(finite, n, o), new_opt_state, opt_state
-        )
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "finite": finite}
-        return new_params, new_opt_state, metrics
-
+    loss_fn = lm_loss(graphdef)
+    # never apply a non-finite update: keep the old state and report it in the metrics
     if params is None:
-        return jax.jit(step)
+        return make_step(loss_fn, tx, skip_nonfinite=True)
     sharding_of = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
-    param_sh, opt_sh = sharding_of(params), sharding_of(opt_state)
-    return jax.jit(step, in_shardings=(param_sh, opt_sh, batch_sharding, batch_sharding),
-                   out_shardings=(param_sh, opt_sh, None))
+    return make_step(loss_fn, tx, skip_nonfinite=True, shardings=(
+        sharding_of(params), sharding_of(opt_state), (batch_sharding, batch_sharding)))
 
 
 def make_eval_fn(graphdef) -> Callable:
-    @jax.jit
-    def evaluate(params, inputs, targets):
-        model = nnx.merge(graphdef, params)
-        logits, _ = model(inputs)
-        return cross_entropy(logits, targets)
-
-    return evaluate
+    """``evaluate(params, inputs, targets) -> loss``: :func:`lm_loss`, jitted."""
+    return jax.jit(lm_loss(graphdef))
 
 
 def evaluate(eval_fn, params, tokens, batch_size, seq_len, max_batches) -> float:

@@ -32,6 +32,7 @@ import numpy as np
 from tqdm import tqdm
 
 from lowrank_jax.attention import reference_attention, register_attention  # noqa: E402
+from lowrank_jax.core.losses import cross_entropy  # noqa: E402
 from lowrank_jax.models.llama import apply_rope  # noqa: E402
 from pallas_kernels.sparse_attention import api as sale_api  # noqa: E402
 from pallas_kernels.sparse_attention import reference as sale_ref  # noqa: E402
@@ -67,9 +68,7 @@ def layer_qkv(layer, x, positions, cfg):
 
 
 def nll(model, x, tokens):
-    logits = model.logits_from_hidden(model.norm(x))[0, :-1]
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    return float(-jnp.mean(jnp.take_along_axis(logp, tokens[0, 1:, None], axis=-1)))
+    return float(cross_entropy(model.logits_from_hidden(model.norm(x))[0, :-1], tokens[0, 1:]))
 
 
 def causal_density(mask, n, cfg) -> float:

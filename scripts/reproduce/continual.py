@@ -36,8 +36,10 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
+from lowrank_jax.core.losses import cross_entropy
 from lowrank_jax.optim.janus import (
     SubspaceMemory,
+    clamp_pair,
     decoupled_margin_loss,
     oe_accumulate,
     oe_finalize,
@@ -115,9 +117,7 @@ def run_method(method: str, data, seed: int, steps: int, lr: float, batch: int):
     violation = []
 
     def loss_fn(p, x, y, seen, current, protos):
-        logits = logits_fn(p, x, current)
-        logp = jax.nn.log_softmax(logits)
-        ce = -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=1))
+        ce = cross_entropy(logits_fn(p, x, current), y)
         if use_dml:
             _, f = features(p, x)
             ce = ce + DML_WEIGHT * decoupled_margin_loss(f, y, protos, p["head"], margin=MARGIN)
@@ -141,13 +141,9 @@ def run_method(method: str, data, seed: int, steps: int, lr: float, batch: int):
             return updates
         out = dict(updates)
         for name in ("l1", "l2"):
-            v, a = bases[name], p[name]["lora_a"]
-            u, s, _ = jnp.linalg.svd(a.T @ v, full_matrices=False)
-            keep = (s > 1e-6 * jnp.maximum(1.0, s.max())).astype(a.dtype)
-            pi = jnp.eye(RANK) - (u * keep) @ u.T
-            da = updates[name]["lora_a"]
-            out[name] = {**updates[name], "lora_a": da - v @ (v.T @ da),
-                         "lora_b": pi @ updates[name]["lora_b"]}
+            da, db = clamp_pair(updates[name]["lora_a"], updates[name]["lora_b"],
+                                p[name]["lora_a"], bases[name])
+            out[name] = {**updates[name], "lora_a": da, "lora_b": db}
         return out
 
     @jax.jit

@@ -28,6 +28,7 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
+from lowrank_jax.core.losses import cross_entropy
 from lowrank_jax.optim.loda import (
     CovStat,
     decompose,
@@ -67,8 +68,7 @@ def run_loda(data, seed: int, steps: int, lr: float, gao_lr: float, batch: int, 
 
     def loss_fn(trainable, hd, kern, frozen, x, y, current):
         p = as_base_params(kern, frozen, trainable, hd)
-        logp = jax.nn.log_softmax(base.logits_fn(p, x, current))
-        return -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=1))
+        return cross_entropy(base.logits_fn(p, x, current), y)
 
     @jax.jit
     def step(trainable, hd, opt_b, opt_h, kern, frozen, x, y, current, head_mask):

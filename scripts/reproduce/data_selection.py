@@ -116,11 +116,11 @@ def heldout_nll(model, chunks, batch_size=8):
 
 def lora_finetune(chunks, probs, steps, seed, *, batch=4, lr=2e-3):
     """Fresh SmolLM2 + LoRA(q, v, rank 8); batches drawn from ``chunks`` ∝ ``probs``."""
-    import jax
     import jax.numpy as jnp
     import optax
     from flax import nnx
 
+    from lowrank_jax.core.losses import cross_entropy
     from lowrank_jax.models import load_model
     from lowrank_jax.nn import LoRARule, apply_lora
 
@@ -132,8 +132,7 @@ def lora_finetune(chunks, probs, steps, seed, *, batch=4, lr=2e-3):
 
     def loss_fn(m, tokens):
         logits, _ = m(tokens[:, :-1])
-        logp = jax.nn.log_softmax(logits, axis=-1)
-        return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+        return cross_entropy(logits, tokens[:, 1:])
 
     @nnx.jit
     def step(m, opt, tokens):

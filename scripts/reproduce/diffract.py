@@ -32,6 +32,7 @@ from lowrank_jax.analysis.report import named_matrices, write_json
 from lowrank_jax.analysis.spectra import compare_matrices
 from lowrank_jax.data import batch_at, corpus_text, train_val_split
 from lowrank_jax.models.llama import Llama, LlamaConfig
+from lowrank_jax.train.step import make_step
 
 CODE_MODULES = ("json.decoder", "json.encoder", "csv", "heapq", "bisect", "textwrap", "shlex",
                 "fractions", "statistics", "string", "glob", "fnmatch", "copy", "colorsys",
@@ -81,11 +82,7 @@ def train(params, loss_fn, tokens, *, steps, lr, batch, seq, seed, desc, warmup=
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
     opt_state = opt.init(params)
 
-    @jax.jit
-    def step(params, opt_state, inputs, targets):
-        loss, grads = jax.value_and_grad(loss_fn)(params, inputs, targets)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+    step = make_step(loss_fn, opt)
 
     losses = []
     bar = tqdm(range(steps), desc=desc, leave=False)

@@ -45,7 +45,8 @@ from tqdm import tqdm
 from lowrank_jax.data import batch_at, corpus_bytes, eval_batches, train_val_split  # noqa: E402
 from lowrank_jax.models import Llama, LlamaConfig  # noqa: E402
 from lowrank_jax.optim import spectron_with_adamw  # noqa: E402
-from scripts._shared import build_step, flops_per_token, lr_shape  # noqa: E402
+from lowrank_jax.train import lm_loss, make_eval_fn, make_step  # noqa: E402
+from scripts._shared import flops_per_token, lr_shape  # noqa: E402
 
 PAPER_A, PAPER_B = 0.479, 0.521
 
@@ -125,7 +126,7 @@ def main(argv=None) -> int:
             params0 = nnx.as_pure(state)
             n_params = int(sum(x.size for x in jax.tree.leaves(params0)))
             n_matmul = (fpt - 12 * cfg.n_layers * width * args.seq / 2) / 6.0
-            step_fn, eval_fn = build_step(graphdef, tx)
+            step_fn, eval_fn = make_step(lm_loss(graphdef), tx), make_eval_fn(graphdef)
             runs = {c: [params0, tx.init(params0), []] for c in args.budgets}
             for step in range(max(steps.values())):  # budgets of one width run in lockstep
                 x, y = (jnp.asarray(t) for t in batch_at(train, step, args.batch, args.seq,

@@ -49,7 +49,8 @@ from tqdm import tqdm
 from lowrank_jax.data import batch_at, corpus_bytes, eval_batches, train_val_split
 from lowrank_jax.models import Llama, LlamaConfig
 from lowrank_jax.optim import factor_pairs, spectral_norm_exact, spectron_with_adamw
-from scripts._shared import build_step, flops_per_token, lr_shape
+from lowrank_jax.train import lm_loss, make_eval_fn, make_step
+from scripts._shared import flops_per_token, lr_shape
 
 
 def parse_args(argv=None):
@@ -180,8 +181,8 @@ def main(argv=None) -> int:
         spectron_with_adamw,
         static_args=("b1", "b2", "ns_steps", "ns_coeffs", "power_iters", "pair_fn"))(
         eta=0.01, adamw_lr=args.other_lr, weight_decay=args.weight_decay)
-    adamw_step, fact_eval = build_step(fact_graph, adamw_tx)
-    spectron_step, _ = build_step(fact_graph, spectron_tx)
+    adamw_step, fact_eval = make_step(lm_loss(fact_graph), adamw_tx), make_eval_fn(fact_graph)
+    spectron_step = make_step(lm_loss(fact_graph), spectron_tx)
     fact_delta = make_delta_w_fn(weight_pairs(fact_params))
 
     runs = []
@@ -194,7 +195,8 @@ def main(argv=None) -> int:
     dense_eval = None
     if not args.no_dense:
         dense_graph, dense_params = init_model(dense_cfg)
-        dense_step, dense_eval = build_step(dense_graph, adamw_tx)
+        dense_step = make_step(lm_loss(dense_graph), adamw_tx)
+        dense_eval = make_eval_fn(dense_graph)
         runs.append(Run(f"dense adamw lr={args.dense_lr:g}", "dense", args.dense_lr, dense_steps,
                         dense_graph, dense_params, adamw_tx.init(dense_params), dense_step,
                         make_delta_w_fn(weight_pairs(dense_params))))

@@ -10,6 +10,7 @@ from flax import nnx
 from lowrank_jax.nn import LoRALinear
 from lowrank_jax.optim.janus import (
     SubspaceMemory,
+    clamp_pair,
     decoupled_margin_loss,
     janus_rectify,
     oe_accumulate,
@@ -150,3 +151,24 @@ def test_decoupled_margin_loss_known_values():
     np.testing.assert_allclose(decoupled_margin_loss(3 * f, labels, protos, anchors, margin=0.5),
                                decoupled_margin_loss(f, labels, protos, anchors, margin=0.5),
                                rtol=1e-6)
+
+
+def test_clamp_pair_keeps_the_protected_outputs_exactly():
+    keys = jax.random.split(jax.random.key(7), 5)
+    v = jnp.linalg.qr(jax.random.normal(keys[0], (D, 3)))[0]
+    a = jax.random.normal(keys[1], (D, R))
+    b = jax.random.normal(keys[2], (R, O))
+    da, db = clamp_pair(jax.random.normal(keys[3], (D, R)), jax.random.normal(keys[4], (R, O)),
+                        a, v)
+    x = jax.random.normal(keys[0], (5, 3)) @ v.T  # inputs inside span(V)
+    np.testing.assert_allclose(np.asarray(x @ (a + da) @ (b + db)), np.asarray(x @ a @ b),
+                               rtol=1e-4, atol=1e-4)
+    assert float(jnp.abs(v.T @ da).max()) < 1e-5
+    # the same as the optax transform's clamp of one pair
+    params = {"l": {"lora_a": a, "lora_b": b}}
+    ups = {"l": {"lora_a": jax.random.normal(keys[3], (D, R)),
+                 "lora_b": jax.random.normal(keys[4], (R, O))}}
+    tx = orthogonality_clamp()
+    got, _ = tx.update(ups, tx.init(params), params, subspaces={"l": v})
+    np.testing.assert_array_equal(np.asarray(got["l"]["lora_a"]), np.asarray(da))
+    np.testing.assert_array_equal(np.asarray(got["l"]["lora_b"]), np.asarray(db))
