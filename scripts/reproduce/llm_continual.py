@@ -25,6 +25,8 @@ Arms, all with the same rank, steps, batch and (Adam) learning rate:
 from __future__ import annotations
 
 import argparse
+import json
+import pathlib
 import time
 
 import jax
@@ -174,7 +176,8 @@ def run_method(method, tasks, seed, args, baseline):
         graphdef, lora, rest = common.split_lora(model)
         for j, other in enumerate(tasks):
             nll[t, j], acc[t, j] = evaluate(lora, rest, other.heldout)
-        print(f"  {method} seed {seed} after {task.name}: acc {np.round(acc[t] * 100, 2)} "
+        print(f"  [{time.strftime('%H:%M:%S')}] {method} seed {seed} after {task.name}: "
+              f"acc {np.round(acc[t] * 100, 2)} "
               f"nll {np.round(nll[t], 3)} (train loss {np.mean(losses[-5:]):.3f})", flush=True)
     m = continual_metrics(acc * 100, np.asarray(baseline["acc"]) * 100)
     m_nll = continual_metrics(-nll, -np.asarray(baseline["nll"]))
@@ -207,6 +210,9 @@ def main():
     parser.add_argument("--heldout-windows", type=int, default=32)
     parser.add_argument("--domains", default="licences,manpages,code,markdown")
     parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--cache", default="runs/llm_continual_runs.json",
+                        help="finished (method, seed) runs are kept here and reused by a rerun "
+                             "with the same settings, so a long command can be resumed")
     args = parser.parse_args()
     t0 = time.perf_counter()
     model, tok = common.load_smollm2()
@@ -223,9 +229,21 @@ def main():
     del model
     methods = args.methods.split(",")
     runs = {m: [] for m in methods}
+    cache_path = pathlib.Path(args.cache)
+    settings = {k: v for k, v in vars(args).items() if k not in ("seeds", "methods", "cache")}
+    cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
+    if cache.get("settings") != settings:
+        cache = {"settings": settings, "runs": {}}
     for seed in range(args.seeds):
         for method in methods:
-            runs[method].append(run_method(method, tasks, seed, args, baseline))
+            key = f"{method}/{seed}"
+            if key not in cache["runs"]:
+                cache["runs"][key] = run_method(method, tasks, seed, args, baseline)
+                cache_path.parent.mkdir(parents=True, exist_ok=True)
+                cache_path.write_text(json.dumps(cache, default=float))
+            else:
+                print(f"  {key}: reused from {cache_path}")
+            runs[method].append(cache["runs"][key])
     columns = ["method", "ACC (next-token acc %)", "BWT (pts)", "FWT (pts)", "final NLL",
                "NLL forgetting (nats)", "seeds"]
     rows = []
