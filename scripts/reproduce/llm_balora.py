@@ -21,6 +21,7 @@ run. Writes ``docs/results/llm_balora.json`` and the curves ``docs/img/llm_balor
 from __future__ import annotations
 
 import argparse
+import json
 import pathlib
 import time
 
@@ -89,13 +90,31 @@ def main():
     parser.add_argument("--probe-batches", type=int, default=4)
     parser.add_argument("--data-seed", type=int, default=0)
     parser.add_argument("--heldout-windows", type=int, default=16)
+    parser.add_argument("--cache", default="runs/llm_balora_runs.json",
+                        help="finished (arm, lr) runs are kept here and reused by a rerun with the "
+                             "same settings")
     args = parser.parse_args()
     t0 = time.perf_counter()
+    cache_path = pathlib.Path(args.cache)
+    settings = {k: v for k, v in vars(args).items() if k not in ("lrs", "methods", "cache",
+                                                                 "no_csplora")}
+    cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
+    if cache.get("settings") != settings:
+        cache = {"settings": settings, "runs": {}}
+
+    def cached(method, lr, **kw):
+        key = f"{method}/{lr:g}"
+        if key not in cache["runs"]:
+            cache["runs"][key] = train_run(method, lr, task, args, **kw)
+            cache_path.parent.mkdir(parents=True, exist_ok=True)
+            cache_path.write_text(json.dumps(cache, default=float))
+        return cache["runs"][key]
+
     model, tok = common.load_smollm2()
     task = common.text_tasks(tok, [args.domain], length=args.length, train_windows=400,
                              heldout_windows=args.heldout_windows)[0]
     lrs = [float(x) for x in args.lrs.split(",")]
-    runs = [train_run(m, lr, task, args) for m in args.methods.split(",") for lr in lrs]
+    runs = [cached(m, lr) for m in args.methods.split(",") for lr in lrs]
     best = {}
     for run in runs:
         if np.isfinite(run["final"]) and (run["method"] not in best
@@ -109,7 +128,7 @@ def main():
         plan, _ = plan_ranks(model, batches, targets=PATTERN, average_rank=args.rank)
         print("CSPLoRA plan (rank: count):", {r: list(plan.values()).count(r)
                                               for r in sorted(set(plan.values()))})
-        run = train_run("csplora", best["lora"]["lr"], task, args, ranks=plan)
+        run = cached("csplora", best["lora"]["lr"], ranks=plan)
         runs.append(run)
         best["csplora"] = run
     del model
