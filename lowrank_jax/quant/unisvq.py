@@ -82,6 +82,13 @@ class UniSVQConfig:
         seed: seed of the Hadamard signs and of ``O``.
         bits: bits per lattice digit, 2 (``{0..3}⁴``, 256 codewords), 3 (``{0..7}⁴``, 4096) or
             4 (``{0..15}⁴``, 65536).
+        affine_groups: ``G`` contiguous row groups of the rotated weight, each with its own
+            ``A_g [4,4]``, ``b_g [4]`` (:func:`quantize_linear_grouped`; 1 = one per matrix).
+            ``G > 1`` weights are dense-dequantized (:func:`dequantize`): the lattice kernel
+            and :class:`~lowrank_jax.quant.layers.QuantizedLinear` take one ``A``, ``b``.
+        lattice_refit: closed-form refits of ``A_g``, ``b_g`` to the codes
+            (:func:`refit_lattice`), with an exhaustive re-rounding between two refits
+            (0 = the lattice stays ``step·O``, scaled per group, until block fine-tuning).
     """
 
     hadamard_block: int = 128
@@ -95,9 +102,16 @@ class UniSVQConfig:
     finetune_batch: int = 4
     seed: int = 0
     bits: int = 2
+    affine_groups: int = 1
+    lattice_refit: int = 0
 
     def __post_init__(self):
         check_lattice_bits(self.bits)
+        if self.affine_groups < 1 or self.lattice_refit < 0:
+            raise ValueError(
+                f"affine_groups={self.affine_groups} must be ≥ 1 and "
+                f"lattice_refit={self.lattice_refit} ≥ 0."
+            )
         if self.rotation not in ("random", "identity"):
             raise ValueError(f"rotation={self.rotation!r} must be 'random' or 'identity'.")
         if self.tune_iters < 0 or self.finetune_steps < 0:
@@ -112,13 +126,17 @@ class UniSVQConfig:
 class UniSVQWeight:
     """A quantized matrix ``[m, n]``; array fields are pytree leaves, block sizes and the digit
     width ``bits`` are static metadata (``bits=None`` infers 2 from ``uint8`` codes, 3 from
-    ``uint16``: the historical layouts; 4-bit codes must say ``bits=4``)."""
+    ``uint16``: the historical layouts; 4-bit codes must say ``bits=4``).
+
+    ``affine [G, 4, 4]`` and ``offset [G, 4]`` (from :func:`quantize_linear_grouped`) give each of
+    ``G`` contiguous row groups of the rotated weight its own lattice; :func:`dequantize` reads
+    both layouts, the lattice kernel only the per-matrix one."""
 
     codes: UInt[Array, "m q"]
     scale_in: Float[Array, " n"]
     scale_out: Float[Array, " m"]
-    affine: Float[Array, "4 4"]
-    offset: Float[Array, "4"]
+    affine: Float[Array, "*g 4 4"]
+    offset: Float[Array, "*g 4"]
     block_in: int = dataclasses.field(metadata=dict(static=True), default=128)
     block_out: int = dataclasses.field(metadata=dict(static=True), default=128)
     bits: int | None = dataclasses.field(metadata=dict(static=True), default=None)
@@ -133,8 +151,16 @@ class UniSVQWeight:
     def shape(self) -> tuple[int, int]:
         return self.codes.shape[0], self.codes.shape[1] * 4
 
+    @property
+    def groups(self) -> int:
+        """Row groups with their own ``A``, ``b`` (1 for the per-matrix layout)."""
+        return 1 if self.affine.ndim == 2 else int(self.affine.shape[0])
+
     def bits_per_weight(self) -> float:
-        return unisvq_bits_per_weight(*self.shape, bits=self.bits)
+        """:func:`~lowrank_jax.quant.packing.unisvq_bits_per_weight` plus ``20·16`` bits (fp16
+        ``A_g``, ``b_g``) for every group after the first."""
+        m, n = self.shape
+        return unisvq_bits_per_weight(m, n, bits=self.bits) + 16 * 20 * (self.groups - 1) / (m * n)
 
 
 def random_signs(key: Array, dim: int) -> Float[Array, " dim"]:
@@ -334,9 +360,196 @@ def quantize_linear(
     if h is not None and h.shape != (n, n):
         raise ValueError(f"hessian shape {h.shape} does not match the weight's n={n}.")
     use_h = h is not None and cfg.use_hessian
+    if cfg.affine_groups > 1 or cfg.lattice_refit > 0:
+        q = quantize_linear_grouped(weight, h, cfg, key=key)
+        if q.groups == 1:  # one group: the per-matrix layout the kernel reads
+            q = dataclasses.replace(q, affine=q.affine[0], offset=q.offset[0])
+        return q
     arrays = _quantize_core(weight.astype(jnp.float32), h if use_h else None, key, cfg,
                             block_in, block_out)
     return UniSVQWeight(*arrays, block_in, block_out, cfg.bits)
+
+
+def quantize_linear_grouped(
+    weight: Float[Array, "m n"],
+    h: Float[Array, "n n"] | None,
+    cfg: UniSVQConfig = UniSVQConfig(),
+    *,
+    groups: int | None = None,
+    key: Array | None = None,
+) -> UniSVQWeight:
+    """UniSVQ with one lattice ``A_g``, ``b_g`` per group of ``m/G`` contiguous rotated rows.
+
+    Same RHT, RMS scale and LDLQ as :func:`quantize_linear`; group ``g`` starts from its own
+    scaled lattice ``A_g = r_g·step·O``, ``b_g = r_g·b`` with ``r_g`` the RMS of its rotated rows
+    (LDLQ treats rows independently, so this is LDLQ of ``W_r,g / r_g`` on the shared lattice).
+    Then ``cfg.lattice_refit`` rounds of :func:`refit_lattice` (Hessian-weighted least squares of
+    every ``A_g``, ``b_g`` given the codes), with an exhaustive LDLQ re-rounding onto the refitted
+    lattices between two refits. Rows of one output Hadamard block are mixed by the rotation, so
+    groups that follow the blocks (``G = m / block_out``) follow the rotated weight's scales.
+    Storage: ``20·16`` more bits per extra group (:meth:`UniSVQWeight.bits_per_weight`).
+
+    Args:
+        weight: ``[m, n]``, both divisible by 4, ``m`` divisible by ``groups``.
+        h: calibration Hessian of the unrotated inputs ``[n, n]`` (or ``None``).
+        cfg: :class:`UniSVQConfig` (``affine_groups`` unless ``groups`` is given).
+        groups: number of row groups ``G``.
+        key: PRNG key of the signs and ``O`` (default ``PRNGKey(cfg.seed)``).
+
+    Returns:
+        A :class:`UniSVQWeight` with ``affine [G, 4, 4]``, ``offset [G, 4]``.
+
+    Example::
+
+        >>> import jax
+        >>> w = jax.random.normal(jax.random.PRNGKey(0), (8, 16))
+        >>> q = quantize_linear_grouped(w, None, UniSVQConfig(hadamard_block=8), groups=2)
+        >>> q.affine.shape, dequantize(q).shape
+        ((2, 4, 4), (8, 16))
+    """
+    m, n = weight.shape
+    groups = cfg.affine_groups if groups is None else int(groups)
+    if m % 4 or n % 4:
+        raise ValueError(f"weight shape {weight.shape}: both dims must be divisible by 4.")
+    if groups < 1 or m % groups:
+        raise ValueError(f"groups={groups} must be ≥ 1 and divide the weight's m={m} rows.")
+    if cfg.lattice_refit > 1 and cfg.bits > 3:
+        raise ValueError("lattice_refit > 1 re-rounds exhaustively over 16^bits codewords; "
+                         f"bits={cfg.bits} has 65536: use lattice_refit ≤ 1.")
+    if h is not None and h.shape != (n, n):
+        raise ValueError(f"hessian shape {h.shape} does not match the weight's n={n}.")
+    key = jax.random.PRNGKey(cfg.seed) if key is None else key
+    block_out = hadamard_block_size(m, cfg.hadamard_block)
+    block_in = hadamard_block_size(n, cfg.hadamard_block)
+    use_h = h is not None and cfg.use_hessian
+    arrays = _grouped_core(weight.astype(jnp.float32), h if use_h else None, key, cfg,
+                           block_in, block_out, groups)
+    return UniSVQWeight(*arrays, block_in, block_out, cfg.bits)
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6))
+def _grouped_core(weight, h, key, cfg: UniSVQConfig, block_in: int, block_out: int,
+                  groups: int):
+    m, n = weight.shape
+    rows = m // groups
+    k_rot = jax.random.split(key, 3)[2]
+    w_rot, w_scale, s_in, s_out, h_rot = rotate_problem(weight, h, key, block_in, block_out)
+    rotation = random_orthogonal(k_rot) if cfg.rotation == "random" else None
+    a0, b0 = initial_lattice(rotation, cfg.bits)
+    r = jnp.sqrt(jnp.mean(w_rot.reshape(groups, rows * n) ** 2, axis=1))
+    r = jnp.where(r > 0, r, 1.0)
+    target = w_rot / jnp.repeat(r, rows)[:, None]
+    lower = None
+    if h_rot is None:
+        codes = round_to_lattice(target.reshape(m, n // 4, 4), a0, b0, cfg.bits)
+        codes = codes.astype(code_dtype(cfg.bits))
+    else:
+        lower, _ = block_ldl(h_rot)
+        codes, _ = _ldlq(target, h_rot, lower, None, cfg.tune_iters, lattice=(a0, b0),
+                         bits=cfg.bits)
+    affine = r[:, None, None] * a0[None]
+    offset = r[:, None] * b0[None]
+    for i in range(cfg.lattice_refit):
+        if i > 0:
+            codes = _round_groups(w_rot, h_rot, lower, affine, offset, cfg.tune_iters, cfg.bits)
+        affine, offset = refit_lattice(w_rot, h_rot, codes, affine, offset, bits=cfg.bits)
+    return codes, s_in, s_out * w_scale, affine, offset
+
+
+def _round_groups(w_rot, h_rot, lower, affine, offset, tune_iters: int, bits: int):
+    """LDLQ (or nearest codeword, ``h_rot=None``) of each row group onto its own lattice."""
+    groups = affine.shape[0]
+    m, n = w_rot.shape
+    grids = jax.vmap(lambda a, b: make_grid(a, b, bits))(affine, offset)
+    w_g = w_rot.reshape(groups, m // groups, n)
+    if h_rot is None:
+        codes = jax.vmap(lambda w, g: nearest_codeword(w.reshape(-1, n // 4, 4), g))(w_g, grids)
+    else:
+        codes = jax.vmap(lambda w, g: _ldlq(w, h_rot, lower, g, tune_iters, bits=bits)[0])(
+            w_g, grids)
+    return codes.reshape(m, n // 4).astype(code_dtype(bits))
+
+
+def refit_lattice(
+    weight_rot: Float[Array, "m n"],
+    h: Float[Array, "n n"] | None,
+    codes: UInt[Array, "m q"],
+    affine: Float[Array, "g 4 4"],
+    offset: Float[Array, "g 4"],
+    *,
+    bits: int = 2,
+    ridge: float = 1e-6,
+) -> tuple[Array, Array]:
+    r"""The ``A_g``, ``b_g`` minimising ``Σ_rows (C − W_r) H (C − W_r)ᵀ`` with the codes fixed.
+
+    ``C[i, 4k:4k+4] = A_g z_{i,k} + b_g`` is linear in ``Θ_g = [A_g | b_g]`` (20 numbers), so each
+    group's optimum solves the normal equations (``F_i[k] = [z_{i,k}, 1]``)
+
+    .. math::
+        \sum_{i∈g}\sum_{k,k'} F_i[k]_l\, H_{4k+j,4k'+j'}\, F_i[k']_{l'}\;Θ_{j'l'}
+        = \sum_{i∈g}\sum_k F_i[k]_l\,(H w_i)_{4k+j}
+
+    with a ridge ``ridge·tr/20`` towards the current ``Θ_g`` (digits a group never uses keep
+    their value). ``h=None`` is ``H = I`` (plain least squares).
+
+    Args:
+        weight_rot: the rotated, scaled target ``W_r [m, n]``.
+        h: rotated Hessian ``[n, n]`` or ``None``.
+        codes: ``[m, n/4]`` lattice codes.
+        affine, offset: current ``[G, 4, 4]``, ``[G, 4]`` (``G`` divides ``m``).
+        bits: digit width of ``codes``.
+        ridge: relative ridge of the solve.
+
+    Returns:
+        ``(affine [G, 4, 4], offset [G, 4])``.
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> a, b = initial_lattice()
+        >>> codes = jnp.arange(8, dtype=jnp.uint8).reshape(4, 2) * 31
+        >>> w = dequantize(UniSVQWeight(codes, jnp.ones(8), jnp.ones(4), a, b, 1, 1))
+        >>> a2, b2 = refit_lattice(w, None, codes, a[None], b[None])
+        >>> bool(jnp.allclose(a2[0], a, atol=1e-4))
+        True
+    """
+    m, n = weight_rot.shape
+    q = n // 4
+    groups = affine.shape[0]
+    w = weight_rot.astype(jnp.float32)
+    z = unpack_codes(codes, bits).astype(jnp.float32)  # m q 4
+    f = jnp.concatenate([z, jnp.ones((m, q, 1), jnp.float32)], -1)  # m q 5
+    if h is None:
+        gram = jnp.einsum("rkl,rkL->rlL", f, f)  # m 5 5, the same for every j
+        gram = jnp.einsum("rlL,jJ->rjlJL", gram, jnp.eye(4))
+        hw = w
+    else:
+        hr = h.astype(jnp.float32).reshape(q, 4, q, 4)
+        t = jnp.einsum("rkl,kjKJ->rljKJ", f, hr)
+        gram = jnp.einsum("rljKJ,rKL->rjlJL", t, f)
+        hw = w @ h.astype(jnp.float32)
+    rhs = jnp.einsum("rkl,rkj->rjl", f, hw.reshape(m, q, 4))
+    gram = gram.reshape(groups, m // groups, 20, 20).sum(1)
+    rhs = rhs.reshape(groups, m // groups, 20).sum(1)
+    theta0 = jnp.concatenate([affine, offset[..., None]], -1).reshape(groups, 20)
+    lam = ridge * jnp.trace(gram, axis1=1, axis2=2)[:, None] / 20 + 1e-30
+    theta = jnp.linalg.solve(gram + lam[:, :, None] * jnp.eye(20),
+                             (rhs + lam * theta0)[..., None])[..., 0].reshape(groups, 4, 5)
+    return theta[..., :4], theta[..., 4]
+
+
+def decode_grouped(
+    codes: UInt[Array, "m q"], affine: Float[Array, "g 4 4"], offset: Float[Array, "g 4"],
+    bits: int | None = None,
+) -> Float[Array, "m n"]:
+    """Rotated-domain ``C [m, n]`` with ``C[i, 4k:4k+4] = A_g z_{i,k} + b_g`` (``i`` in group
+    ``g``; ``G`` contiguous groups of ``m/G`` rows)."""
+    m, q = codes.shape
+    groups = affine.shape[0]
+    z = unpack_codes(codes, bits).astype(jnp.float32).reshape(groups, m // groups, q, 4)
+    c = jnp.einsum("grqk,gjk->grqj", z, affine.astype(jnp.float32))
+    c = c + offset.astype(jnp.float32)[:, None, None, :]
+    return c.reshape(m, 4 * q)
 
 
 @functools.partial(jax.jit, static_argnums=(3, 4, 5))
@@ -382,7 +595,14 @@ def rotate_problem(weight: Float[Array, "m n"], h: Float[Array, "n n"] | None, k
 
 
 def dequantize(w: UniSVQWeight) -> Float[Array, "m n"]:
-    """Dense fp32 ``[m, n]`` of a :class:`UniSVQWeight` (the reference weight)."""
+    """Dense fp32 ``[m, n]`` of a :class:`UniSVQWeight` (the reference weight; per-matrix or
+    per-group ``A``, ``b``)."""
+    if w.affine.ndim == 3:
+        c = decode_grouped(w.codes, w.affine, w.offset, w.bits)
+        c = block_hadamard(c, w.block_in)  # C Hn
+        c = block_hadamard(c.T, w.block_out, transpose=True).T  # Hmᵀ C Hn
+        return (w.scale_out[:, None].astype(jnp.float32) * c
+                * w.scale_in[None, :].astype(jnp.float32))
     return dequantize_reference(
         w.codes, w.scale_in, w.scale_out, w.affine, w.offset,
         block_in=w.block_in, block_out=w.block_out, bits=w.bits,
@@ -499,6 +719,7 @@ __all__ = [
     "block_ldl",
     "check_lattice_bits",
     "code_dtype",
+    "decode_grouped",
     "dequantize",
     "finetune_block",
     "hessian",
@@ -510,8 +731,10 @@ __all__ = [
     "nearest_codeword",
     "proxy_loss",
     "quantize_linear",
+    "quantize_linear_grouped",
     "random_orthogonal",
     "random_signs",
+    "refit_lattice",
     "rht",
     "rotate_problem",
     "round_to_lattice",
