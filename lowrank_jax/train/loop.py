@@ -42,8 +42,7 @@ from lowrank_jax.train.checkpoint import (  # re-exported for existing callers
 )
 from lowrank_jax.train.config import RunConfig
 from lowrank_jax.train.losses import cross_entropy
-from lowrank_jax.train.optimizers import build_optimizer
-from lowrank_jax.train.structure import with_structure
+from lowrank_jax.train.optimizers import build_optimizer, with_structure
 
 
 @dataclasses.dataclass
