@@ -31,3 +31,23 @@ def test_counts_see_the_package(counts):
 
 def test_no_import_circles(counts):
     assert counts["circles"] == []
+
+
+def test_no_new_upward_arrows(counts):
+    # the two left run up from files of other owners (steps: hyper/train's checkpoint use;
+    # quant/nf4.nf4_quantize_model walks the Llama); anything else is a new arrow up the floors
+    left = {("lowrank_jax.hyper.train", "lowrank_jax.train.checkpoint"),
+            ("lowrank_jax.quant.nf4", "lowrank_jax.models.llama")}
+    assert {tuple(edge) for edge in counts["upward"]} <= left
+
+
+def test_ground_floor_imports_nothing_above(counts):
+    # core/ is the ground: a circle or upward arrow from it would show above; also check that the
+    # shared maths moved there (the optimizers' linalg is a re-export of core.linalg)
+    core = ROOT / "lowrank_jax" / "core"
+    for path in core.glob("*.py"):
+        text = path.read_text()
+        for line in text.splitlines():
+            if line.lstrip().startswith(("from lowrank_jax", "import lowrank_jax")):
+                assert "lowrank_jax.core" in line, f"{path.name}: {line.strip()}"
+    assert (core / "linalg.py").is_file() and (core / "kruskal.py").is_file()

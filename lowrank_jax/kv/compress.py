@@ -20,7 +20,7 @@ from lowrank_jax.kv.ranks import (
     choose_ranks,
     layer_groups,
 )
-from lowrank_jax.optim.linalg import randomized_svd
+from lowrank_jax.core.linalg import randomized_svd
 from pallas_kernels.xkv_decode.reference import reconstruct, rope
 
 
