@@ -28,6 +28,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from optax.contrib import _muon as _optax_muon  # Newton–Schulz is not re-exported by optax
 from jaxtyping import Array, Float
 
+from lowrank_jax.core.sharding import gathered, with_sharding_of
+
 MUON_COEFFS = (3.4445, -4.7750, 2.0315)
 
 #: a numeric hyperparameter: a Python number, or the array ``optax.inject_hyperparams`` passes
@@ -58,25 +60,6 @@ def _contract(lhs, rhs, lhs_axis: int, rhs_axis: int):
     if out is None:
         return jax.lax.dot_general(lhs, rhs, dims)
     return jax.lax.dot_general(lhs, rhs, dims, out_sharding=out)
-
-
-def gathered(x):
-    """``x`` replicated when it is sharded on an Explicit mesh (QR / SVD / solves need whole
-    matrix dims); a no-op otherwise. Only for thin factors and small matrices."""
-    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
-    if spec is not None and any(axis is not None for axis in spec):
-        return jax.sharding.reshard(x, PartitionSpec(*([None] * x.ndim)))
-    return x
-
-
-def with_sharding_of(out, like):
-    """``out`` resharded to ``like``'s Explicit-mesh sharding (so optimizer states keep their
-    ``jax.typeof``); a no-op without an Explicit mesh."""
-    sharding = getattr(jax.typeof(like), "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
-    if mesh is None or mesh.empty or all(s is None for s in sharding.spec):
-        return out
-    return jax.sharding.reshard(out, sharding)
 
 
 def _check_matrix(x, name: str, min_ndim: int = 2):
