@@ -6,8 +6,10 @@
 Counts:
 
 - **import circles**: strongly connected components (size > 1) of the graph of imports between
-  ``lowrank_jax`` modules, imports inside functions included, ``importlib.import_module("...")``
-  string literals and module-name strings in dict/tuple literals passed to it included;
+  ``lowrank_jax`` modules, imports inside functions included, module names in string literals
+  (``importlib.import_module("lowrank_jax....")``, registries of module names) included; importing
+  ``a.b.c`` also runs the ``__init__`` of ``a.b``, so that edge is added too (a child
+  importing its own package's ``__init__`` is not counted);
 - **upward arrows**: imports from a lower floor to a higher one (``FLOORS`` below);
 - **private imports**: ``from lowrank_jax.x import _name`` (or ``import lowrank_jax.x._y``) from
   another module;
@@ -130,6 +132,13 @@ def import_graph(modules: dict[str, pathlib.Path]):
             if target == module:
                 continue
             edges[module].add(target)
+            # importing a.b.c runs a/__init__ and a/b/__init__ first: real edges to those packages
+            parts = target.split(".")
+            for length in range(2, len(parts)):
+                package = ".".join(parts[:length])
+                if package in modules and not module.startswith(package + ".") \
+                        and module != package:
+                    edges[module].add(package)
             for name in names:
                 if name.startswith("_") and not name.startswith("__"):
                     private.append((module, target, name))
@@ -203,8 +212,9 @@ def upward_arrows(edges: dict[str, set[str]]) -> list[tuple[str, str]]:
 
 
 def circles(edges: dict[str, set[str]]) -> list[list[str]]:
-    """SCCs, ignoring package-``__init__`` re-export edges (parent <-> child)."""
-    pruned = {m: {t for t in ts if not _is_package_edge(m, t)} for m, ts in edges.items()}
+    """SCCs; a module importing its own package's ``__init__`` (child -> parent) is not counted
+    (the package is being imported already), a package re-exporting its children is."""
+    pruned = {m: {t for t in ts if not m.startswith(t + ".")} for m, ts in edges.items()}
     return strongly_connected(pruned)
 
 

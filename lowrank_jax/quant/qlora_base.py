@@ -26,11 +26,24 @@ from lowrank_jax.models.presets import PRESETS
 from lowrank_jax.models.tokenizer import BYTE_TOKENIZER_FILE
 from lowrank_jax.nn.qlora import QLoRALinear
 from lowrank_jax.quant.layers import QuantizedLinear, dense_weight
-from lowrank_jax.quant.nf4 import nf4_quantize_model
+from lowrank_jax.quant.nf4 import NF4_BLOCK, NF4Linear, nf4_quantize
 from lowrank_jax.quant.pipeline import quantize_model
 from lowrank_jax.quant.unisvq import UniSVQConfig, quantize_linear
 
 QUANTIZE_METHODS = ("nf4", "rtn4", "unisvq2")
+
+
+def nf4_quantize_model(model, *, block_size: int = NF4_BLOCK, double_quant: bool = False,
+                       layers=None) -> list[str]:
+    """Replace every dense projection of a Llama ``model`` by an :class:`NF4Linear` (in place).
+
+    Returns the replaced paths. Raises ``ValueError`` for a non-dense projection or an input
+    dim the block size does not divide.
+    """
+    def make(_i, _name, lin):
+        return NF4Linear(nf4_quantize(dense_weight(lin), block_size, double_quant=double_quant))
+
+    return replace_projections(model, make, layers=layers)
 
 
 def quantize_base(model, method: str, *, calib_tokens=None, layers=None,
@@ -86,4 +99,4 @@ def save_quantized_base(model, source: str, folder) -> str:
     return os.fspath(folder)
 
 
-__all__ = ["QUANTIZE_METHODS", "quantize_base", "save_quantized_base"]
+__all__ = ["QUANTIZE_METHODS", "nf4_quantize_model", "quantize_base", "save_quantized_base"]
