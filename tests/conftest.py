@@ -30,7 +30,8 @@ from jaxtyping import install_import_hook  # noqa: E402
 # TODO(coordinator): add "lowrank_jax.analysis" and "pallas_kernels" once their annotations
 # accept what their tests pass (numpy arrays into Float[Array, ...], e.g. analysis.kruskal,
 # analysis.linalg.singular_values_gram), and the other packages after their branches land.
-TYPECHECKED = ("lowrank_jax.optim", "lowrank_jax.nn", "lowrank_jax.attention")
+TYPECHECKED = ("lowrank_jax.optim", "lowrank_jax.nn", "lowrank_jax.attention",
+               "lowrank_jax.core.linalg")
 if os.environ.get("LOWRANK_JAX_TYPECHECK", "1") != "0":
     import sys  # noqa: E402
     import types  # noqa: E402

@@ -28,7 +28,7 @@ from lowrank_jax.analysis.heads import (
     select_heads,
     split_heads,
 )
-from lowrank_jax.analysis.kruskal import (
+from lowrank_jax.core.kruskal import (
     coherence,
     khatri_rao,
     kruskal_penalty,
@@ -36,12 +36,12 @@ from lowrank_jax.analysis.kruskal import (
     kruskal_rank_exact,
     numerical_krank,
 )
-from lowrank_jax.analysis.linalg import (
+from lowrank_jax.core.svd import (
     singular_values,
     singular_values_gram,
     svd_exact,
 )
-from lowrank_jax.optim.linalg import randomized_svd  # the one randomized SVD
+from lowrank_jax.core.linalg import randomized_svd  # the one randomized SVD
 from lowrank_jax.analysis.lockin_optax import (
     LockinProbeState,
     lockin_probe,
@@ -59,7 +59,7 @@ from lowrank_jax.analysis.probes import (
     sharp_fraction,
     subspace_drift,
 )
-from lowrank_jax.analysis.rank import (
+from lowrank_jax.core.rank import (
     alpha_req,
     anisotropy,
     effective_rank,

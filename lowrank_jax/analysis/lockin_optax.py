@@ -27,7 +27,7 @@ from flax import nnx
 from jaxtyping import Array
 
 from lowrank_jax.analysis.probes import CurvatureBasis, curvature_basis, project_sharp
-from lowrank_jax.analysis.rank import effective_rank, stable_rank
+from lowrank_jax.core.rank import effective_rank, stable_rank
 
 _TINY = 1e-30
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from lowrank_jax.analysis import report
 from lowrank_jax.analysis.heads import head_scores, head_slices
-from lowrank_jax.analysis.rank import effective_rank_of
+from lowrank_jax.core.rank import effective_rank_of
 
 
 def model_report(model, params: dict, token_ids, *, out: str, base: dict | None = None,

@@ -18,9 +18,9 @@ from typing import NamedTuple
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from lowrank_jax.analysis.linalg import svd_exact
-from lowrank_jax.optim.linalg import randomized_svd
-from lowrank_jax.analysis.rank import effective_rank, stable_rank
+from lowrank_jax.core.svd import svd_exact
+from lowrank_jax.core.linalg import randomized_svd
+from lowrank_jax.core.rank import effective_rank, stable_rank
 from lowrank_jax.analysis.spectra import principal_angles
 
 

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowrank_jax.analysis.cka import cka_matrix
-from lowrank_jax.analysis.linalg import singular_values_gram
-from lowrank_jax.analysis.rank import anisotropy, isotropy_partition
+from lowrank_jax.core.svd import singular_values_gram
+from lowrank_jax.core.rank import anisotropy, isotropy_partition
 from lowrank_jax.analysis.spectra import compare_matrices, matrix_summary
 
 # A fixed English passage (our own text) for the key-CKA probe.

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from lowrank_jax.analysis.linalg import singular_values
-from lowrank_jax.analysis.rank import (
+from lowrank_jax.core.svd import singular_values
+from lowrank_jax.core.rank import (
     effective_rank,
     energy_rank,
     numerical_rank,

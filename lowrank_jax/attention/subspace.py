@@ -29,7 +29,7 @@ import numpy as np
 from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, Float
 
-from lowrank_jax.analysis.rank import energy_rank
+from lowrank_jax.core.rank import energy_rank
 from pallas_kernels.subspace_attention import BlockSizes, estimate_flops, subspace_attention
 
 METHODS = ("whitened_svd", "joint_pca")

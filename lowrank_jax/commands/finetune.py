@@ -119,7 +119,7 @@ def run(args) -> int:
     lr = args.lr if args.lr is not None else default_lr(args.method)
     model, tokens, base_name = load_model_and_tokens(args.model, args.data)
     if getattr(args, "quantize", None):
-        from lowrank_jax.nn.qlora import quantize_base, save_quantized_base
+        from lowrank_jax.quant.qlora_base import quantize_base, save_quantized_base
 
         if args.method not in ("lora", "balora", "lokra"):
             raise ValueError(f"--method {args.method} rewrites the base weights; with --quantize "

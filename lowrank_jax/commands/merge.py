@@ -42,7 +42,7 @@ def run(args) -> int:
     from lowrank_jax.io.validate import check_text_file
     from lowrank_jax.models import english_eval_text, load_model, perplexity, save_model
     from lowrank_jax.nn.merge import merge_report
-    from lowrank_jax.nn.qlora import quantize_base
+    from lowrank_jax.quant.qlora_base import quantize_base
 
     check_text_file(args.data, "--data")
     if not os.path.isdir(args.adapter):

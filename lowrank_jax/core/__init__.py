@@ -1,1 +1,3 @@
-"""The ground floor: maths every other package builds on (imports only jax/flax/optax/numpy)."""
+"""The ground floor: shared maths every other subpackage may use (linear algebra, spectra and
+ranks, Kruskal rank, k-means, bit packing, sharding placement, losses); imports only jax, flax,
+optax, numpy and ``pallas_kernels``."""

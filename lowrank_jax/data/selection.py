@@ -42,7 +42,7 @@ from jaxtyping import Array, Float, Int
 
 from lowrank_jax.data.embed import chunk_tokens, text_embeddings
 from lowrank_jax.data.kmeans import kmeans
-from lowrank_jax.optim.linalg import randomized_svd
+from lowrank_jax.core.linalg import randomized_svd
 
 LossOracle = Callable[[jax.Array], jax.Array]
 

@@ -15,12 +15,12 @@ from lowrank_jax.kv.cache import SelectiveConfig, SelectiveState, XKVCache
 from lowrank_jax.kv.ranks import (
     DEFAULT_GROUP_SIZE,
     DEFAULT_VALUE_RANK_SCALE,
-    _check_sink,
-    _full_rank,
+    check_sink_tokens,
+    full_rank,
     choose_ranks,
     layer_groups,
 )
-from lowrank_jax.optim.linalg import randomized_svd
+from lowrank_jax.core.linalg import randomized_svd
 from pallas_kernels.xkv_decode.reference import reconstruct, rope
 
 
@@ -95,7 +95,7 @@ class SVDCache:
         """``(u, s, vt)`` of ``x`` (thin, fp32), computed once per distinct matrix."""
         key = self._key(x)
         if key not in self._store:
-            self._store[key] = _thin_svd(x)
+            self._store[key] = thin_svd(x)
         return self._store[key]
 
     def memo(self, tag: tuple, x, compute):
@@ -108,12 +108,13 @@ class SVDCache:
 
 
 @jax.jit
-def _thin_svd(x):
+def thin_svd(x):
+    """``(U, s, Vt)`` of the (batched) matrices ``x``, ``full_matrices=False``."""
     return jnp.linalg.svd(x, full_matrices=False)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
-def _group_matrix(src, members: tuple, sink_tokens: int):
+def group_matrix(src, members: tuple, sink_tokens: int):
     """``[K^(l1) | ... | K^(lG)]`` of the factorized tokens, fp32 ``[b, L - S, G hk d]``."""
     _, b, length, hk, d = src.shape
     return jnp.concatenate([src[l, :, sink_tokens:].reshape(b, length - sink_tokens, hk * d)
@@ -196,7 +197,7 @@ def xkv_compress(
         )
     if rank is not None and not isinstance(rank, str) and not np.isscalar(rank):
         rank = tuple(int(r) for r in rank)
-    _check_sink(sink_tokens, keys.shape[2])
+    check_sink_tokens(sink_tokens, keys.shape[2])
     if svd_method not in ("full", "randomized"):
         raise ValueError(f"svd_method={svd_method!r} must be 'full' (exact) or 'randomized'.")
     if not isinstance(oversample, (int, np.integer)) or oversample < 0:
@@ -212,7 +213,7 @@ def xkv_compress(
         if svd_method != "full":
             raise ValueError(f"svd_cache= needs svd_method='full' (got {svd_method!r}): a "
                              "randomized SVD depends on the rank and cannot be shared.")
-        svds = tuple(tuple(svd_cache.get(_group_matrix(src, members, int(sink_tokens)))
+        svds = tuple(tuple(svd_cache.get(group_matrix(src, members, int(sink_tokens)))
                            for src in (keys, values))
                      for members in layer_groups(keys.shape[0], group_size))
     return _xkv_compress(
@@ -243,10 +244,10 @@ def _xkv_compress(keys, values, svds, *, rope_theta, ratio, rank, group_size, va
     for gi, members in enumerate(groups):
         g = len(members)
         if rank == "full":
-            rank_k = rank_v = _full_rank(factored, g, hk, d)
+            rank_k = rank_v = full_rank(factored, g, hk, d)
         elif rank is not None:
             rank_k, rank_v = (rank, rank) if np.isscalar(rank) else tuple(rank)
-            full = _full_rank(factored, g, hk, d)
+            full = full_rank(factored, g, hk, d)
             for name, r in (("rank_k", rank_k), ("rank_v", rank_v)):
                 if not 1 <= int(r) <= full:
                     raise ValueError(
@@ -326,5 +327,5 @@ def xkv_reconstruct(cache: XKVCache, layer: int, kind: str = "k") -> Float[Array
 
 
 __all__ = [
-    "xkv_compress", "xkv_reconstruct",
+    "group_matrix", "thin_svd", "xkv_compress", "xkv_reconstruct",
 ]

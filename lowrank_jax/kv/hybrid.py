@@ -40,7 +40,7 @@ from lowrank_jax.kv.compress import xkv_compress
 from lowrank_jax.kv.quantized import (
     STORAGE_DTYPE,
     QuantizedArray,
-    _check_bits,
+    check_kv_bits,
     dequantize,
     quantize,
     quantized_nbytes,
@@ -254,7 +254,7 @@ def xkv_quant_compress(
                        ("value_factor_bits", value_factor_bits)):
         if bits != FULL_BITS:
             try:
-                _check_bits(bits)
+                check_kv_bits(bits)
             except ValueError:
                 raise ValueError(
                     f"{name}={bits!r} must be 2, 4, 8 or {FULL_BITS} (fp16).") from None

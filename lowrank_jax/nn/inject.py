@@ -88,8 +88,7 @@ def register_linear_like(cls: type, entry: LinearLike, adapter_type: type | None
 def _is_linear_like(module: Any) -> bool:
     if type(module) is nnx.Linear:
         return True
-    if not LINEAR_LIKE:
-        import lowrank_jax.nn.qlora  # noqa: F401  (registers the quantized layers)
+    # the built-in quantized layers are registered when ``lowrank_jax.nn`` imports ``nn.qlora``
     return type(module) in LINEAR_LIKE
 
 

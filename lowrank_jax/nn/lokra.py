@@ -11,7 +11,7 @@ In lowrank_jax's layout (``lora_a`` ``[in, r]``, ``lora_b`` ``[r, out]``) the ch
 matrices are ``A = lora_aᵀ`` ``[r, in]`` and ``Bᵀ = lora_b`` ``[r, out]``.
 
 The Kruskal-rank tools (exact rank, coherence, Khatri–Rao product, the penalty) live in
-:mod:`lowrank_jax.analysis.kruskal` and are re-exported here.
+:mod:`lowrank_jax.core.kruskal` and are re-exported here.
 
 DERIVED (the paper and its code were not readable): the penalty formula (frame potential or
 smooth max coherence), applying it to both ``A`` and ``Bᵀ``, skipping a still-zero factor,
@@ -35,7 +35,7 @@ from flax import nnx
 from jax.typing import ArrayLike
 from jaxtyping import Array, Float
 
-from lowrank_jax.analysis.kruskal import (  # the one Kruskal module
+from lowrank_jax.core.kruskal import (  # the one Kruskal module
     PenaltyKind,
     coherence,
     khatri_rao,

@@ -325,76 +325,6 @@ def quantize_projections(model: nnx.Module, rules, method: str = "nf4", *,
                          f"projections: {shown or '(none)'}")
     return errors
 
-QUANTIZE_METHODS = ("nf4", "rtn4", "unisvq2")
-
-
-def quantize_base(model, method: str, *, calib_tokens=None, layers=None,
-                  double_quant: bool = False, cfg=None) -> dict:
-    """Quantize the projections of a dense Llama ``model`` (in place) for QLoRA.
-
-    Args:
-        model: a dense :class:`~lowrank_jax.models.Llama`.
-        method: ``"nf4"`` (QLoRA's NF4, 64-blocks), ``"rtn4"`` (RTN 4-bit, groups of 64) or
-            ``"unisvq2"`` (UniSVQ 2-bit: the full pipeline with ``calib_tokens`` [n, t]; without
-            them, Hessian-free nearest-codeword lattice rounding, seconds instead of minutes).
-        layers: decoder blocks to quantize (default all).
-        double_quant: NF4 double quantization of the absmaxes.
-        cfg: a :class:`~lowrank_jax.quant.unisvq.UniSVQConfig` for the calibrated UniSVQ
-            pipeline (default ``UniSVQConfig()``).
-
-    Returns:
-        ``{"method", "quantized": n_projections}``.
-    """
-    from lowrank_jax.models.llama import replace_projections
-    from lowrank_jax.quant.layers import QuantizedLinear, dense_weight
-    from lowrank_jax.quant.nf4 import nf4_quantize_model
-    from lowrank_jax.quant.pipeline import quantize_model
-    from lowrank_jax.quant.unisvq import UniSVQConfig, quantize_linear
-
-    if method not in QUANTIZE_METHODS:
-        raise ValueError(f"quantize: method={method!r} is unknown; use one of "
-                         f"{', '.join(QUANTIZE_METHODS)}.")
-    if method == "nf4":
-        done = nf4_quantize_model(model, double_quant=double_quant, layers=layers)
-    elif method == "rtn4":
-        quantize_model(model, None, method="rtn", bits=4, group_size=64, layers=layers,
-                       progress=False)
-        done = [p for p, m in nnx.iter_modules(model) if type(m).__name__ == "RTNLinear"]
-    elif calib_tokens is not None:
-        quantize_model(model, calib_tokens, method="unisvq", bits=2, layers=layers,
-                       cfg=UniSVQConfig() if cfg is None else cfg, progress=False)
-        done = [p for p, m in nnx.iter_modules(model) if isinstance(m, QuantizedLinear)]
-    else:
-        done = replace_projections(
-            model, lambda _i, _n, lin: QuantizedLinear(
-                quantize_linear(dense_weight(lin), None, UniSVQConfig())), layers=layers)
-    return {"method": method, "quantized": len(done)}
-
-
-def save_quantized_base(model, source: str, folder) -> str:
-    """Write the quantized ``model`` (no adapters yet) as a quantized folder that ``--model``
-    reads (:func:`lowrank_jax.quant.io.save_quantized`: NF4, RTN and UniSVQ layouts), with the
-    tokenizer of ``source`` (the model name it was loaded from); a byte-level model (vocab 256,
-    e.g. the ``tiny`` preset) gets the byte-tokenizer marker instead. Returns the folder."""
-    import json
-    import os
-
-    from lowrank_jax.io.outputs import atomic_write_text
-    from lowrank_jax.models.hub import load_model, save_model
-    from lowrank_jax.models.presets import PRESETS
-    from lowrank_jax.train.structure import BYTE_TOKENIZER_FILE
-
-    if any(isinstance(m, QLoRALinear) for _, m in nnx.iter_modules(model)):
-        raise ValueError("save_quantized_base: the model already holds adapters; save the base "
-                         "before apply_lora (or merge with lowrank_jax.nn.merge first).")
-    tokenizer = None if source in PRESETS else load_model(source)[1]
-    save_model(model, folder, tokenizer=tokenizer)
-    if tokenizer is None and model.cfg.vocab_size == 256:
-        atomic_write_text(os.path.join(os.fspath(folder), BYTE_TOKENIZER_FILE),
-                          json.dumps({"tokenizer": "bytes", "vocab_size": 256}))
-    return os.fspath(folder)
-
-
 def _nbytes(tree) -> int:
     return int(sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(tree)))
 
@@ -416,6 +346,5 @@ def memory_bytes(model: nnx.Module, optimizer: Any = None) -> dict[str, int]:
             "total": trainable + frozen + opt}
 
 
-__all__ = ["PROJECTION_QUANTIZERS", "QUANTIZE_METHODS", "QLoRALinear", "QuantizedProjection",
-           "linear_like_of", "memory_bytes", "quantize_base", "quantize_matrix",
-           "quantize_projections", "save_quantized_base"]
+__all__ = ["PROJECTION_QUANTIZERS", "QLoRALinear", "QuantizedProjection", "linear_like_of",
+           "memory_bytes", "quantize_matrix", "quantize_projections"]

@@ -31,8 +31,8 @@ from typing import Any, Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding
 
+from lowrank_jax.core.sharding import place_like, replicate_like
 from lowrank_jax.optim.linalg import Numeric
 
 ScalarOrSchedule = float | jax.Array | optax.Schedule
@@ -93,7 +93,7 @@ def top_subspace(matrix: jax.Array, rank: int) -> jax.Array:
 
     A matrix sharded on an Explicit mesh is gathered (replicated) first: the SVD needs it whole.
     """
-    matrix = _replicated_like(matrix, matrix)
+    matrix = replicate_like(matrix, matrix)
     u, _, _ = jnp.linalg.svd(matrix.astype(jnp.float32), full_matrices=False)
     return u[:, :rank]
 
@@ -114,46 +114,12 @@ def _static_int(name: str, value, low: int) -> int | None:
     return int(value)
 
 
-def _mesh_spec(ref):
-    sharding = getattr(jax.typeof(ref), "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
-    if mesh is None or getattr(mesh, "empty", True):
-        return None
-    if not any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
-        return None
-    return sharding
-
-
-def _place(x, ref, spec):
-    if isinstance(ref, jax.core.Tracer) or isinstance(x, jax.core.Tracer):
-        mesh = jax.typeof(ref).sharding.mesh
-        return jax.sharding.reshard(x, NamedSharding(mesh, spec))
-    concrete = getattr(ref, "sharding", None)
-    if isinstance(concrete, NamedSharding):
-        return jax.device_put(x, NamedSharding(concrete.mesh, spec))
-    return x
-
-
-def _like(x, ref):
-    """``x`` placed like ``ref`` on an Explicit mesh (so ``jax.typeof`` of the state is stable)."""
-    sharding = _mesh_spec(ref)
-    if sharding is None or jax.typeof(x).sharding == sharding:
-        return x
-    return _place(x, ref, sharding.spec)
-
-
-def _replicated_like(x, ref):
-    """``x`` replicated over ``ref``'s Explicit mesh (no-op off a mesh)."""
-    if _mesh_spec(ref) is None:
-        return x
-    return _place(x, ref, jax.sharding.PartitionSpec(*([None] * jnp.ndim(x))))
-
-
-def _is_lordo_state(x) -> bool:
+def is_lordo_state(x) -> bool:
+    """Whether ``x`` is a :class:`ScaleByLordoState` (a ``jax.tree.map`` leaf test)."""
     return isinstance(x, ScaleByLordoState)
 
 
-def _transport(u, v, q_new, q_old):
+def transport_moments(u, v, q_new, q_old):
     """Rotate moments from ``span(q_old)`` into ``span(q_new)``: ``Ru``, ``(R⊙R)v``."""
     rot = q_new.T @ q_old
     return rot @ u, (rot * rot) @ v
@@ -161,8 +127,8 @@ def _transport(u, v, q_new, q_old):
 
 def find_lordo_state(opt_state) -> ScaleByLordoState:
     """The (first) :class:`ScaleByLordoState` inside an optax state (chain, partition, ...)."""
-    found = [s for s in jax.tree.leaves(opt_state, is_leaf=_is_lordo_state)
-             if _is_lordo_state(s)]
+    found = [s for s in jax.tree.leaves(opt_state, is_leaf=is_lordo_state)
+             if is_lordo_state(s)]
     if not found:
         raise ValueError("find_lordo_state: the optimiser state holds no scale_by_lordo state.")
     return found[0]
@@ -266,13 +232,13 @@ def scale_by_lordo(
     def init_fn(params):
         def one(x):
             plan = plan_of(x)
-            empty = _replicated_like(jnp.zeros((1,), jnp.float32), x)  # orbax: no 0-size
+            empty = replicate_like(jnp.zeros((1,), jnp.float32), x)  # orbax: no 0-size
             if plan is None:
                 zeros = jnp.zeros_like(x, dtype=jnp.float32)
                 return empty, zeros.astype(mdt), zeros, empty, empty
             big = _canon(jnp.zeros_like(x, dtype=jnp.float32), plan)
-            small = _replicated_like(jnp.zeros((plan.rank, plan.large), jnp.float32), x)
-            proj = _replicated_like(jnp.zeros((plan.small, plan.rank), jnp.float32), x)
+            small = replicate_like(jnp.zeros((plan.rank, plan.large), jnp.float32), x)
+            proj = replicate_like(jnp.zeros((plan.small, plan.rank), jnp.float32), x)
             keep = refresh_static > 0 and refresh_from == "displacement"
             return proj, small.astype(mdt), small, big, (big if keep else empty)
 
@@ -280,7 +246,7 @@ def scale_by_lordo(
         outer = jax.tree.structure(params)
         fields = jax.tree.transpose(outer, jax.tree.structure((0,) * 5), per_leaf)
         ref = jax.tree.leaves(params)
-        scalar = lambda v, dt: (_replicated_like(jnp.asarray(v, dt), ref[0]) if ref
+        scalar = lambda v, dt: (replicate_like(jnp.asarray(v, dt), ref[0]) if ref
                                 else jnp.asarray(v, dt))
         return ScaleByLordoState(
             scalar(0, jnp.int32), scalar(0, jnp.int32), scalar(True, jnp.bool_), *fields)
@@ -309,14 +275,14 @@ def scale_by_lordo(
             u32 = u.astype(jnp.float32)
             if first_projection == "gradient":
                 q = jax.lax.cond(state.needs_projection,
-                                 lambda: _like(top_subspace(z, plan.rank), q), lambda: q)
+                                 lambda: place_like(top_subspace(z, plan.rank), q), lambda: q)
             if refresh_static is None or refresh_static > 0:
                 source = disp if keep_displacement else z
 
                 def do_refresh():
-                    q_new = _like(top_subspace(source, plan.rank), q)
-                    u_t, v_t = _transport(u32, v, q_new, q)
-                    return q_new, _like(u_t, u32), _like(v_t, v)
+                    q_new = place_like(top_subspace(source, plan.rank), q)
+                    u_t, v_t = transport_moments(u32, v, q_new, q)
+                    return q_new, place_like(u_t, u32), place_like(v_t, v)
 
                 q, u32, v = jax.lax.cond(refresh, do_refresh, lambda: (q, u32, v))
                 if keep_displacement:
@@ -337,9 +303,9 @@ def scale_by_lordo(
             d = (1.0 - omega) * d_fr + omega * d_lr
             if keep_displacement:
                 disp = disp + d
-            out = _like(_canon(d, plan), g)
-            return (out.astype(g.dtype), q, _like(u_new.astype(mdt), u), _like(v_new, v),
-                    _like(e_new, e), disp)
+            out = place_like(_canon(d, plan), g)
+            return (out.astype(g.dtype), q, place_like(u_new.astype(mdt), u), place_like(v_new, v),
+                    place_like(e_new, e), disp)
 
         results = jax.tree.map(one, updates, state.projection, state.mu, state.nu,
                                state.error, state.displacement)

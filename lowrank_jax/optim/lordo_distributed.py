@@ -23,13 +23,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from lowrank_jax.core.sharding import place_like
 from lowrank_jax.optim.factors import normalize_path
 from lowrank_jax.optim.linalg import Numeric
 from lowrank_jax.optim.lordo import (
     ScaleByLordoState,
-    _is_lordo_state,
-    _like,
-    _transport,
+    is_lordo_state,
+    transport_moments,
     top_subspace,
 )
 
@@ -50,8 +50,8 @@ def _flat_by_path(tree) -> dict:
 
 
 def _map_lordo_states(fn, opt_states):
-    return jax.tree.map(lambda s: fn(s) if _is_lordo_state(s) else s, opt_states,
-                        is_leaf=_is_lordo_state)
+    return jax.tree.map(lambda s: fn(s) if is_lordo_state(s) else s, opt_states,
+                        is_leaf=is_lordo_state)
 
 
 def _reproject(state: ScaleByLordoState, sources: dict, transport: str, *, stacked: bool):
@@ -72,15 +72,15 @@ def _reproject(state: ScaleByLordoState, sources: dict, transport: str, *, stack
         q_new = (jax.vmap(top)(src) if src.ndim == 3 else top(src))
         if stacked and q_new.ndim == 2:
             q_new = jnp.broadcast_to(q_new, q.shape)
-        q_new = _like(q_new.astype(q.dtype), q)
+        q_new = place_like(q_new.astype(q.dtype), q)
         if transport == "rotate":
-            tr = jax.vmap(_transport) if stacked else _transport
+            tr = jax.vmap(transport_moments) if stacked else transport_moments
             u_t, v_t = tr(u.astype(jnp.float32), v, q_new, q)
         else:
             u_t, v_t = jnp.zeros_like(u, dtype=jnp.float32), jnp.zeros_like(v)
         new_q.append(q_new)
-        new_mu.append(_like(u_t.astype(u.dtype), u))
-        new_nu.append(_like(v_t, v))
+        new_mu.append(place_like(u_t.astype(u.dtype), u))
+        new_nu.append(place_like(v_t, v))
     unflat = lambda ref, leaves: jax.tree.unflatten(jax.tree.structure(ref), leaves)
     updated = state._replace(projection=unflat(state.projection, new_q),
                              mu=unflat(state.mu, new_mu), nu=unflat(state.nu, new_nu),

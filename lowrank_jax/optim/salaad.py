@@ -39,7 +39,7 @@ import optax
 
 from lowrank_jax.optim.factors import normalize_path
 from lowrank_jax.optim.linalg import Numeric
-from lowrank_jax.optim.lordo import _like, _replicated_like
+from lowrank_jax.core.sharding import place_like, replicate_like
 
 Select = Callable[[tuple, Any], bool]
 
@@ -171,10 +171,10 @@ def salaad_init(params, config: SalaadConfig = SalaadConfig(),
     def big(path, x):
         if path in chosen:
             return jnp.zeros_like(x, dtype=jnp.float32)
-        return _replicated_like(jnp.zeros((1,), jnp.float32), x)  # orbax: no 0-size
+        return replicate_like(jnp.zeros((1,), jnp.float32), x)  # orbax: no 0-size
 
     def scalar(value):
-        return lambda path, x: _replicated_like(
+        return lambda path, x: replicate_like(
             jnp.asarray(value if path in chosen else 0.0, jnp.float32), x)
 
     zeros = lambda: _map_with_path(big, params)
@@ -183,7 +183,7 @@ def salaad_init(params, config: SalaadConfig = SalaadConfig(),
         _map_with_path(scalar(0.0), params), _map_with_path(scalar(config.rho), params),
         _map_with_path(scalar(1.0), params), _map_with_path(scalar(0.0), params),
         jnp.zeros([], jnp.int32) if not jax.tree.leaves(params)
-        else _replicated_like(jnp.zeros([], jnp.int32), jax.tree.leaves(params)[0]))
+        else replicate_like(jnp.zeros([], jnp.int32), jax.tree.leaves(params)[0]))
 
 
 def _residual(x, l, s, y, rho):
@@ -240,8 +240,8 @@ def salaad_admm_step(params, state: SalaadState,
         if jnp.ndim(l) != 2:
             return l, s, y, alpha, beta, c_prev, d_prev
         x = x.astype(jnp.float32)
-        l_new, sigma = svt(_replicated_like(x - s + y / rho, x), jnp.maximum(alpha / rho, 0.0))
-        l_new = _like(l_new, l)
+        l_new, sigma = svt(replicate_like(x - s + y / rho, x), jnp.maximum(alpha / rho, 0.0))
+        l_new = place_like(l_new, l)
         c = energy_rank(sigma, config.energy) / min(l.shape)
         alpha = _controller(alpha, c, c_prev, config.rate_rank, config.kI_alpha,
                             config.kD_alpha, rho, pd_on)

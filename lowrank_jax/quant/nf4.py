@@ -190,21 +190,5 @@ class NF4Linear(nnx.Module):
         return jnp.einsum("...n,mn->...m", x.astype(jnp.float32), w).astype(x.dtype)
 
 
-def nf4_quantize_model(model, *, block_size: int = NF4_BLOCK, double_quant: bool = False,
-                       layers=None) -> list[str]:
-    """Replace every dense projection of a Llama ``model`` by an :class:`NF4Linear` (in place).
-
-    Returns the replaced paths. Raises ``ValueError`` for a non-dense projection or an input
-    dim the block size does not divide.
-    """
-    from lowrank_jax.models.llama import replace_projections
-    from lowrank_jax.quant.layers import dense_weight
-
-    def make(_i, _name, lin):
-        return NF4Linear(nf4_quantize(dense_weight(lin), block_size, double_quant=double_quant))
-
-    return replace_projections(model, make, layers=layers)
-
-
 __all__ = ["NF4Linear", "NF4Weight", "NF4_BLOCK", "nf4_bits_per_weight", "nf4_codes",
-           "nf4_dequantize", "nf4_levels", "nf4_quantize", "nf4_quantize_model"]
+           "nf4_dequantize", "nf4_levels", "nf4_quantize"]

@@ -41,9 +41,8 @@ from lowrank_jax.train.checkpoint import (  # re-exported for existing callers
 )
 from lowrank_jax.train.config import RunConfig
 from lowrank_jax.core.losses import cross_entropy
-from lowrank_jax.train.optimizers import build_optimizer
+from lowrank_jax.train.optimizers import build_optimizer, with_structure
 from lowrank_jax.train.step import make_step
-from lowrank_jax.train.structure import with_structure
 
 
 @dataclasses.dataclass

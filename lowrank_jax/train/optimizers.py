@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import optax
 
+from lowrank_jax.optim.salaad import scale_by_salaad
 from lowrank_jax.train.config import OptimizerConfig
 
 
@@ -61,3 +62,16 @@ def build_optimizer(cfg: OptimizerConfig, steps: int) -> optax.GradientTransform
     if clip_norm is None:
         return tx
     return optax.chain(optax.clip_by_global_norm(clip_norm), tx)
+
+
+def with_structure(tx: optax.GradientTransformation, cfg) -> optax.GradientTransformation:
+    """``tx`` with the structure ``cfg.structure`` asks for (``"none"``: ``tx`` itself).
+
+    ``"salaad"``: ``optax.chain(scale_by_salaad(cfg.salaad), tx)`` — the penalty gradient goes
+    through ``tx``'s clipping and moments (the reference's "coupled" variant).
+    """
+    if cfg.structure == "none":
+        return tx
+    if cfg.structure == "salaad":
+        return optax.chain(scale_by_salaad(cfg.salaad), tx)
+    raise ValueError(f"structure={cfg.structure!r} is unknown; use none or salaad.")

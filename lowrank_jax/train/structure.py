@@ -20,29 +20,15 @@ import pathlib
 
 import jax
 import numpy as np
-import optax
 
-from lowrank_jax.optim.salaad import find_salaad_state, salaad_stats, scale_by_salaad
+from lowrank_jax.models.tokenizer import BYTE_TOKENIZER_FILE
+from lowrank_jax.optim.salaad import find_salaad_state, salaad_stats
+from lowrank_jax.train.optimizers import with_structure  # noqa: F401 (its home: beside the optimizers)
 
 FACTORS_FILE = "salaad_factors.npz"  # not *.safetensors: the HF loader reads those
 REPORT_FILE = "salaad.json"
-# a folder holding this file is a byte-level model: its tokens are bytes (no tokenizer.json)
-BYTE_TOKENIZER_FILE = "byte_tokenizer.json"
 EXPORT_FILES = ("config.json", "model.safetensors", FACTORS_FILE, REPORT_FILE,
                 BYTE_TOKENIZER_FILE)
-
-
-def with_structure(tx: optax.GradientTransformation, cfg) -> optax.GradientTransformation:
-    """``tx`` with the structure ``cfg.structure`` asks for (``"none"``: ``tx`` itself).
-
-    ``"salaad"``: ``optax.chain(scale_by_salaad(cfg.salaad), tx)`` — the penalty gradient goes
-    through ``tx``'s clipping and moments (the reference's "coupled" variant).
-    """
-    if cfg.structure == "none":
-        return tx
-    if cfg.structure == "salaad":
-        return optax.chain(scale_by_salaad(cfg.salaad), tx)
-    raise ValueError(f"structure={cfg.structure!r} is unknown; use none or salaad.")
 
 
 def load_run(run_dir, *, log=print):

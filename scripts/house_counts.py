@@ -1,0 +1,365 @@
+"""Count the house rules of issue 37 from the package source (``ast`` only, nothing imported).
+
+    python scripts/house_counts.py            # the table
+    python scripts/house_counts.py --details  # and every offending edge / function
+
+Counts:
+
+- **import circles**: strongly connected components (size > 1) of the graph of imports between
+  ``lowrank_jax`` modules, imports inside functions included, module names in string literals
+  (``importlib.import_module("lowrank_jax....")``, registries of module names) included; importing
+  ``a.b.c`` also runs the ``__init__`` of ``a.b``, so that edge is added too (a child
+  importing its own package's ``__init__`` is not counted);
+- **upward arrows**: imports from a lower floor to a higher one (``FLOORS`` below);
+- **private imports**: ``from lowrank_jax.x import _name`` (or ``import lowrank_jax.x._y``) from
+  another module;
+- **kernel ops without BlockSizes**: op packages under ``pallas_kernels/`` whose ``api.py`` does not
+  define or import a ``BlockSizes`` class;
+- **training steps**: functions (package + scripts) that call ``value_and_grad``/``grad`` and an
+  optimizer ``update``;
+- **NLL implementations**: functions that compute a token NLL from ``log_softmax``/``logsumexp``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = "lowrank_jax"
+
+# Floors, lowest first. A module may import its own floor or any floor below it. An entry names a
+# subpackage ("nn") or a module inside one ("quant.pipeline"); the longest match wins, and modules
+# no entry names sit on the top floor (applications and clients).
+FLOORS: list[tuple[str, ...]] = [
+    # the ground: shared maths (linear algebra, k-means, packing, sharding, losses)
+    ("core",),
+    # layers, optax transforms, kernels' dispatch, quantizers of one matrix, data
+    ("optim", "curvature", "ot", "attention", "nn", "data", "quant"),
+    # adapter / output formats over the layers
+    ("io",),
+    # the one model core
+    ("models",),
+    # what runs on a model: model-level quantization pipelines and their folder format, the hub
+    # that loads every format, analysis, KV-cache methods, editing, hypernetworks, federated
+    ("models.hub", "quant.pipeline", "quant.e2e", "quant.io", "quant.model", "quant.qlora_base",
+     "analysis", "kv", "editing", "hyper", "federated"),
+    # training applications and their infrastructure
+    ("train",),
+    # clients
+    ("bench", "commands", "cli"),
+]
+
+
+def floor_of(module: str) -> int:
+    """The floor of a ``lowrank_jax.x.y`` module (the longest entry of ``FLOORS`` that names it)."""
+    parts = module.split(".")[1:]
+    for length in range(len(parts), 0, -1):
+        key = ".".join(parts[:length])
+        for level, names in enumerate(FLOORS):
+            if key in names:
+                return level
+    return len(FLOORS) - 1
+
+
+def module_name(path: pathlib.Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def package_modules() -> dict[str, pathlib.Path]:
+    return {module_name(p): p for p in sorted((ROOT / PACKAGE).rglob("*.py"))}
+
+
+def _resolve(importer: str, is_package: bool, level: int, target: str | None) -> str:
+    if level == 0:
+        return target or ""
+    base = importer.split(".")
+    base = base if is_package else base[:-1]
+    base = base[: len(base) - (level - 1)]
+    return ".".join(base + ([target] if target else []))
+
+
+def _known(name: str, modules: dict[str, pathlib.Path]) -> str | None:
+    """The longest prefix of ``name`` that is a package module."""
+    parts = name.split(".")
+    while parts:
+        candidate = ".".join(parts)
+        if candidate in modules:
+            return candidate
+        parts.pop()
+    return None
+
+
+def _imports(module: str, path: pathlib.Path, modules: dict[str, pathlib.Path]):
+    """Yield (target module, imported names) for every import in ``path``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    is_package = path.name == "__init__.py"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                target = _known(alias.name, modules)
+                if target:
+                    yield target, [alias.name.rsplit(".", 1)[-1]] if target != alias.name else []
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve(module, is_package, node.level, node.module)
+            for alias in node.names:
+                sub = _known(f"{base}.{alias.name}", modules)
+                if sub and sub == f"{base}.{alias.name}":
+                    yield sub, []
+                else:
+                    target = _known(base, modules)
+                    if target:
+                        yield target, [alias.name]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            # importlib strings: any string literal naming a package module
+            value = node.value
+            if value.startswith(PACKAGE + ".") and value in modules:
+                yield value, []
+
+
+def import_graph(modules: dict[str, pathlib.Path]):
+    edges: dict[str, set[str]] = {m: set() for m in modules}
+    private: list[tuple[str, str, str]] = []
+    for module, path in modules.items():
+        for target, names in _imports(module, path, modules):
+            if target == module:
+                continue
+            edges[module].add(target)
+            # importing a.b.c runs a/__init__ and a/b/__init__ first: real edges to those packages
+            parts = target.split(".")
+            for length in range(2, len(parts)):
+                package = ".".join(parts[:length])
+                if package in modules and not module.startswith(package + ".") \
+                        and module != package:
+                    edges[module].add(package)
+            for name in names:
+                if name.startswith("_") and not name.startswith("__"):
+                    private.append((module, target, name))
+            if target.rsplit(".", 1)[-1].startswith("_") and not target.endswith("__init__"):
+                last = target.rsplit(".", 1)[-1]
+                if not last.startswith("__") and not module.startswith(target.rsplit(".", 1)[0]):
+                    private.append((module, target, last))
+    return edges, private
+
+
+def strongly_connected(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's algorithm (iterative); components of size > 1."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    out: list[list[str]] = []
+    counter = 0
+    for root in edges:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            advanced = False
+            for child in children:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges[child]))))
+                    advanced = True
+                    break
+                if child in on_stack:
+                    low[node] = min(low[node], index[child])
+            if advanced:
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    out.append(sorted(component))
+    return out
+
+
+def _is_package_edge(importer: str, target: str) -> bool:
+    """A package's ``__init__`` re-exporting its own children is not an arrow between floors."""
+    return target.startswith(importer + ".") or importer.startswith(target + ".")
+
+
+def upward_arrows(edges: dict[str, set[str]]) -> list[tuple[str, str]]:
+    return sorted(
+        (m, t)
+        for m, targets in edges.items()
+        for t in targets
+        if floor_of(t) > floor_of(m) and not _is_package_edge(m, t)
+    )
+
+
+def circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """SCCs; a module importing its own package's ``__init__`` (child -> parent) is not counted
+    (the package is being imported already), a package re-exporting its children is."""
+    pruned = {m: {t for t in ts if not m.startswith(t + ".")} for m, ts in edges.items()}
+    return strongly_connected(pruned)
+
+
+def ops_without_block_sizes() -> tuple[list[str], list[str]]:
+    ops, missing = [], []
+    for api in sorted((ROOT / "pallas_kernels").glob("*/api.py")):
+        op = api.parent.name
+        ops.append(op)
+        tree = ast.parse(api.read_text())
+        has = any(
+            isinstance(n, ast.ClassDef) and n.name == "BlockSizes" for n in ast.walk(tree)
+        ) or any(
+            isinstance(n, ast.ImportFrom) and any(a.name == "BlockSizes" for a in n.names)
+            for n in ast.walk(tree)
+        )
+        if not has:
+            missing.append(op)
+    return ops, missing
+
+
+def _calls(node: ast.AST) -> list[str]:
+    names = []
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Call):
+            func = sub.func
+            if isinstance(func, ast.Attribute):
+                base = func.value
+                prefix = base.id if isinstance(base, ast.Name) else (
+                    base.attr if isinstance(base, ast.Attribute) else ""
+                )
+                names.append(f"{prefix}.{func.attr}")
+            elif isinstance(func, ast.Name):
+                names.append(func.id)
+    return names
+
+
+def _source_files() -> list[pathlib.Path]:
+    files = sorted((ROOT / PACKAGE).rglob("*.py")) + sorted((ROOT / "scripts").rglob("*.py"))
+    return [f for f in files if f.name != "house_counts.py"]
+
+
+GRAD_CALLS = {"value_and_grad", "grad"}
+
+
+def _outermost_functions(tree: ast.AST):
+    """Functions not nested in another function (a step builder and its inner step count once)."""
+    out = []
+
+    def visit(node, inside):
+        for child in ast.iter_child_nodes(node):
+            is_fn = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if is_fn and not inside:
+                out.append(child)
+            visit(child, inside or is_fn)
+
+    visit(tree, False)
+    return out
+
+
+def training_steps() -> list[str]:
+    found = []
+    for path in _source_files():
+        tree = ast.parse(path.read_text())
+        for fn in _outermost_functions(tree):
+            calls = _calls(fn)
+            grads = any(c.rsplit(".", 1)[-1] in GRAD_CALLS for c in calls)
+            updates = any(
+                c.endswith(".update") and c.split(".")[0] in {"tx", "optimizer", "opt"}
+                or c.endswith("tx.update")
+                for c in calls
+            )
+            if grads and updates:
+                found.append(f"{path.relative_to(ROOT)}:{fn.lineno} {fn.name}")
+    return found
+
+
+def nll_implementations() -> list[str]:
+    """Functions that take log_softmax / logsumexp of logits and pick the target token."""
+    found = []
+    for path in _source_files():
+        tree = ast.parse(path.read_text())
+        for fn in _outermost_functions(tree):
+            calls = [c.rsplit(".", 1)[-1] for c in _calls(fn)]
+            normaliser = "log_softmax" in calls or "logsumexp" in calls
+            picks = any(c in {"take_along_axis", "one_hot"} for c in calls)
+            if normaliser and picks:
+                found.append(f"{path.relative_to(ROOT)}:{fn.lineno} {fn.name}")
+    return found
+
+
+def counts() -> dict[str, object]:
+    modules = package_modules()
+    edges, private = import_graph(modules)
+    ops, missing = ops_without_block_sizes()
+    return {
+        "circles": circles(edges),
+        "upward": upward_arrows(edges),
+        "private": sorted(set(private)),
+        "ops": ops,
+        "ops_missing_block_sizes": missing,
+        "steps": training_steps(),
+        "nll": nll_implementations(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--details", action="store_true", help="list every offender")
+    parser.add_argument("--json", action="store_true", help="print the counts as JSON")
+    args = parser.parse_args(argv)
+    c = counts()
+    if args.json:
+        print(json.dumps(c, indent=1))
+        return 0
+    rows = [
+        ("import circles (SCCs)", len(c["circles"]), "0"),
+        ("modules in circles", sum(len(s) for s in c["circles"]), "0"),
+        ("upward arrows", len(c["upward"]), "0"),
+        ("private-name imports", len(c["private"]), "0"),
+        (
+            "kernel ops with BlockSizes",
+            f"{len(c['ops']) - len(c['ops_missing_block_sizes'])}/{len(c['ops'])}",
+            "all",
+        ),
+        ("training-step implementations", len(c["steps"]), "<= 2"),
+        ("NLL implementations", len(c["nll"]), "1"),
+    ]
+    print(f"{'count':34s} {'now':>8s} {'target':>8s}")
+    for name, value, target in rows:
+        print(f"{name:34s} {str(value):>8s} {target:>8s}")
+    if args.details:
+        for component in c["circles"]:
+            print("circle:", " <-> ".join(component))
+        for a, b in c["upward"]:
+            print(f"upward: {a} -> {b}")
+        for a, b, name in c["private"]:
+            print(f"private: {a} imports {b}.{name}")
+        for op in c["ops_missing_block_sizes"]:
+            print("no BlockSizes:", op)
+        for s in c["steps"]:
+            print("step:", s)
+        for s in c["nll"]:
+            print("nll:", s)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
