@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _close_checkpoints() -> None:
-    checkpoint = sys.modules.get("lowrank_jax.train.checkpoint")  # imported only if used
+    checkpoint = sys.modules.get("lowrank_jax.io.checkpoint")  # imported only if used
     if checkpoint is not None:
         checkpoint.close_managers()
 

@@ -38,8 +38,8 @@ def lr_shape(step: int, total: int, warmup_frac: float) -> float:
 
 
 def load_model_and_codec(name: str):
-    """``(model, encode, decode)`` of anything :func:`lowrank_jax.models.load_model` reads."""
-    from lowrank_jax.models import load_model
+    """``(model, encode, decode)`` of anything :func:`lowrank_jax.hub.load_model` reads."""
+    from lowrank_jax.hub import load_model
 
     model, tok = load_model(name)
     return model, (lambda text: tok.encode(text, add_bos=False)), tok.decode

@@ -45,7 +45,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("models",),
     # what runs on a model: model-level quantization pipelines and their folder format, the hub
     # that loads every format, analysis, KV-cache methods, editing, hypernetworks, federated
-    ("models.hub", "quant.pipeline", "quant.e2e", "quant.io", "quant.model", "quant.qlora_base",
+    ("hub", "quant.pipeline", "quant.e2e", "quant.io", "quant.model", "quant.qlora_base",
      "analysis", "kv", "editing", "hyper", "federated"),
     # training applications and their infrastructure
     ("train",),

@@ -27,7 +27,7 @@ from lowrank_jax.nn import LoRARule, apply_lora
 from lowrank_jax.nn.multi_lora import apply_multi_lora
 from lowrank_jax.train.jobs import make_packed_step
 from lowrank_jax.train.multi_job import per_job_adamw
-from lowrank_jax.train.step import make_step
+from lowrank_jax.core.step import make_step
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 RANKS = (4, 8, 16, 4, 8, 16, 4, 8)
@@ -116,7 +116,7 @@ def _bases(quick: bool):
                       d_ff=512, max_seq_len=128)
     bases = [("tiny", Llama(cfg, rngs=nnx.Rngs(0)), (8, 16, 32, 64, 128))]
     try:
-        from lowrank_jax.models.hub import load_model
+        from lowrank_jax.hub import load_model
 
         bases.append(("smollm2", load_model("smollm2")[0], (8, 64)))
         skipped = None

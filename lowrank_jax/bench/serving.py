@@ -18,7 +18,7 @@ from lowrank_jax.bench.training import _prefill_runner, decode_runners, row
 
 
 def _load(name: str, dtype: str):
-    from lowrank_jax.models.hub import load_model
+    from lowrank_jax.hub import load_model
 
     return load_model(name, dtype=dtype)
 
@@ -139,7 +139,7 @@ def smollm2_serving(*, quick: bool, reps: int) -> list[dict]:
     fns |= _sampler_runners(model.cfg.vocab_size)
     missing = _has_transformers()
     if missing is None and not quick:
-        from lowrank_jax.models.hub import resolve_model
+        from lowrank_jax.hub import resolve_model
 
         fns |= _transformers_runners(resolve_model(name), prompt, new_tokens)
     t = time_interleaved(fns, reps=reps)
@@ -204,7 +204,7 @@ def _read_bytes(paths: list[str]) -> int:
 def load_time(*, quick: bool, reps: int) -> list[dict]:
     """Time to load a checkpoint into a ready model vs reading its bytes from disk (the I/O
     floor): SmolLM2's GGUF (dequantized to fp32), or in quick mode a saved ``tiny`` folder."""
-    from lowrank_jax.models.hub import load_model, resolve_model, save_model
+    from lowrank_jax.hub import load_model, resolve_model, save_model
     from lowrank_jax.models.presets import preset_model
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -39,9 +39,9 @@ def add_model_arguments(parser, *, kv_help: str) -> None:
 
 def load_model_from_args(args):
     """``(model, tokenizer)`` from ``--model --dtype --projection --rank-ratio --attention``
-    through :func:`lowrank_jax.models.hub.load_model` (GGUF, HF folder, quantized folder, PEFT
+    through :func:`lowrank_jax.hub.load_model` (GGUF, HF folder, quantized folder, PEFT
     adapter, preset); a clear error when there is no tokenizer."""
-    from lowrank_jax.models.hub import load_model
+    from lowrank_jax.hub import load_model
 
     projection = getattr(args, "projection", "dense")
     model, tokenizer = load_model(

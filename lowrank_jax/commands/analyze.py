@@ -40,7 +40,7 @@ def register(subparsers) -> None:
 
 
 def _load(name: str):
-    from lowrank_jax.models.hub import load_model
+    from lowrank_jax.hub import load_model
 
     return load_model(name)
 

@@ -47,7 +47,7 @@ def run(args) -> int:
     from lowrank_jax import editing as ed
     from lowrank_jax.io.outputs import prepare_output
     from lowrank_jax.io.validate import check_regex, check_text_file
-    from lowrank_jax.models.hub import load_model, save_model
+    from lowrank_jax.hub import load_model, save_model
 
     if not 0.0 < args.gamma <= 1.0:
         raise ValueError(f"--gamma {args.gamma} must lie in (0, 1], e.g. 0.9.")

@@ -7,7 +7,7 @@ Example::
     lowrank-jax export --run runs/salaad --budget 0.5 --out runs/salaad-50
     lowrank-jax eval --model runs/salaad-50 --window 128
 
-The folder loads with ``--model`` / :func:`lowrank_jax.models.hub.load_model` (its weights are
+The folder loads with ``--model`` / :func:`lowrank_jax.hub.load_model` (its weights are
 the dense surrogates ``L̃ + S̃``); ``salaad_factors.npz`` beside them holds the factored
 + sparse form the budget counts (see :func:`lowrank_jax.train.structure.export_salaad`).
 """

@@ -55,7 +55,7 @@ def run(args) -> int:
     from lowrank_jax.hyper import DocToLoRA, export_adapter, internalize, load_hypernetwork
     from lowrank_jax.io.outputs import prepare_output
     from lowrank_jax.io.validate import check_text_file
-    from lowrank_jax.models.hub import SMOLLM2_HF_NAME
+    from lowrank_jax.hub import SMOLLM2_HF_NAME
 
     text = check_text_file(args.doc, "--doc")
     if not text.strip():

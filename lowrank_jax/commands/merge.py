@@ -40,7 +40,8 @@ def run(args) -> int:
     from lowrank_jax.io.outputs import atomic_write_text, prepare_output
     from lowrank_jax.io.peft import import_peft
     from lowrank_jax.io.validate import check_text_file
-    from lowrank_jax.models import english_eval_text, load_model, perplexity, save_model
+    from lowrank_jax.models import english_eval_text, perplexity
+    from lowrank_jax.hub import load_model, save_model
     from lowrank_jax.nn.merge import merge_report
     from lowrank_jax.quant.qlora_base import quantize_base
 

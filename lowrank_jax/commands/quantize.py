@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     import jax
     from flax import nnx
 
-    from lowrank_jax.models.hub import save_model
+    from lowrank_jax.hub import save_model
     from lowrank_jax.models.llama import projections
     from lowrank_jax.quant.pipeline import calibration_tokens, model_bits_per_weight, quantize_model
     from lowrank_jax.quant.unisvq import UniSVQConfig
@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     prepare_output(args.out, command="quantize", overwrite=args.overwrite,
                    reads={"--model": args.model, "--calib-file": args.calib_file})
 
-    from lowrank_jax.models.hub import load_model
+    from lowrank_jax.hub import load_model
 
     model, tokenizer = load_model(args.model)
     n_params = sum(int(v.size) for v in jax.tree.leaves(nnx.state(model, nnx.Param)))

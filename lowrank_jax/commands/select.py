@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     if losses is not None and losses.ndim >= 1:
         _check_finite(losses, "--losses", args.losses)
     if args.text is not None:
-        from lowrank_jax.models import load_model
+        from lowrank_jax.hub import load_model
 
         if not os.path.isfile(args.text):
             raise FileNotFoundError(f"--text {args.text}: no such file.")

@@ -34,7 +34,7 @@ from jaxtyping import Array, Float, Int
 from lowrank_jax.core.losses import cross_entropy, token_logprob, token_nll
 from lowrank_jax.curvature import kfac
 from lowrank_jax.optim import crispedit as ce
-from lowrank_jax.train.step import make_step
+from lowrank_jax.core.step import make_step
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Doc-to-LoRA training: distil the base model that *sees* the document into the base model plus
 the generated adapter that does not (top-k KL + L1 on the generated weights), resumable with the
-package's verified orbax checkpoints (:mod:`lowrank_jax.train.checkpoint`).
+package's verified orbax checkpoints (:mod:`lowrank_jax.io.checkpoint`).
 
 .. math:: \\mathcal L = \\frac1D\\sum_d \\frac{\\sum_t w_{dt}\\,
           \\big(-\\sum_{v\\in\\mathrm{top}k_T} p_T(v)\\log \\mathrm{softmax}(z_S)_v\\big)}
@@ -26,7 +26,7 @@ import optax
 from flax import nnx
 
 from lowrank_jax.core.losses import token_nll
-from lowrank_jax.train.step import make_step
+from lowrank_jax.core.step import make_step
 from lowrank_jax.hyper.doc_to_lora import DocToLoRA, LoRABank, adapted, chunk_encoder, chunk_tokens
 from lowrank_jax.nn.capture import capture
 
@@ -265,7 +265,7 @@ def restore_hypernetwork(hyper: DocToLoRA, run_dir, *, log: Callable[[str], None
     Raises:
         FileNotFoundError: ``run_dir`` holds no checkpoint.
     """
-    from lowrank_jax.train.checkpoint import checkpoint_manager, restore_checkpoint
+    from lowrank_jax.io.checkpoint import checkpoint_manager, restore_checkpoint
 
     run_dir = pathlib.Path(run_dir)
     if not (run_dir / "checkpoints").is_dir():
@@ -335,7 +335,7 @@ def train_doc_to_lora(hyper: DocToLoRA, model, data: DistillData, *, steps: int,
         eval_every: evaluation period in steps (0: never).
     """
     from lowrank_jax.hyper.export import save_hypernetwork
-    from lowrank_jax.train.checkpoint import (
+    from lowrank_jax.io.checkpoint import (
         checkpoint_manager,
         restore_checkpoint,
         save_checkpoint,

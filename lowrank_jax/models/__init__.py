@@ -1,10 +1,10 @@
 """Models: the one Llama-style decoder forward (with its three extension points), loading and
-writing checkpoints (GGUF, safetensors, quantized folders, PEFT adapters, presets), tokenizers,
-generation and perplexity."""
+writing checkpoints (GGUF, safetensors, presets), tokenizers,
+generation and perplexity. Loading any model folder (quantized, PEFT, a hub name) is
+:mod:`lowrank_jax.hub`, one floor up."""
 
 from lowrank_jax.models.generate import english_eval_text, forward, generate, perplexity, prepare
 from lowrank_jax.models.gguf import load_gguf
-from lowrank_jax.models.hub import factorize_projections, load_model, resolve_model, save_model
 from lowrank_jax.models.llama import (
     CausalKV,
     KVCache,
@@ -21,8 +21,8 @@ from lowrank_jax.models.tokenizer import BPETokenizer, ByteTokenizer
 
 __all__ = [
     "BPETokenizer", "ByteTokenizer", "CausalKV", "KVCache", "KVProvider", "Llama", "LlamaConfig",
-    "PRESETS", "count_params", "english_eval_text", "factorize_projections", "forward",
-    "generate", "load_gguf", "load_hf_checkpoint", "load_model", "perplexity", "prepare",
-    "preset_config", "preset_model", "projections", "replace_projections", "resolve_model",
-    "save_hf_checkpoint", "save_model",
+    "PRESETS", "count_params", "english_eval_text", "forward",
+    "generate", "load_gguf", "load_hf_checkpoint", "perplexity", "prepare",
+    "preset_config", "preset_model", "projections", "replace_projections",
+    "save_hf_checkpoint",
 ]

@@ -191,7 +191,7 @@ def llama_from_state_dict(
     if cfg.projection != "dense":
         raise ValueError(
             f"llama_from_state_dict: cfg.projection={cfg.projection!r}; load dense, then "
-            "factorize with lowrank_jax.models.hub.factorize_projections."
+            "factorize with lowrank_jax.hub.factorize_projections."
         )
     expected = _expected_shapes(cfg)
     extra = [

@@ -1,7 +1,7 @@
 """The model-level QLoRA base: quantize a dense Llama's projections and save it as a folder.
 
 These are pipelines over a whole model (they call :mod:`lowrank_jax.quant.pipeline`, the NF4
-model pass and :mod:`lowrank_jax.models.hub`), so they sit above ``models``; the layer itself,
+model pass and :mod:`lowrank_jax.hub`), so they sit above ``models``; the layer itself,
 :class:`lowrank_jax.nn.qlora.QLoRALinear`, and the per-projection
 :func:`~lowrank_jax.nn.qlora.quantize_projections` stay in :mod:`lowrank_jax.nn.qlora`.
 
@@ -20,7 +20,7 @@ import os
 from flax import nnx
 
 from lowrank_jax.io.outputs import atomic_write_text
-from lowrank_jax.models.hub import load_model, save_model
+from lowrank_jax.hub import load_model, save_model
 from lowrank_jax.models.llama import replace_projections
 from lowrank_jax.models.presets import PRESETS
 from lowrank_jax.models.tokenizer import BYTE_TOKENIZER_FILE

@@ -10,7 +10,7 @@ from lowrank_jax.train.loop import (
     make_train_step,
     train,
 )
-from lowrank_jax.train.step import make_step
+from lowrank_jax.core.step import make_step
 
 __all__ = ["RunConfig", "TrainResult", "TrainState", "init_state", "lm_loss", "load_config",
            "make_eval_fn", "make_step", "make_train_step", "train"]

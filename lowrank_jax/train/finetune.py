@@ -283,9 +283,9 @@ def export_adapter(model, folder, *, base_model_name_or_path=None, initial_adapt
 
 def save_merged(model, folder) -> str:
     """Merge the adapters of a copy of ``model`` into its kernels and save it as a model folder
-    (:func:`lowrank_jax.models.hub.save_model`; ``--model`` reads it). ``model`` is left as it
+    (:func:`lowrank_jax.hub.save_model`; ``--model`` reads it). ``model`` is left as it
     is. Multi-process: gathered, then written by process 0 (every process calls this)."""
-    from lowrank_jax.models.hub import save_model
+    from lowrank_jax.hub import save_model
     from lowrank_jax.nn import remove_lora
     from lowrank_jax.train import multihost
 
@@ -297,12 +297,12 @@ def save_merged(model, folder) -> str:
 def load_model_and_tokens(model_name: str, data: str | None = None):
     """``(model, tokens, base_model_name_or_path)`` for fine-tuning.
 
-    ``model_name`` is anything :func:`lowrank_jax.models.hub.load_model` reads. ``data`` is a
+    ``model_name`` is anything :func:`lowrank_jax.hub.load_model` reads. ``data`` is a
     UTF-8 text file (default: the embedded corpus: its bytes for the byte-level ``"tiny"``
     preset, the first 200,000 characters of its text otherwise).
     """
     from lowrank_jax.data import corpus_bytes
-    from lowrank_jax.models.hub import SMOLLM2_HF_NAME, load_model
+    from lowrank_jax.hub import SMOLLM2_HF_NAME, load_model
     from lowrank_jax.models.presets import PRESETS, preset_model
 
     text = None

@@ -80,7 +80,7 @@ def make_packed_step(graph, rest, ids, tx, k_jobs: int):
 
     from lowrank_jax.core.losses import token_nll
     from lowrank_jax.nn.multi_lora import set_adapter_ids
-    from lowrank_jax.train.step import make_step
+    from lowrank_jax.core.step import make_step
     from lowrank_jax.train.multi_job import packed_loss
 
     def loss_fn(lora, rest, x, y):  # fresh Variables in this trace: set_adapter_ids mutates them

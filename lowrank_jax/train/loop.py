@@ -33,7 +33,7 @@ from lowrank_jax.io.outputs import atomic_write_text, prepare_output
 from lowrank_jax.models.llama import Llama, count_params
 from lowrank_jax.train import multihost
 from lowrank_jax.train import sharding as shard_lib
-from lowrank_jax.train.checkpoint import (  # re-exported for existing callers
+from lowrank_jax.io.checkpoint import (  # re-exported for existing callers
     checkpoint_manager,
     restore_checkpoint,
     save_checkpoint,
@@ -42,7 +42,7 @@ from lowrank_jax.train.checkpoint import (  # re-exported for existing callers
 from lowrank_jax.train.config import RunConfig
 from lowrank_jax.core.losses import cross_entropy
 from lowrank_jax.train.optimizers import build_optimizer, with_structure
-from lowrank_jax.train.step import make_step
+from lowrank_jax.core.step import make_step
 
 
 @dataclasses.dataclass
@@ -72,7 +72,7 @@ def init_state(cfg: RunConfig, mesh=None) -> tuple[TrainState, optax.GradientTra
 
 def lm_loss(graphdef) -> Callable:
     """``loss(params, inputs, targets)``: next-token cross entropy of ``nnx.merge(graphdef,
-    params)`` (the pretraining loss; pass it to :func:`lowrank_jax.train.step.make_step`)."""
+    params)`` (the pretraining loss; pass it to :func:`lowrank_jax.core.step.make_step`)."""
 
     def loss_fn(params, inputs, targets):
         model = nnx.merge(graphdef, params)

@@ -37,7 +37,7 @@ def load_run(run_dir, *, log=print):
     Raises:
         FileNotFoundError: ``run_dir`` has no ``config.yaml`` or no checkpoint.
     """
-    from lowrank_jax.train.checkpoint import checkpoint_manager, restore_checkpoint
+    from lowrank_jax.io.checkpoint import checkpoint_manager, restore_checkpoint
     from lowrank_jax.train.config import load_config
     from lowrank_jax.train.loop import init_state
 
@@ -72,7 +72,7 @@ def export_salaad(run_dir, budget: float, out, *, gamma: float = 0.5, overwrite:
     """Write the SALAAD surrogate of a run at ``budget`` × its parameters to ``out``.
 
     The folder is a HF ``LlamaForCausalLM`` folder (written by
-    :func:`lowrank_jax.models.hub.save_model`) whose selected weights are the dense surrogates
+    :func:`lowrank_jax.hub.save_model`) whose selected weights are the dense surrogates
     ``L̃ + S̃``, so ``eval`` / ``generate`` / ``hub.load_model`` read it; beside it,
     ``salaad_factors.npz`` stores the structured form that the parameter count refers
     to (per weight ``<path>.left`` = ``U√σ``, ``<path>.right`` = ``√σVᵀ``, ``<path>.rows`` /
@@ -94,7 +94,7 @@ def export_salaad(run_dir, budget: float, out, *, gamma: float = 0.5, overwrite:
     from flax import nnx
 
     from lowrank_jax.io.outputs import atomic_write_text, prepare_output
-    from lowrank_jax.models.hub import save_model
+    from lowrank_jax.hub import save_model
     from lowrank_jax.optim.salaad_deploy import apply_surrogate, hpa_allocate, hpa_materialize
 
     if not (isinstance(budget, (int, float)) and math.isfinite(budget) and 0 < budget <= 1):

@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 from lowrank_jax.hyper import build_distill_data
-from lowrank_jax.models import load_model
+from lowrank_jax.hub import load_model
 from scripts.reproduce.doc_to_lora import TRAIN_NAMES, make_documents, tokenize
 
 

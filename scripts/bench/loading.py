@@ -73,7 +73,7 @@ def main(argv=None) -> int:
 
     from lowrank_jax.models.generate import english_eval_text, generate, perplexity
     from lowrank_jax.models.gguf import gguf_metadata, load_gguf, open_gguf
-    from lowrank_jax.models.hub import resolve_model
+    from lowrank_jax.hub import resolve_model
     from lowrank_jax.models.llama import projections
     from lowrank_jax.models.tokenizer import BPETokenizer
 

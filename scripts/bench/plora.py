@@ -57,7 +57,7 @@ _LOADED: dict = {}
 def _base(seq_len: int, model: str = "tiny") -> Llama:
     if model == "smollm2":  # real weights, loaded once; every run gets its own copy
         if "smollm2" not in _LOADED:
-            from lowrank_jax.models.hub import load_model
+            from lowrank_jax.hub import load_model
 
             _LOADED["smollm2"] = load_model("smollm2")[0]
         return nnx.clone(_LOADED["smollm2"])

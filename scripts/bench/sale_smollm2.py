@@ -42,7 +42,7 @@ def load(args):
     """``(model, token ids, source)``: SmolLM2 + English text, or a random-weight fallback."""
     try:
         from lowrank_jax.models.generate import english_eval_text
-        from lowrank_jax.models.hub import load_model
+        from lowrank_jax.hub import load_model
 
         model, tokenizer = load_model("smollm2")
         ids = tokenizer.encode(english_eval_text())

@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
     from flax import nnx
 
-    from lowrank_jax.models.hub import load_model
+    from lowrank_jax.hub import load_model
     from lowrank_jax.models.llama import Llama
 
     model, tokenizer = load_model("smollm2")

@@ -58,7 +58,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    from lowrank_jax.models.hub import load_model
+    from lowrank_jax.hub import load_model
     from lowrank_jax.nn import remove_lora
 
     args = parse_args(argv)

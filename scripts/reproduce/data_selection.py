@@ -121,7 +121,7 @@ def lora_finetune(chunks, probs, steps, seed, *, batch=4, lr=2e-3):
     from flax import nnx
 
     from lowrank_jax.core.losses import cross_entropy
-    from lowrank_jax.models import load_model
+    from lowrank_jax.hub import load_model
     from lowrank_jax.nn import LoRARule, apply_lora
 
     model, _ = load_model("smollm2")
@@ -166,7 +166,7 @@ def main(argv=None) -> int:
 
     if not args.skip_real:
         from lowrank_jax.data import corpus_text
-        from lowrank_jax.models import load_model
+        from lowrank_jax.hub import load_model
 
         model, tok = load_model("smollm2")
         all_chunks = sel.chunk_tokens(tok.encode(corpus_text()), args.chunk_tokens,

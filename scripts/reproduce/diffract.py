@@ -32,7 +32,7 @@ from lowrank_jax.analysis.report import named_matrices, write_json
 from lowrank_jax.analysis.spectra import compare_matrices
 from lowrank_jax.data import batch_at, corpus_text, train_val_split
 from lowrank_jax.models.llama import Llama, LlamaConfig
-from lowrank_jax.train.step import make_step
+from lowrank_jax.core.step import make_step
 
 CODE_MODULES = ("json.decoder", "json.encoder", "csv", "heapq", "bisect", "textwrap", "shlex",
                 "fractions", "statistics", "string", "glob", "fnmatch", "copy", "colorsys",

@@ -52,7 +52,7 @@ from lowrank_jax.hyper import (
     save_hypernetwork,
     train_doc_to_lora,
 )
-from lowrank_jax.models import load_model
+from lowrank_jax.hub import load_model
 
 FILLER = [
     "The grass is green and the sky is blue.", "A river flows quietly past the old mill.",

@@ -23,7 +23,7 @@ import optax
 from flax import nnx
 
 from lowrank_jax.data.continual_text import build_continual_text
-from lowrank_jax.models import load_model
+from lowrank_jax.hub import load_model
 from lowrank_jax.nn import apply_lora
 from lowrank_jax.train.losses import cross_entropy
 

@@ -73,7 +73,8 @@ def main(argv=None) -> int:
     if args.quick:
         args.steps, args.eval_tokens = 30, 1024
     from lowrank_jax.data import corpus_text
-    from lowrank_jax.models import load_model, perplexity
+    from lowrank_jax.models import perplexity
+    from lowrank_jax.hub import load_model
     from lowrank_jax.nn.merge import merge_report
     from lowrank_jax.quant.qlora_base import quantize_base
     from lowrank_jax.quant.pipeline import calibration_tokens

@@ -95,7 +95,7 @@ def write_and_chat(model, tokenizer, report, folder: str, max_new_tokens: int,
     import io
 
     from lowrank_jax.cli import main as cli_main
-    from lowrank_jax.models.hub import save_model
+    from lowrank_jax.hub import save_model
 
     save_model(model, folder, tokenizer=tokenizer, report=report)
     on_disk = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder)
@@ -126,7 +126,7 @@ def run_e2e(args, fp_model, calib, ppl, source_rows, source: str, tokenizer,
     """The end-to-end pass on the folder of ``source`` (this protocol): load, tune the continuous
     parameters against the fp model on the calibration tokens, evaluate, save the tuned folder
     (``OUT/<folder>-e2e``) and chat with it; one table row and the folder record."""
-    from lowrank_jax.models.hub import load_model
+    from lowrank_jax.hub import load_model
     from lowrank_jax.quant.e2e import finetune_end_to_end
 
     if source_rows is None or not source_rows.get("folder"):
@@ -169,7 +169,7 @@ def main(argv=None) -> int:
     from lowrank_jax.data import corpus_text
     from lowrank_jax.io.outputs import atomic_write_text
     from lowrank_jax.models import perplexity
-    from lowrank_jax.models.hub import load_model
+    from lowrank_jax.hub import load_model
     from lowrank_jax.models.llama import projections
     from lowrank_jax.quant.layers import QuantizedLinear, VQLinear, round_floats_to_storage
     from lowrank_jax.quant.pipeline import FINETUNED, quantize_model

@@ -64,7 +64,7 @@ def test_edit_command_writes_a_loadable_model(tmp_path):
     import json
 
     from lowrank_jax.commands import edit as edit_command
-    from lowrank_jax.models.hub import load_model
+    from lowrank_jax.hub import load_model
     from lowrank_jax.models.presets import preset_model
 
     edits = tmp_path / "edits.jsonl"

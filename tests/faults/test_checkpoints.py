@@ -49,7 +49,7 @@ def _copy(run, tmp_path, name="run"):
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
 def test_damaged_latest_step_falls_back_to_the_previous_one(faults, tiny_runs, tiny, tmp_path,
                                                             damage):
-    from lowrank_jax.train.checkpoint import checkpoint_manager, restore_checkpoint
+    from lowrank_jax.io.checkpoint import checkpoint_manager, restore_checkpoint
 
     run = _copy(tiny_runs["split"], tmp_path)
     DAMAGE[damage](run / "checkpoints" / "4")
@@ -65,7 +65,7 @@ def test_damaged_latest_step_falls_back_to_the_previous_one(faults, tiny_runs, t
     assert (run / "corrupt_checkpoints" / "4").is_dir()  # moved aside, never deleted
     # the restored arrays are exactly those saved at step 2 (checked against the checksums)
     record = json.loads((run / "checkpoints" / "2" / "lowrank_jax_integrity.json").read_text())
-    from lowrank_jax.train.checkpoint import checksums
+    from lowrank_jax.io.checkpoint import checksums
 
     assert checksums({"params": restored.params, "opt_state": restored.opt_state}) == \
         record["checksums"]
@@ -84,7 +84,7 @@ def test_resume_after_damage_continues_bit_identically(faults, tiny_runs, tiny, 
     assert "step 4 is corrupt (checksum mismatch in " in out
     assert "; resuming from step 2" in out
     full = tiny_runs["full_result"].state
-    from lowrank_jax.train.checkpoint import checkpoint_manager, restore_checkpoint
+    from lowrank_jax.io.checkpoint import checkpoint_manager, restore_checkpoint
 
     cfg = load_config("tiny", tiny + [f"run_dir={run}"])
     state, _ = restore_checkpoint(checkpoint_manager(run), init_state(cfg)[0], cfg)
@@ -126,7 +126,7 @@ def test_every_step_damaged_is_one_line(faults, tiny_runs, tiny, tmp_path):
 def test_interrupt_during_a_save_waits_for_it(faults, tiny_runs, tiny, tmp_path):
     import orbax.checkpoint as ocp
 
-    from lowrank_jax.train.checkpoint import checkpoint_manager, save_checkpoint
+    from lowrank_jax.io.checkpoint import checkpoint_manager, save_checkpoint
 
     run = _copy(tiny_runs["split"], tmp_path)
     cfg = load_config("tiny", tiny + [f"run_dir={run}"])

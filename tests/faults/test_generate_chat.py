@@ -43,7 +43,7 @@ def captured_prompts(monkeypatch):
         prompts.append(prompt)
         return Result()
 
-    monkeypatch.setattr("lowrank_jax.models.hub.load_model",
+    monkeypatch.setattr("lowrank_jax.hub.load_model",
                         lambda *a, **k: (model, ChatTokenizer()))
     # the package re-exports the function under the module's name: patch the module itself
     monkeypatch.setattr(importlib.import_module("lowrank_jax.models.generate"), "generate",

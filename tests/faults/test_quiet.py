@@ -74,7 +74,7 @@ def _log(run):
 
 
 def _no_open_managers():
-    from lowrank_jax.train import checkpoint
+    from lowrank_jax.io import checkpoint
 
     return len(checkpoint._OPEN) == 0
 
@@ -142,7 +142,7 @@ def test_full_disk_during_a_save_is_one_line_last(faults, tiny, tmp_path, monkey
 SHUTDOWN = """
 import atexit
 import sys
-from lowrank_jax.train import checkpoint
+from lowrank_jax.io import checkpoint
 
 
 def closed_loop():  # like an orbax finalizer that finds its event loop closed at exit

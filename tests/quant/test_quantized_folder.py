@@ -34,7 +34,7 @@ def test_quick_unisvq_folder_answers_the_chat_prompt(tmp_path, capsys):
     # the fact (measured: 'The capital of France is "Fére"'); the full folder is in the script
     assert out.startswith("The capital of France is"), out
 
-    from lowrank_jax.models.hub import load_model
+    from lowrank_jax.hub import load_model
     from lowrank_jax.quant.layers import QuantizedLinear
 
     model, tok = load_model(folder)

@@ -252,7 +252,7 @@ def test_quantize_command_bad_input(tmp_path):
 
 def test_save_model_writes_a_quantized_folder_that_load_model_and_generate_read(tmp_path):
     from lowrank_jax.models.generate import generate
-    from lowrank_jax.models.hub import load_model, save_model
+    from lowrank_jax.hub import load_model, save_model
     from lowrank_jax.models.presets import preset_model
     from lowrank_jax.quant.model import RTNLinear, quantize_model
 

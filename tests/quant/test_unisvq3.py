@@ -126,7 +126,7 @@ def test_kernel_equals_the_dequantized_dense_weight(mode):
 def test_3bit_model_folder_accounting_equals_stored_arrays(tmp_path):
     from safetensors.numpy import load_file
 
-    from lowrank_jax.models.hub import load_model, save_model
+    from lowrank_jax.hub import load_model, save_model
     from lowrank_jax.models.presets import preset_model
     from lowrank_jax.quant.layers import QuantizedLinear
     from lowrank_jax.quant.pipeline import model_bits_per_weight, quantize_model

@@ -116,7 +116,7 @@ def test_16bit_codes_pack_to_exactly_4_bits_per_weight():
 def test_4bit_model_folder_round_trip_and_accounting(tmp_path):
     from safetensors.numpy import load_file
 
-    from lowrank_jax.models.hub import load_model, save_model
+    from lowrank_jax.hub import load_model, save_model
     from lowrank_jax.models.presets import preset_model
     from lowrank_jax.quant.layers import QuantizedLinear
     from lowrank_jax.quant.pipeline import model_bits_per_weight, quantize_model
@@ -154,7 +154,7 @@ def test_4bit_model_folder_round_trip_and_accounting(tmp_path):
 
 def test_folder_without_bits_metadata_still_loads_as_2bit(tmp_path):
     """Folders written before the ``bits`` field (2-bit ``uint8`` codes, no ``"bits"``)."""
-    from lowrank_jax.models.hub import load_model, save_model
+    from lowrank_jax.hub import load_model, save_model
     from lowrank_jax.models.presets import preset_model
     from lowrank_jax.quant.pipeline import quantize_model
 

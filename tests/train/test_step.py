@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from lowrank_jax.core.losses import cross_entropy
-from lowrank_jax.train.step import make_step, trainable
+from lowrank_jax.core.step import make_step, trainable
 
 
 class Tiny(nnx.Module):

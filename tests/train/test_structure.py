@@ -11,7 +11,7 @@ from safetensors.numpy import load_file
 
 from lowrank_jax.cli import main as cli_main
 from lowrank_jax.data import batch_at, corpus_bytes
-from lowrank_jax.models.hub import load_model
+from lowrank_jax.hub import load_model
 from lowrank_jax.optim import apply_surrogate, find_salaad_state, hpa_allocate
 from lowrank_jax.train import load_config, train
 from lowrank_jax.train.losses import cross_entropy
