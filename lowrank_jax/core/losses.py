@@ -31,8 +31,36 @@ def token_logprob(logits, targets):
         >>> round(float(token_logprob(jnp.zeros((3, 4)), jnp.array([0, 1, 2]))[0]), 4)
         -1.3863
     """
+    return ids_logprob(logits, targets[..., None])[..., 0]
+
+
+def ids_logprob(logits, ids):
+    """``log p(ids)`` (fp32) of several token ids per position: ``logits [..., V]``, integer
+    ``ids [..., k]`` → ``[..., k]`` (e.g. a teacher's top-k tokens for distillation).
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> lp = ids_logprob(jnp.log(jnp.array([[0.5, 0.25, 0.25]])), jnp.array([[0, 2]]))
+        >>> [round(float(v), 4) for v in jnp.exp(lp[0])]
+        [0.5, 0.25]
+    """
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    return jnp.take_along_axis(logp, ids, axis=-1)
+
+
+def top_logprobs(logits, k: int):
+    """The ``k`` most likely tokens per position: ``(log p [..., k], ids [..., k])`` (fp32),
+    most likely first (a teacher's top-k for distillation).
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> lp, ids = top_logprobs(jnp.log(jnp.array([[0.2, 0.5, 0.3]])), 2)
+        >>> ids.tolist(), [round(float(v), 4) for v in jnp.exp(lp[0])]
+        ([[1, 2]], [0.5, 0.3])
+    """
+    return jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), k)
 
 
 def token_nll(logits, targets):
@@ -173,9 +201,11 @@ def windowed_perplexity(
 __all__ = [
     "PerplexityResult",
     "cross_entropy",
+    "ids_logprob",
     "sliding_windows",
     "token_logprob",
     "token_nll",
+    "top_logprobs",
     "window_nll_sum",
     "windowed_perplexity",
 ]

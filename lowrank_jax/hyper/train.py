@@ -25,7 +25,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from lowrank_jax.core.losses import token_nll
+from lowrank_jax.core.losses import ids_logprob, token_nll, top_logprobs
 from lowrank_jax.core.step import make_step
 from lowrank_jax.hyper.doc_to_lora import DocToLoRA, LoRABank, adapted, chunk_encoder, chunk_tokens
 from lowrank_jax.nn.capture import capture
@@ -47,8 +47,7 @@ def topk_distill(student_logits, teacher_logp, teacher_idx, weights=None):
         >>> round(float(topk_distill(z, jnp.zeros((1, 1)), jnp.zeros((1, 1), jnp.int32))), 4)
         0.6931
     """
-    logp = jax.nn.log_softmax(student_logits.astype(jnp.float32), axis=-1)
-    picked = jnp.take_along_axis(logp, teacher_idx, axis=-1)
+    picked = ids_logprob(student_logits, teacher_idx)
     per_position = -jnp.sum(jnp.exp(teacher_logp.astype(jnp.float32)) * picked, axis=-1)
     if weights is None:
         return jnp.mean(per_position)
@@ -108,8 +107,7 @@ def _teacher_pass(model, top_k: int, paths: tuple, chunk_len: int):
             with capture(m, list(paths)) as rec:
                 hidden, _ = m.hidden_states(tokens)
             rows = jnp.take_along_axis(hidden, gather[..., None], axis=1)  # [B, A, d]
-            logp, idx = jax.lax.top_k(jax.nn.log_softmax(m.logits_from_hidden(rows), axis=-1),
-                                      top_k)
+            logp, idx = top_logprobs(m.logits_from_hidden(rows), top_k)
             feats = jnp.stack([rec.inputs[p][0][:, :chunk_len] for p in paths], axis=1)
             return logp, idx, feats.astype(jnp.float32)
 
@@ -215,8 +213,7 @@ def distill_loss(bank: LoRABank, model, config, batch: DistillData, *, l1_weight
     """
     with adapted(model, bank, config):
         logits, _ = model(batch.queries)
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    picked = jnp.take_along_axis(logp, batch.teacher_idx, axis=-1)
+    picked = ids_logprob(logits, batch.teacher_idx)
     per_token = -jnp.sum(jnp.exp(batch.teacher_logp) * picked, axis=-1)  # [D, Q]
     w = batch.weights.astype(jnp.float32)
     denom = jnp.maximum(jnp.sum(w, axis=1), 1e-9)

@@ -29,7 +29,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import string
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np

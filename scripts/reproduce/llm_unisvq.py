@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lowrank_jax.core.losses import cross_entropy
 from lowrank_jax.data import corpus_text
 from lowrank_jax.models.generate import english_eval_text
 from lowrank_jax.models.llama import PROJECTIONS, projections
@@ -94,8 +95,7 @@ def heldout_nll(model, tokens):
     for i in range(0, len(tokens), 8):
         t = jnp.asarray(tokens[i:i + 8])
         logits, _ = model(t[:, :-1])
-        logp = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
-        total.append(-jnp.take_along_axis(logp, t[:, 1:, None], -1).mean())
+        total.append(cross_entropy(logits, t[:, 1:]))
     return float(np.mean(total))
 
 
