@@ -1,0 +1,90 @@
+"""Sphinx configuration of the lowrank_jax documentation (build: see docs/index.md)."""
+
+import os
+import sys
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, ROOT)
+
+project = "lowrank_jax"
+author = "lowrank_jax authors"
+copyright = "2026, lowrank_jax authors"
+release = "0.1.0"
+
+extensions = [
+    "sphinx.ext.autodoc",
+    "sphinx.ext.napoleon",
+    "sphinx.ext.mathjax",
+    "sphinx.ext.viewcode",
+    "myst_parser",
+]
+
+source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
+exclude_patterns = ["_build", "results", "generated", "Thumbs.db", ".DS_Store"]
+myst_enable_extensions = ["dollarmath", "amsmath", "colon_fence", "deflist"]
+myst_heading_anchors = 3
+
+autodoc_member_order = "bysource"
+autodoc_typehints = "description"
+autodoc_default_options = {"show-inheritance": False}
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+napoleon_use_rtype = False
+napoleon_use_ivar = True
+
+html_theme = "sphinx_rtd_theme"
+html_title = "lowrank_jax"
+html_static_path = []
+html_theme_options = {"navigation_depth": 3, "collapse_navigation": False}
+
+
+# --- Public constants re-exported by a package ----------------------------------------------
+# autodoc reads a constant's ``#:`` comment from the module it documents; a package's
+# ``__init__`` only imports it, so docs/api lists such constants with ``autodata``. Find the
+# module that assigns the constant (the same object) and use its comment as the docstring.
+
+def _constant_docs() -> dict[tuple[str, str], list[str]]:
+    import importlib
+    import inspect
+    import pkgutil
+
+    from sphinx.pycode import ModuleAnalyzer
+
+    import lowrank_jax
+    import lowrank_jax.nn  # noqa: F401  (the import order the package expects)
+    import pallas_kernels
+
+    docs: dict[tuple[str, str], list[str]] = {}
+    modules = {}
+    for root in (lowrank_jax, pallas_kernels):
+        modules[root.__name__] = root
+        for info in pkgutil.walk_packages(root.__path__, root.__name__ + "."):
+            modules[info.name] = importlib.import_module(info.name)
+    for package_name, package in list(modules.items()):
+        for name in getattr(package, "__all__", []):
+            obj = getattr(package, name)
+            if inspect.ismodule(obj) or inspect.isroutine(obj) or inspect.isclass(obj):
+                continue
+            for mod_name, mod in modules.items():
+                if vars(mod).get(name) is not obj:
+                    continue
+                comments = ModuleAnalyzer.for_module(mod_name).find_attr_docs()
+                if ("", name) in comments:
+                    docs[(package_name, name)] = list(comments[("", name)])
+                    break
+    return docs
+
+
+_CONSTANTS: dict[tuple[str, str], list[str]] = {}
+
+
+def _constant_docstring(app, what, name, obj, options, lines):
+    if what == "data":
+        module, _, short = name.rpartition(".")
+        if (module, short) in _CONSTANTS:
+            lines[:] = _CONSTANTS[(module, short)] + [""]
+
+
+def setup(app):
+    _CONSTANTS.update(_constant_docs())
+    app.connect("autodoc-process-docstring", _constant_docstring)
