@@ -85,6 +85,74 @@ def _constant_docstring(app, what, name, obj, options, lines):
             lines[:] = _CONSTANTS[(module, short)] + [""]
 
 
+# A broken cross-reference to our own names fails the strict build; references to other
+# libraries' objects (jax.Array, optax.GradientTransformation, type hints) are not checked here.
+nitpicky = True
+nitpick_ignore_regex = [(r"py:.*", r"(?!lowrank_jax\.|pallas_kernels\.).*")]
+
+# Docstrings name objects by their defining module (``lowrank_jax.nn.capture.capture``) while the
+# API reference documents them where users import them (``lowrank_jax.nn.capture`` is not a
+# page; ``lowrank_jax.nn`` is). Resolve such a reference to the public name of the same object;
+# a reference to an existing object that has no public name (a private helper, an internal
+# module) becomes plain text; a reference to something that does not exist still fails.
+
+def _public_names() -> dict[int, str]:
+    import importlib
+    import pkgutil
+
+    import lowrank_jax
+    import pallas_kernels
+
+    public: dict[int, str] = {}
+    for root in (lowrank_jax, pallas_kernels):
+        packages = [root.__name__] + [m.name for m in pkgutil.walk_packages(
+            root.__path__, root.__name__ + ".") if m.ispkg]
+        for package in packages:
+            module = importlib.import_module(package)
+            for name in getattr(module, "__all__", []):
+                public.setdefault(id(getattr(module, name)), f"{package}.{name}")
+    return public
+
+
+def _import_target(target: str):
+    import importlib
+
+    parts = target.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        try:
+            for attr in parts[cut:]:
+                obj = getattr(obj, attr)
+        except AttributeError:
+            return None
+        return obj
+    return None
+
+
+_PUBLIC: dict[int, str] = {}
+
+
+def _resolve_alias(app, env, node, contnode):
+    from sphinx.util.nodes import make_refnode
+
+    target = node.get("reftarget", "")
+    if node.get("refdomain") != "py" or not target.startswith(("lowrank_jax.", "pallas_kernels.")):
+        return None
+    obj = _import_target(target)
+    if obj is None:
+        return None  # a broken reference: the strict build reports it
+    public = _PUBLIC.get(id(obj))
+    entry = env.get_domain("py").objects.get(public) if public else None
+    if entry is None:
+        return contnode
+    return make_refnode(app.builder, node["refdoc"], entry.docname, entry.node_id, contnode, public)
+
+
 def setup(app):
     _CONSTANTS.update(_constant_docs())
+    _PUBLIC.update(_public_names())
     app.connect("autodoc-process-docstring", _constant_docstring)
+    app.connect("missing-reference", _resolve_alias)
