@@ -9,6 +9,7 @@ left out by autodoc, so this also catches an undocumented public name.
 import importlib
 import pathlib
 import pkgutil
+import re
 import subprocess
 import sys
 
@@ -67,3 +68,33 @@ def test_every_public_name_is_in_the_api_reference(built_inventory):
     missing = [n for n in public_names() if n not in indexed]
     assert not missing, f"public names missing from the API reference: {missing}"
 
+
+
+def test_every_method_page_is_in_the_navigation():
+    pages = sorted(p.stem for p in (DOCS / "methods").glob("*.md") if p.stem != "index")
+    assert len(pages) >= 17
+    toc = (DOCS / "methods" / "index.md").read_text()
+    assert [p for p in pages if f"\n{p}\n" in toc] == pages
+    assert "methods/index" in (DOCS / "index.md").read_text()
+
+
+def test_benchmarks_file_is_generated_and_up_to_date():
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / "build_benchmarks.py"),
+                          "--check"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+def _numbers(text: str) -> set[str]:
+    return set(re.findall(r"(?<![\w.])\d+(?:\.\d+)?(?![\w.]*\w)", text))
+
+
+def test_every_number_in_the_readme_is_in_the_benchmarks():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250
+    prose = re.sub(r"```.*?```", "", readme, flags=re.S)  # code is checked by test_readme.py
+    prose = re.sub(r"\]\([^)]*\)", "]", prose)  # link targets are not numbers
+    measured = set(re.findall(r"\d+(?:\.\d+)?", (ROOT / "BENCHMARKS.md").read_text()))
+    numbers = _numbers(prose)
+    assert {"2.967", "0.906", "12.77"} <= numbers  # the headline numbers are found
+    missing = sorted(numbers - measured)
+    assert not missing, f"README numbers not in the generated BENCHMARKS.md: {missing}"
