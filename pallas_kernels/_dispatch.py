@@ -21,6 +21,7 @@ from typing import Callable
 
 import jax
 
+#: ``implementation=`` values: ``auto`` (Pallas on GPU/TPU, else XLA), ``pallas``, ``xla``.
 IMPLEMENTATIONS = ("auto", "pallas", "xla")
 
 

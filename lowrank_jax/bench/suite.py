@@ -24,6 +24,7 @@ from lowrank_jax.bench.serving import load_time, smollm2_serving
 from lowrank_jax.bench.timing import machine_record
 from lowrank_jax.bench.training import factorized_vs_dense, spectron_overhead
 
+#: The benchmark suite: name -> function returning its result rows (``lowrank-jax bench``).
 BENCHMARKS: dict[str, Callable[..., list[dict]]] = {
     "spectron_overhead": spectron_overhead,
     "factorized_vs_dense": factorized_vs_dense,

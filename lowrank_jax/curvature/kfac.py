@@ -53,6 +53,7 @@ class KFACFactor(NamedTuple):
     n: Array  # shape=(), float32: number of valid tokens
 
 
+#: K-FAC factors by module path (``"layers/3/mlp/down_proj"``).
 KFACFactors = dict[str, KFACFactor]  # {module path "layers/3/mlp/down_proj": KFACFactor}
 
 

@@ -33,6 +33,7 @@ from lowrank_jax.core.losses import token_nll
 from lowrank_jax.federated.fedhera import rank_costs
 from lowrank_jax.nn import lora_layers
 
+#: The columns of :attr:`FederatedResult.history`, one row per round.
 METRICS = ("round", "global_accuracy", "global_loss", "personal_accuracy", "personal_loss",
            "train_loss", "bytes_down")
 
@@ -310,7 +311,7 @@ def simulate(model: nnx.Module, clients: Sequence[Client], strategy, *, rounds: 
         checkpoint_dir: save an orbax checkpoint every round there, and resume from the latest.
         bytes_per_element: for the download accounting (fp16 = 2).
         loss: ``"cross_entropy"`` (integer labels; accuracy reported) or ``"mse"`` (float
-            targets ``[n, outputs]``; the *_loss metrics are squared errors, accuracies NaN).
+            targets ``[n, outputs]``; the ``*_loss`` metrics are squared errors, accuracies NaN).
         progress: show a tqdm bar over the rounds.
 
     Returns:

@@ -170,6 +170,7 @@ def _exact_reconstruct(cache: ExactCache, layer, kind="k"):
     return (cache.keys if kind == "k" else cache.values)[layer].astype(jnp.float32)
 
 
+#: The KV-cache compression methods by name (``lowrank-jax eval --kv-method``).
 METHODS: dict[str, KVMethod] = {
     m.name: m for m in (
         KVMethod("none", "exact cache (fp16)", _none, _exact_reconstruct),

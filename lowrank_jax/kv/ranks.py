@@ -6,12 +6,14 @@ import math
 
 import numpy as np
 
+#: xKV's default number of adjacent layers that share one SVD basis (xKV-4).
 DEFAULT_GROUP_SIZE = 4  # xKV-4, the paper's default
 DEFAULT_VALUE_RANK_SCALE = 1.5  # r_v / r_k = 576 / 384 in the paper's default setting
 # Exact "attention-sink" prompt tokens kept outside the SVD by the model-level entry points
 # (DERIVED, not in the paper: on SmolLM2 the first token's reconstruction error dominates the
 # perplexity loss; keeping it exact costs one token of cache and closes most of the gap; see
 # docs/results/xkv.md). ``xkv_compress`` itself defaults to the paper (0).
+#: Prompt tokens kept exact outside the SVD by the model-level entry points.
 DEFAULT_SINK_TOKENS = 1
 
 

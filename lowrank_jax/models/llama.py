@@ -492,6 +492,7 @@ def replace_projections(
 
 
 def count_params(model: nnx.Module) -> int:
+    """The number of trainable scalars (every ``nnx.Param`` leaf) of ``model``."""
     return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 

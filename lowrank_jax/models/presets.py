@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from lowrank_jax.models.llama import Llama, LlamaConfig
 
+#: Named model configurations (``--model NAME``): keyword arguments of ``LlamaConfig``.
 PRESETS: dict[str, dict] = {
     # the byte-level smoke-test model of `finetune --model tiny`, `analyze --model tiny` and the
     # BaLoRA fine-tuning reproduction

@@ -345,8 +345,9 @@ def lordo(
         clip_norm: per-worker global-norm clip ``ρ`` applied *before* error feedback (``None``
             or 0 disables it).
         weight_decay: decoupled weight decay (default 0).
-        omega, mu, b1, b2, eps, fr_norm, min_dim_for_lowrank, refresh_every, refresh_from,
-            first_projection, mu_dtype: as in :func:`scale_by_lordo`.
+        omega, mu, b1, b2, eps: as in :func:`scale_by_lordo`, as are ``fr_norm``,
+            ``min_dim_for_lowrank``, ``refresh_every``, ``refresh_from``, ``first_projection``
+            and ``mu_dtype``.
 
     Returns:
         A :class:`optax.GradientTransformation`.

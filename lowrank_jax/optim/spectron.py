@@ -354,8 +354,9 @@ def spectron(
 
     Args:
         learning_rate: ``η`` as a float or an optax schedule (warmup/cosine act on ``η``).
-        momentum, nesterov, ns_steps, ns_coeffs, power_iters, weight_decay, wd_scale,
-        exact_norm, eps, pair_fn, mu_dtype: see :func:`scale_by_spectron`.
+        momentum, nesterov, ns_steps, ns_coeffs: see :func:`scale_by_spectron`, as are
+            ``power_iters``, ``weight_decay``, ``wd_scale``, ``exact_norm``, ``eps``,
+            ``pair_fn`` and ``mu_dtype``.
 
     Returns:
         A :class:`optax.GradientTransformation`.
@@ -420,8 +421,8 @@ def spectron_with_adamw(
         spectron_weight_decay: Spectron's ``λ`` (see ``wd_scale``).
         b1, b2: AdamW betas (DERIVED: LLM-typical 0.9 / 0.95).
         clip_norm: optional global-norm clip applied to all gradients first.
-        momentum, nesterov, ns_steps, ns_coeffs, power_iters, wd_scale, exact_norm, eps,
-        pair_fn: forwarded to :func:`spectron`.
+        momentum, nesterov, ns_steps, ns_coeffs: forwarded to :func:`spectron`, as are
+            ``power_iters``, ``wd_scale``, ``exact_norm``, ``eps`` and ``pair_fn``.
         mu_dtype: dtype of both first moments (``None``: Spectron's fp32 and AdamW's
             param dtype, the defaults of :func:`spectron` and ``optax.adamw``).
 

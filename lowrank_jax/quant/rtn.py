@@ -34,9 +34,11 @@ from jaxtyping import Array, Float, UInt8
 
 from lowrank_jax.quant.packing import pack_bits, rtn_bits_per_weight, unpack_bits
 
+#: Bit widths of round-to-nearest quantization.
 SUPPORTED_BITS = (2, 3, 4, 8)
 
 
+#: How the per-group zero point is stored: rounded to the grid or as a float.
 ZERO_POINTS = ("integer", "float")
 
 

@@ -27,6 +27,7 @@ from pallas_kernels._dispatch import IMPLEMENTATIONS  # noqa: F401 (re-export)
 from pallas_kernels._dispatch import next_pow2 as _next_pow2
 from pallas_kernels._dispatch import inference_only, resolve
 
+#: ``fold``: multiply the codes straight into x; ``dequant``: decode the weight tile first.
 MODES = ("fold", "dequant")
 
 

@@ -12,6 +12,7 @@ from pallas_kernels._dispatch import inference_only, resolve
 from pallas_kernels.xkv_decode.kernel import xkv_decode_partials
 from pallas_kernels.xkv_decode.reference import NEG_INF, xkv_decode_reference
 
+#: ``implementation=`` values: ``auto`` (Pallas on GPU/TPU, else XLA), ``pallas``, ``xla``.
 IMPLEMENTATIONS = ("auto", "pallas", "xla")
 
 
