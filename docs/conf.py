@@ -35,6 +35,12 @@ napoleon_use_ivar = True
 html_theme = "sphinx_rtd_theme"
 html_title = "lowrank_jax"
 html_static_path = []
+# MathJax loads from its CDN unless a local copy sits in docs/_static/mathjax/ (for offline
+# machines: `npm install mathjax@3 --prefix /tmp/mj && mkdir -p docs/_static/mathjax &&
+# cp /tmp/mj/node_modules/mathjax/es5/tex-svg.js docs/_static/mathjax/`; git ignores it).
+if os.path.exists(os.path.join(os.path.dirname(__file__), "_static", "mathjax", "tex-svg.js")):
+    html_static_path = ["_static"]
+    mathjax_path = "mathjax/tex-svg.js"
 html_theme_options = {"navigation_depth": 3, "collapse_navigation": False}
 
 
