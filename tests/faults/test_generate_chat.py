@@ -3,6 +3,7 @@ continues the text), as llama.cpp and other runners do."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 
@@ -39,6 +40,9 @@ def captured_prompts(monkeypatch):
     class Result:
         token_ids, stopped_at_eos = [], True
 
+    module = importlib.import_module("lowrank_jax.models.generate")
+
+    @functools.wraps(module.generate)  # keeps the signature the CLI reads its defaults from
     def fake_generate(model, tokenizer, prompt, **kwargs):
         prompts.append(prompt)
         return Result()
@@ -46,8 +50,7 @@ def captured_prompts(monkeypatch):
     monkeypatch.setattr("lowrank_jax.hub.load_model",
                         lambda *a, **k: (model, ChatTokenizer()))
     # the package re-exports the function under the module's name: patch the module itself
-    monkeypatch.setattr(importlib.import_module("lowrank_jax.models.generate"), "generate",
-                        fake_generate)
+    monkeypatch.setattr(module, "generate", fake_generate)
     return prompts
 
 
