@@ -36,8 +36,8 @@ html_theme = "sphinx_rtd_theme"
 html_title = "lowrank_jax"
 html_static_path = []
 # MathJax loads from its CDN unless a local copy sits in docs/_static/mathjax/ (for offline
-# machines: `npm install mathjax@3 --prefix /tmp/mj && mkdir -p docs/_static/mathjax &&
-# cp /tmp/mj/node_modules/mathjax/es5/tex-svg.js docs/_static/mathjax/`; git ignores it).
+# machines: `npm install mathjax@3 --prefix docs/_build/mj && mkdir -p docs/_static/mathjax &&
+# cp docs/_build/mj/node_modules/mathjax/es5/tex-svg.js docs/_static/mathjax/`; git ignores it).
 if os.path.exists(os.path.join(os.path.dirname(__file__), "_static", "mathjax", "tex-svg.js")):
     html_static_path = ["_static"]
     mathjax_path = "mathjax/tex-svg.js"

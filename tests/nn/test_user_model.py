@@ -278,7 +278,7 @@ def test_peft_export_import_round_trip_is_exact_with_hf_names(tmp_path):
                                atol=1e-7)
 
 
-def test_what_the_protocol_cannot_handle_is_said_clearly():
+def test_what_the_protocol_cannot_handle_is_said_clearly(tmp_path):
     class PerHead(nnx.Module):
         def __init__(self):
             self.einsum_str = "BTNH,NHK->BTNK"  # per-head weights: N is a batch axis
@@ -291,7 +291,7 @@ def test_what_the_protocol_cannot_handle_is_said_clearly():
     with pytest.raises(ValueError, match="no entry maps"):
         model = user_model()
         apply_lora(model, LoRARule("q_proj"), rngs=nnx.Rngs(0))
-        export_peft(model, "/tmp/never-written", name_map={r"blocks/(\d+)": r"h.\1"})
+        export_peft(model, tmp_path / "never-written", name_map={r"blocks/(\d+)": r"h.\1"})
 
 
 def test_flax_lora_layers_are_seen_by_the_pair_finder():
