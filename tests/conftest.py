@@ -20,6 +20,24 @@ if _cache != "0":
         tempfile.gettempdir(), f"lowrank_jax_test_xla_cache_{os.getuid()}"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    # JAX writes a cache entry with a plain write_bytes, so the other xdist worker can read (and
+    # deserialize) a half-written executable: a segfault inside XLA, seen on cold-cache runs.
+    # Entries are written to a temporary file and renamed into place (atomic) instead.
+    from jax._src import lru_cache as _lru_cache  # noqa: E402
+
+    _plain_put = _lru_cache.LRUCache.put
+
+    def _atomic_put(self, key: str, value: bytes) -> None:
+        if self.eviction_enabled or not key:  # the locked path, or JAX's own error
+            return _plain_put(self, key, value)
+        path = self.path / f"{key}{_lru_cache._CACHE_SUFFIX}"
+        if path.exists():
+            return
+        partial = self.path / f".{key}.{os.getpid()}.partial"
+        partial.write_bytes(value)
+        os.replace(partial, path)
+
+    _lru_cache.LRUCache.put = _atomic_put
 
 # jaxtyping run-time checks of the public API's shape/dtype annotations (design.md rule 5): every
 # annotated function of these packages is wrapped in jaxtyped(typechecker=beartype.beartype)
@@ -97,3 +115,4 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(
             f"docstring examples (doctest): {_DOCTEST_EXAMPLES[0]} ran in lowrank_jax and "
             "pallas_kernels")
+

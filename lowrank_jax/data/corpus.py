@@ -53,9 +53,13 @@ def _docstrings(module) -> list[str]:
     return texts
 
 
-@functools.lru_cache(maxsize=None)
-def corpus_text(modules: tuple[str, ...] = STDLIB_MODULES) -> str:
-    """The corpus as one string (docstrings joined by blank lines), deterministic per Python."""
+def collect_docstrings(modules: tuple[str, ...] = STDLIB_MODULES) -> str:
+    """The docstrings of ``modules`` as they are in *this* interpreter, joined by blank lines.
+
+    Reads the live module objects, so anything this process has patched (a replaced
+    ``warnings.showwarning``, a test's mock) changes the text: :func:`corpus_text` runs this in
+    a fresh interpreter instead.
+    """
     parts = []
     for name in modules:
         try:
@@ -67,9 +71,38 @@ def corpus_text(modules: tuple[str, ...] = STDLIB_MODULES) -> str:
 
 
 @functools.lru_cache(maxsize=None)
+def corpus_text(modules: tuple[str, ...] = STDLIB_MODULES) -> str:
+    """The corpus as one string (docstrings joined by blank lines), deterministic per Python.
+
+    Collected by :func:`collect_docstrings` in a fresh, isolated interpreter (``python -I``,
+    with only ``typing_extensions`` imported, as every process of this package has it), so the
+    text never depends on what ran before in this process: a library that replaced a
+    standard-library function, or a command that routes ``warnings`` while it runs, cannot
+    change the corpus (and every batch drawn from it).
+    """
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-I", __file__, *modules], capture_output=True,
+                          timeout=300)
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"collecting the embedded corpus in a fresh Python ({sys.executable} -I {__file__}) "
+            f"failed with exit code {done.returncode}:\n"
+            f"{done.stderr.decode(errors='replace')[-2000:]}")
+    return done.stdout.decode("utf-8")
+
+
+@functools.lru_cache(maxsize=None)
 def corpus_bytes(modules: tuple[str, ...] = STDLIB_MODULES) -> np.ndarray:
-    """The corpus as a ``uint8`` array of UTF-8 bytes (the byte-level token ids)."""
-    return np.frombuffer(corpus_text(modules).encode("utf-8"), dtype=np.uint8).copy()
+    """The corpus as a ``uint8`` array of UTF-8 bytes (the byte-level token ids).
+
+    Read-only: every caller gets the same cached array, so writing into it would change the
+    corpus for the rest of the process (copy it first: ``corpus_bytes().copy()``).
+    """
+    tokens = np.frombuffer(corpus_text(modules).encode("utf-8"), dtype=np.uint8).copy()
+    tokens.flags.writeable = False
+    return tokens
 
 
 def train_val_split(tokens: np.ndarray, val_fraction: float = 0.1):
@@ -123,3 +156,13 @@ def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int, max_batches:
 def nats_to_bits(nats: float) -> float:
     """A loss in nats (per byte) as bits: ``nats / ln 2``."""
     return nats / math.log(2.0)
+
+
+if __name__ == "__main__":  # the fresh interpreter of corpus_text: python -I corpus.py MODULE...
+    import sys
+
+    # typing_extensions (which jax, flax and optax import) replaces two of typing's helpers; the
+    # corpus has always been read after it, so the child reads it after it too
+    import typing_extensions  # noqa: F401
+
+    sys.stdout.buffer.write(collect_docstrings(tuple(sys.argv[1:])).encode("utf-8"))

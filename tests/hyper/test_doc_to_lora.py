@@ -430,9 +430,20 @@ def test_internalize_command_writes_an_adapter_generate_reads(tmp_path, capsys):
                  "--chunk-len", "32", "--layers", "0,1", "--rank", "2"]) == 0
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["r"] == (2 + 1) * 2 and config["base_model_name_or_path"] == "tiny"
-    assert main(["generate", "--model", str(out), "--prompt", "Wendy", "--raw",
-                 "--max-new-tokens", "2"]) == 0
-    assert "internalized" in capsys.readouterr().out
+    text = doc.read_text()
+    assert f"internalized {len(text.encode())} tokens (2 chunks)" in capsys.readouterr().out
+    # no --hyper: a fresh hypernetwork, whose adapter is a no-op (B = 0 at init) ...
+    from safetensors.numpy import load_file
+
+    tensors = load_file(str(out / "adapter_model.safetensors"))
+    b_keys = [k for k in tensors if "lora_B" in k]
+    assert len(b_keys) == 2 and all(not tensors[k].any() for k in b_keys)  # 2 x down_proj
+    # ... so generating through it continues the prompt exactly as the base model does
+    argv = ["--prompt", "Wendy", "--raw", "--max-new-tokens", "2"]
+    assert main(["generate", "--model", str(out)] + argv) == 0
+    with_adapter = capsys.readouterr().out
+    assert main(["generate", "--model", "tiny"] + argv) == 0
+    assert with_adapter == capsys.readouterr().out
 
 
 def test_hypernetwork_round_trip(tmp_path, trained):
