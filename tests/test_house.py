@@ -71,3 +71,10 @@ def test_no_new_private_imports(counts):
     found = {(a.removeprefix("lowrank_jax."), b.removeprefix("lowrank_jax."), name)
              for a, b, name in counts["private"]}
     assert found <= PRIVATE_LEFT, sorted(found - PRIVATE_LEFT)
+
+
+def test_the_package_has_one_training_step(counts):
+    # issue 37: every library trainer builds its step with core.step.make_step (7 steps before)
+    package = [s for s in counts["steps"] if s.startswith("lowrank_jax/")]
+    assert [s.split(" ")[0].rsplit(":", 1)[0] for s in package] == ["lowrank_jax/core/step.py"], \
+        package

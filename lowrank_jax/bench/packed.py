@@ -87,21 +87,31 @@ def _packed_parts(base: Llama, k_jobs, batch, seq, implementation):
     return run, holder, tx, x, y
 
 
-def _breakdown_runners(base: Llama, holder, tx, x, y):
+def _base_runner(base: Llama, x, y):
+    """The frozen base's forward + backward alone: the gradient reaching the embeddings (no
+    adapters, no update)."""
     graph, embed, rest = nnx.split(base, nnx.PathContains("embed_tokens"), ...)
+    fwd_bwd = jax.jit(
+        jax.grad(lambda e, rest: cross_entropy(nnx.merge(graph, e, rest)(x)[0], y)))
+    return lambda: fwd_bwd(embed, rest)
 
-    @jax.jit
-    def base_fwd_bwd(embed, rest):
-        return jax.grad(lambda e: cross_entropy(nnx.merge(graph, e, rest)(x)[0], y))(embed)
+
+def _optimizer_runner(holder, tx):
+    """The packed step's optimizer update alone (the adapters stand in for their gradient)."""
 
     @jax.jit
     def optimizer(lora, opt):
         updates, opt = tx.update(lora, opt, lora)
         return optax.apply_updates(lora, updates), opt
 
+    return lambda: optimizer(*holder)
+
+
+def _breakdown_runners(base: Llama, holder, tx, x, y):
+    """The parts of the packed step, each timed alone: ``base``, ``optimizer``, ``host``."""
     dispatch = jax.jit(lambda lora, opt: jnp.zeros((), jnp.float32))  # argument handling only
-    return {"base": lambda: base_fwd_bwd(embed, rest),
-            "optimizer": lambda: optimizer(*holder),
+    return {"base": _base_runner(base, x, y),
+            "optimizer": _optimizer_runner(holder, tx),
             "host": lambda: dispatch(*holder)}
 
 

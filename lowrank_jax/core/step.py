@@ -60,6 +60,7 @@ def make_step(
     has_aux: bool = False,
     skip_nonfinite: bool = False,
     shardings: tuple | None = None,
+    donate: bool = False,
     jit: bool = True,
 ) -> Callable:
     """``step(params, opt_state, *args) -> (params, opt_state, value)``: one optimizer update.
@@ -79,6 +80,9 @@ def make_step(
         shardings: ``(params, opt_state, args)`` shardings (``args`` a tuple, one per extra
             argument): the step is compiled with these explicit in/out shardings so the
             state's placement never drifts between steps.
+        donate: the step consumes ``params`` and ``opt_state`` (their buffers are reused for
+            the new ones, so the state is in memory once, not twice): pass the returned ones
+            on and never read the old ones again.
         jit: compile the step (``False`` returns the traceable function, e.g. to ``vmap`` or
             ``scan`` it).
 
@@ -118,11 +122,12 @@ def make_step(
 
     if not jit:
         return step
+    donated = (0, 1) if donate else ()
     if shardings is None:
-        return jax.jit(step)
+        return jax.jit(step, donate_argnums=donated)
     param_sh, opt_sh, args_sh = shardings
     return jax.jit(step, in_shardings=(param_sh, opt_sh, *args_sh),
-                   out_shardings=(param_sh, opt_sh, None))
+                   out_shardings=(param_sh, opt_sh, None), donate_argnums=donated)
 
 
 __all__ = ["make_step", "trainable"]

@@ -30,6 +30,7 @@ import optax
 from flax import nnx
 
 from lowrank_jax.core.losses import token_nll
+from lowrank_jax.core.step import make_step
 from lowrank_jax.federated.fedhera import rank_costs
 from lowrank_jax.nn import lora_layers
 
@@ -205,14 +206,17 @@ def make_local_train(adapter_model: AdapterModel, optimizer: optax.GradientTrans
         return {k: (ga * masks[k][None, :], gb * masks[k][:, None]) for k, (ga, gb) in tree.items()}
 
     def local_train(adapters, masks, xs, ys):
-        def step(carry, batch):
-            params, opt_state = carry
-            loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
-            updates, opt_state = optimizer.update(apply_mask(grads, masks), opt_state, params)
-            params = optax.apply_updates(params, apply_mask(updates, masks))
+        # the masks are this client's (traced) values: mask the gradient the optimizer sees and
+        # the update it returns
+        masking = optax.stateless(lambda updates, _: apply_mask(updates, masks))
+        tx = optax.chain(masking, optimizer, masking)
+        step = make_step(loss_fn, tx, jit=False)  # scanned here, vmapped over clients above
+
+        def body(carry, batch):
+            params, opt_state, loss = step(*carry, *batch)
             return (params, opt_state), loss
 
-        (params, _), losses = jax.lax.scan(step, (adapters, optimizer.init(adapters)), (xs, ys))
+        (params, _), losses = jax.lax.scan(body, (adapters, tx.init(adapters)), (xs, ys))
         return params, losses.mean()
 
     return local_train

@@ -28,6 +28,7 @@ import optax
 from flax import nnx
 from jaxtyping import Array, Float
 
+from lowrank_jax.core.step import make_step
 from lowrank_jax.models.llama import apply_rope
 
 
@@ -254,23 +255,24 @@ def train_video_dit(config: VideoDiTConfig, data_fn: Callable, *, steps: int = 2
     schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, min(100, steps // 10 + 1),
                                                   steps, learning_rate * 0.05)
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
-    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    graph, params, rest = nnx.split(model, nnx.Param, ...)
 
-    @nnx.jit
-    def step(model, optimizer, key):
+    def loss_fn(params, rest, key):
         k_data, k_loss = jax.random.split(key)
-        clean = data_fn(k_data, batch)
-        loss, grads = nnx.value_and_grad(flow_matching_loss)(model, clean, k_loss)
-        optimizer.update(model, grads)
-        return loss
+        clean = data_fn(k_data, batch)  # drawn inside the step: no host round trip
+        return flow_matching_loss(nnx.merge(graph, params, rest), clean, k_loss)
 
+    step = make_step(loss_fn, tx)
+    opt_state = tx.init(params)
     key = jax.random.key(seed + 1)
     losses = []
     for i in range(steps):
         key, sub = jax.random.split(key)
-        losses.append(float(step(model, optimizer, sub)))
+        params, opt_state, loss = step(params, opt_state, rest, sub)
+        losses.append(float(loss))
         if log_every and (i + 1) % log_every == 0:
             print(f"step {i + 1:5d}  loss {sum(losses[-log_every:]) / log_every:.4f}", flush=True)
+    nnx.update(model, params)
     return model, losses
 
 

@@ -331,7 +331,8 @@ def _nbytes(tree) -> int:
 
 def memory_bytes(model: nnx.Module, optimizer: Any = None) -> dict[str, int]:
     """Bytes the training state holds: ``trainable`` (``LoRAParam``), ``frozen`` (everything
-    else of the model: codes, scales, dense weights), ``optimizer`` (its state) and ``total``.
+    else of the model: codes, scales, dense weights), ``optimizer`` (the state of an
+    ``nnx.Optimizer``, or an optax state: ``tx.init(...)``) and ``total``.
 
     Example::
 
@@ -341,7 +342,9 @@ def memory_bytes(model: nnx.Module, optimizer: Any = None) -> dict[str, int]:
     """
     trainable = _nbytes(nnx.state(model, nnx.LoRAParam))
     frozen = _nbytes(nnx.state(model, nnx.Not(nnx.LoRAParam)))
-    opt = 0 if optimizer is None else _nbytes(nnx.state(optimizer, nnx.OptState))
+    if isinstance(optimizer, nnx.Optimizer):
+        optimizer = nnx.state(optimizer, nnx.OptState)
+    opt = 0 if optimizer is None else _nbytes(optimizer)
     return {"trainable": trainable, "frozen": frozen, "optimizer": opt,
             "total": trainable + frozen + opt}
 

@@ -27,6 +27,7 @@ import optax
 from flax import nnx
 from jaxtyping import Array, Int
 
+from lowrank_jax.core.step import make_step
 from lowrank_jax.models.llama import Llama, projections
 from lowrank_jax.quant.layers import (
     LatticeParam,
@@ -119,11 +120,6 @@ def finetune_end_to_end(
     def loss_fn(p, frozen, ref, x):
         return kl_to(p, frozen, x, teacher_logits(ref, x))
 
-    def update(loss_and_grads, p, state):
-        loss, grads = loss_and_grads
-        updates, state = tx.update(grads, state, p)
-        return optax.apply_updates(p, updates), state, loss
-
     size = min(batch, train.shape[0])
     if cache_teacher:  # the teacher never changes: run it once, in batches of the step's size
         forward = jax.jit(teacher_logits)
@@ -132,10 +128,7 @@ def finetune_end_to_end(
         val_t = jnp.concatenate([forward(ref_state, val[s:s + size])
                                  for s in range(0, val.shape[0], size)])
 
-        @jax.jit
-        def step(p, state, frozen, x, teacher):
-            return update(jax.value_and_grad(kl_to)(p, frozen, x, teacher), p, state)
-
+        step = make_step(kl_to, tx)
         val_fn = jax.jit(kl_to)
 
         def val_loss(p):
@@ -144,10 +137,7 @@ def finetune_end_to_end(
         def run_step(p, state, rows):
             return step(p, state, rest, train[rows], train_t[rows])
     else:
-        @jax.jit
-        def step(p, state, frozen, ref, x):
-            return update(jax.value_and_grad(loss_fn)(p, frozen, ref, x), p, state)
-
+        step = make_step(loss_fn, tx)
         val_fn = jax.jit(loss_fn)
 
         def val_loss(p):

@@ -1,7 +1,8 @@
 """LoRA-family fine-tuning of a model's adapters (LoRA, BaLoRA, PiSSA, OLoRA, Gap-Init, LoKRA).
 
 The application behind ``lowrank-jax finetune``, callable from Python with the same defaults.
-Only ``nnx.LoRAParam`` leaves train (``nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)``).
+Only ``nnx.LoRAParam`` leaves train (:func:`lowrank_jax.core.step.make_step` with
+``wrt=nnx.LoRAParam``).
 
 On a ``(data, fsdp, tensor)`` mesh (``mesh=``, the CLI's ``--mesh``; one process or several) the
 model, its adapters and the optimizer state are sharded by the rules of
@@ -137,6 +138,7 @@ def finetune(
     from flax import nnx
     from tqdm import tqdm
 
+    from lowrank_jax.core.step import trainable
     from lowrank_jax.nn import LoRARule, apply_lora, lora_layers
     from lowrank_jax.nn.init import init_lora_model
     from lowrank_jax.optim.balora import balora
@@ -174,95 +176,69 @@ def finetune(
     tx = balora(base) if method == "balora" else base
     if mesh is not None:
         shard_lib.shard_model(model, mesh)
-    optimizer = nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)
+    graph, params = nnx.split(model)
+    opt_state = tx.init(trainable(params, nnx.LoRAParam))
     if mesh is not None:  # step counts come out of init on one device
-        nnx.update(optimizer, shard_lib.place_on_mesh(nnx.state(optimizer), mesh))
+        opt_state = shard_lib.place_on_mesh(opt_state, mesh)
     from lowrank_jax.nn.qlora import memory_bytes
 
-    memory = memory_bytes(model, optimizer)
+    memory = memory_bytes(model, opt_state)
     penalty = lokra_lambda if method == "lokra" else 0.0
-
+    step_fn = _finetune_step(graph, tx, penalty, params, opt_state, batch_spec)
     if mesh is None:
-        step_fn = _train_step(penalty)
         batch_of = lambda step: tuple(jnp.asarray(a) for a in batch_fn(step))  # noqa: E731
     else:
-        step_fn = _sharded_train_step(model, optimizer, penalty, batch_spec)
         batch_of = lambda step: _global_batch(batch_fn, step, batch_spec)  # noqa: E731
     main = jax.process_index() == 0
 
     losses = []
     start = time.perf_counter()
     bar = tqdm(range(steps), desc=description, disable=not (progress and main), leave=False)
-    for step in bar:
-        inputs, labels = batch_of(step)
-        loss = float(step_fn(model, optimizer, inputs, labels))
-        if not np.isfinite(loss):
-            raise FloatingPointError(f"{method}: loss became {loss} at step {step}; lower --lr.")
-        losses.append(loss)
-        bar.set_postfix(loss=f"{loss:.4f}")
+    try:
+        for step in bar:
+            inputs, labels = batch_of(step)
+            params, opt_state, loss = step_fn(params, opt_state, inputs, labels)
+            loss = float(loss)
+            if not np.isfinite(loss):
+                raise FloatingPointError(
+                    f"{method}: loss became {loss} at step {step}; lower --lr.")
+            losses.append(loss)
+            bar.set_postfix(loss=f"{loss:.4f}")
+    finally:  # the model holds the last parameters, also when a step fails
+        nnx.update(model, params)
     seconds = time.perf_counter() - start
     layer_ranks = {p: m.rank for p, m in lora_layers(model)}
     return FinetuneResult(losses, adapted, layer_ranks, initial, seconds, memory)
 
 
-_STEP_CACHE: dict[float, Callable] = {}
+def _finetune_step(graph, tx, penalty: float, params, opt_state, batch_sharding):
+    """The fine-tuning step (:func:`lowrank_jax.core.step.make_step` on the ``LoRAParam``
+    leaves): next-token cross-entropy, plus ``penalty`` times the LoKRA regularizer.
 
-
-def _update(model, optimizer, inputs, labels, penalty: float):
-    """Loss and gradient of the LoRA params, then one optimizer update (in place)."""
+    On a mesh (``batch_sharding`` given) it is compiled with the current shardings of
+    ``params`` and ``opt_state`` as in *and* out shardings, so they stay on the rules, and it
+    consumes (donates) them.
+    """
+    import jax
     from flax import nnx
 
+    from lowrank_jax.core.losses import cross_entropy
+    from lowrank_jax.core.step import make_step
     from lowrank_jax.nn.lokra import lokra_regularizer
-    from lowrank_jax.train.losses import cross_entropy
 
-    def loss_fn(model, inputs, labels):
+    def loss_fn(params, inputs, labels):
+        model = nnx.merge(graph, params)
         logits, _ = model(inputs)
         loss = cross_entropy(logits, labels)
         if penalty:
             loss = loss + penalty * lokra_regularizer(model)
         return loss
 
-    loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, nnx.LoRAParam))(
-        model, inputs, labels)
-    optimizer.update(model, grads)
-    return loss
-
-
-def _train_step(penalty: float):
-    """One jitted AdamW step on the LoRA params (cached so repeated runs do not recompile)."""
-    if penalty in _STEP_CACHE:
-        return _STEP_CACHE[penalty]
-    from flax import nnx
-
-    step_fn = nnx.jit(lambda model, optimizer, inputs, labels: _update(
-        model, optimizer, inputs, labels, penalty))
-    _STEP_CACHE[penalty] = step_fn
-    return step_fn
-
-
-def _sharded_train_step(model, optimizer, penalty: float, batch_sharding):
-    """The step of :func:`_train_step` on a mesh: compiled with the current shardings of the
-    model and optimizer state as in *and* out shardings, so they stay on the rules."""
-    import jax
-    from flax import nnx
-
-    graphdef, state = nnx.split((model, optimizer))
-    shardings = jax.tree.map(lambda x: x.sharding, state)
-
-    def pure(state, inputs, labels):
-        model, optimizer = nnx.merge(graphdef, state)
-        loss = _update(model, optimizer, inputs, labels, penalty)
-        return nnx.state((model, optimizer)), loss
-
-    jitted = jax.jit(pure, in_shardings=(shardings, batch_sharding, batch_sharding),
-                     out_shardings=(shardings, None), donate_argnums=0)
-
-    def step_fn(model, optimizer, inputs, labels):
-        new_state, loss = jitted(nnx.state((model, optimizer)), inputs, labels)
-        nnx.update((model, optimizer), new_state)
-        return loss
-
-    return step_fn
+    if batch_sharding is None:
+        return make_step(loss_fn, tx, wrt=nnx.LoRAParam)
+    sharding_of = lambda tree: jax.tree.map(lambda x: x.sharding, tree)  # noqa: E731
+    return make_step(loss_fn, tx, wrt=nnx.LoRAParam, donate=True, shardings=(
+        sharding_of(params), sharding_of(opt_state), (batch_sharding, batch_sharding)))
 
 
 def export_adapter(model, folder, *, base_model_name_or_path=None, initial_adapters=None) -> dict:

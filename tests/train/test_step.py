@@ -103,3 +103,17 @@ def test_wrt_needs_an_nnx_state():
     with pytest.raises(TypeError, match="nnx.State"):
         make_step(lambda p: jnp.sum(p["a"]), optax.sgd(1.0), wrt=nnx.Param, jit=False)(
             {"a": jnp.ones(2)}, ())
+
+
+def test_donate_consumes_the_state_and_gives_the_same_step():
+    params, loss_fn, x, y = _setup()
+    tx = optax.adam(1e-2)
+    keep = make_step(loss_fn, tx, wrt=nnx.LoRAParam)
+    donate = make_step(loss_fn, tx, wrt=nnx.LoRAParam, donate=True)
+    state = tx.init(trainable(params, nnx.LoRAParam))
+    expected = keep(params, state, x, y)
+    copy = jax.tree.map(jnp.copy, (params, state))
+    got = donate(*copy, x, y)
+    _assert_trees_equal(got, expected)
+    assert all(leaf.is_deleted() for leaf in jax.tree.leaves(copy))  # buffers reused
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves((params, state)))
