@@ -283,10 +283,8 @@ def factorize(model: nnx.Module, rules, *, rank: int | None = None,
         ValueError: a rule that matches no projection (the message lists them), no rank given,
             a rank out of range, an all-zero kernel with ``init="svd"``.
     """
-    import re
-
     from lowrank_jax.nn.projection import (
-        is_projection, kernel_as_matrix, module_path, projection_view, set_child)
+        kernel_as_matrix, matched_projections, projection_view, set_child)
 
     if isinstance(rules, str):
         patterns = {rules: rank}
@@ -298,15 +296,8 @@ def factorize(model: nnx.Module, rules, *, rank: int | None = None,
         raise ValueError("factorize: give rank=, rank_ratio= or a {regex: rank} mapping.")
     if rank_ratio is not None and not (0.0 < float(rank_ratio) <= 1.0):
         raise ValueError(f"factorize: rank_ratio={rank_ratio!r} must lie in (0, 1].")
-    candidates = [(p, m) for p, m in nnx.iter_modules(model) if is_projection(m)]
-    hits = {k: 0 for k in patterns}
     report = {}
-    for path, module in candidates:
-        name = module_path(path)
-        pattern = next((k for k in patterns if re.search(k, name)), None)
-        if pattern is None:
-            continue
-        hits[pattern] += 1
+    for path, name, module, pattern in matched_projections(model, list(patterns), "factorize"):
         view = projection_view(module, f"factorize({name}): ")
         r = patterns[pattern]
         if rank_ratio is not None and r is None:
@@ -334,9 +325,4 @@ def factorize(model: nnx.Module, rules, *, rank: int | None = None,
                         "params_before": view.in_features * view.out_features,
                         "params_after": r * (view.in_features + view.out_features)}
         set_child(model, path, new)
-    missing = [k for k, n in hits.items() if n == 0]
-    if missing:
-        shown = [module_path(p) for p, _ in candidates][:12]
-        raise ValueError(f"factorize: rule {missing[0]!r} matches no projection; projections: "
-                         f"{shown or '(none)'}")
     return report

@@ -362,6 +362,45 @@ def projection_paths(model: nnx.Module) -> list[str]:
     return [module_path(p) for p, m in nnx.iter_modules(model) if is_projection(m)]
 
 
+def matched_projections(model: nnx.Module, patterns, where: str, *,
+                        skip: tuple[type, ...] = ()) -> list[tuple[tuple, str, Any, Any]]:
+    """``[(path, name, module, pattern)]`` of every projection whose ``/`` path a pattern
+    matches (``re.search``; the first matching pattern of ``patterns`` wins).
+
+    Projections that are instances of ``skip`` are not candidates. A pattern that matches no
+    projection raises one ``ValueError`` (prefixed ``where``) listing the projections there are.
+
+    Example::
+
+        >>> from flax import nnx
+        >>> class Block(nnx.Module):
+        ...     def __init__(self):
+        ...         self.q_proj = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+        ...         self.up = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+        >>> [(name, pattern) for _, name, _, pattern in
+        ...  matched_projections(Block(), ["q_proj", "up"], "demo")]
+        [('q_proj', 'q_proj'), ('up', 'up')]
+    """
+    import re
+
+    candidates = [(p, m) for p, m in nnx.iter_modules(model)
+                  if is_projection(m) and not isinstance(m, skip)]
+    hits = {k: 0 for k in patterns}
+    found = []
+    for path, module in candidates:
+        name = module_path(path)
+        pattern = next((k for k in patterns if re.search(k, name)), None)
+        if pattern is not None:
+            hits[pattern] += 1
+            found.append((path, name, module, pattern))
+    missing = [k for k, n in hits.items() if n == 0]
+    if missing:
+        shown = [module_path(p) for p, _ in candidates][:12]
+        raise ValueError(f"{where}: rule {missing[0]!r} matches no projection; projections: "
+                         f"{shown or '(none)'}")
+    return found
+
+
 def set_child(model: nnx.Module, path: tuple, new: Any) -> None:
     """Replace the sub-module at ``path`` (attribute names and list indices) by ``new``."""
     parent = model
@@ -400,6 +439,7 @@ class DenseProjection(nnx.Module):
 
 
 __all__ = ["DenseProjection", "PROJECTION_TYPES", "ProjectionType", "ProjectionView",
-           "is_projection", "kernel_as_matrix", "module_path", "projection_bias",
+           "is_projection", "kernel_as_matrix", "matched_projections", "module_path",
+           "projection_bias",
            "projection_kernel", "projection_paths", "projection_type", "projection_view",
            "register_projection", "set_child", "set_kernel_from_matrix"]

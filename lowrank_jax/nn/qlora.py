@@ -289,40 +289,28 @@ def quantize_projections(model: nnx.Module, rules, method: str = "nf4", *,
     Returns:
         ``{path: relative Frobenius error of the quantized weight}``.
     """
-    import re
-
     from lowrank_jax.nn.projection import (
-        is_projection, kernel_as_matrix, module_path, projection_view, set_child)
+        kernel_as_matrix, matched_projections, projection_view, set_child)
 
     patterns = [rules] if isinstance(rules, str) else list(rules)
     if method not in PROJECTION_QUANTIZERS:
         quantize_matrix(None, method)  # raises the clear error
-    candidates = [(p, m) for p, m in nnx.iter_modules(model)
-                  if is_projection(m) and not isinstance(m, QuantizedProjection)]
-    hits = {k: 0 for k in patterns}
-    errors = {}
-    for path, module in candidates:
-        name = module_path(path)
-        pattern = next((k for k in patterns if re.search(k, name)), None)
-        if pattern is None:
-            continue
-        hits[pattern] += 1
+    matched = matched_projections(model, patterns, "quantize_projections",
+                                  skip=(QuantizedProjection,))
+    for _, name, module, _ in matched:  # every error before the model changes
         view = projection_view(module, f"quantize_projections({name}): ")
         if view.in_features % group_size:
             raise ValueError(
                 f"quantize_projections: {name} has {view.in_features} inputs, not a multiple of "
                 f"group_size={group_size}; pass a group_size that divides it.")
+    errors = {}
+    for path, name, module, _ in matched:
         w = jnp.asarray(kernel_as_matrix(module), jnp.float32)
         new = QuantizedProjection.from_projection(module, method, group_size=group_size,
                                                   double_quant=double_quant)
         errors[name] = float(jnp.linalg.norm(new.dense_matrix() - w)
                              / jnp.maximum(jnp.linalg.norm(w), 1e-30))
         set_child(model, path, new)
-    missing = [k for k, n in hits.items() if n == 0]
-    if missing:
-        shown = [module_path(p) for p, _ in candidates][:12]
-        raise ValueError(f"quantize_projections: rule {missing[0]!r} matches no projection; "
-                         f"projections: {shown or '(none)'}")
     return errors
 
 def _nbytes(tree) -> int:
