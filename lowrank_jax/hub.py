@@ -150,8 +150,9 @@ def load_model(
         attention: attention implementation name.
 
     Returns:
-        ``(model, tokenizer)``; the tokenizer is ``None`` for a folder without
-        ``tokenizer.json``.
+        ``(model, tokenizer)``; the tokenizer is ``None`` for a folder with neither
+        ``tokenizer.json`` nor the byte-level marker
+        (:func:`lowrank_jax.models.tokenizer.folder_tokenizer`).
 
     Example::
 
@@ -162,7 +163,7 @@ def load_model(
     from lowrank_jax.models.gguf import load_gguf
     from lowrank_jax.models.presets import PRESETS, preset_model
     from lowrank_jax.models.safetensors_io import load_hf_checkpoint
-    from lowrank_jax.models.tokenizer import BPETokenizer, ByteTokenizer
+    from lowrank_jax.models.tokenizer import BPETokenizer, ByteTokenizer, folder_tokenizer
 
     if projection not in ("dense", "factorized"):
         raise ValueError(
@@ -189,9 +190,7 @@ def load_model(
         path = resolve_model(text)
         if os.path.isdir(path):
             model = load_hf_checkpoint(path, dtype=dtype, attention=attention)
-            tokenizer = None
-            if os.path.isfile(os.path.join(path, "tokenizer.json")):
-                tokenizer = BPETokenizer.from_folder(path)
+            tokenizer = folder_tokenizer(path)
         else:
             model, meta = load_gguf(path, dtype=dtype, attention=attention)
             tokenizer = BPETokenizer.from_gguf_metadata(meta)

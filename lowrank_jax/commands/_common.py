@@ -49,19 +49,6 @@ def load_model_from_args(args):
         rank_ratio=getattr(args, "rank_ratio", None) if projection == "factorized" else None,
         attention=getattr(args, "attention", "reference"),
     )
-    if tokenizer is None and _is_byte_model(args.model):
-        from lowrank_jax.models.tokenizer import ByteTokenizer
-
-        tokenizer = ByteTokenizer()  # a byte-level pretrain model (e.g. `lowrank-jax export`)
     if tokenizer is None:
         raise ValueError(f"--model {args.model}: the checkpoint has no tokenizer.json.")
     return model, tokenizer
-
-
-def _is_byte_model(name: str) -> bool:
-    """A folder marked as a byte-level model (tokens are bytes; it has no tokenizer.json)."""
-    import os
-
-    from lowrank_jax.train.structure import BYTE_TOKENIZER_FILE
-
-    return os.path.isfile(os.path.join(str(name), BYTE_TOKENIZER_FILE))

@@ -271,5 +271,28 @@ def tokenizer_from_gguf_metadata(meta: Mapping[str, Any]) -> BPETokenizer:
     return BPETokenizer.from_gguf_metadata(meta)
 
 
-__all__ = ["BYTE_TOKENIZER_FILE", "BPETokenizer", "ByteTokenizer", "chatml",
+def folder_tokenizer(folder: str | os.PathLike):
+    """The tokenizer stored in a model folder: a :class:`BPETokenizer` from ``tokenizer.json``,
+    a :class:`ByteTokenizer` where the byte-level marker :data:`BYTE_TOKENIZER_FILE` lies (a
+    byte model such as ``lowrank-jax export`` writes), otherwise ``None``.
+
+    Example::
+
+        >>> import tempfile
+        >>> folder = tempfile.mkdtemp()
+        >>> folder_tokenizer(folder) is None
+        True
+        >>> _ = open(os.path.join(folder, BYTE_TOKENIZER_FILE), "w").write("{}")
+        >>> type(folder_tokenizer(folder)).__name__
+        'ByteTokenizer'
+    """
+    folder = os.fspath(folder)
+    if os.path.isfile(os.path.join(folder, "tokenizer.json")):
+        return BPETokenizer.from_folder(folder)
+    if os.path.isfile(os.path.join(folder, BYTE_TOKENIZER_FILE)):
+        return ByteTokenizer()
+    return None
+
+
+__all__ = ["BYTE_TOKENIZER_FILE", "BPETokenizer", "ByteTokenizer", "chatml", "folder_tokenizer",
            "tokenizer_from_gguf_metadata"]

@@ -192,12 +192,9 @@ def load_quantized(folder: str | os.PathLike) -> tuple[Llama, Any]:
         return None
 
     replace_projections(model, stored)
-    tokenizer = None
-    if manifest.get("tokenizer") and os.path.isfile(os.path.join(folder, "tokenizer.json")):
-        from lowrank_jax.models.tokenizer import BPETokenizer
+    from lowrank_jax.models.tokenizer import folder_tokenizer
 
-        tokenizer = BPETokenizer.from_folder(folder)
-    return model, tokenizer
+    return model, folder_tokenizer(folder)
 
 
 __all__ = ["FORMAT_VERSION", "is_quantized_folder", "load_quantized", "save_quantized"]

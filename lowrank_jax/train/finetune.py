@@ -293,12 +293,6 @@ def load_model_and_tokens(model_name: str, data: str | None = None):
         return preset_model(model_name), tokens.astype(np.int32), None
 
     model, tokenizer = load_model(model_name)
-    from lowrank_jax.train.structure import BYTE_TOKENIZER_FILE
-
-    if tokenizer is None and os.path.isfile(os.path.join(str(model_name), BYTE_TOKENIZER_FILE)):
-        from lowrank_jax.models.tokenizer import ByteTokenizer  # a byte-level folder (`tiny`)
-
-        tokenizer = ByteTokenizer()
     if tokenizer is None:
         raise ValueError(f"--model {model_name}: no tokenizer found next to the checkpoint.")
     if text is None:

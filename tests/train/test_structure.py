@@ -97,7 +97,7 @@ def test_export_respects_budget_and_matches_in_memory_allocator(salaad_run, tmp_
     in_memory = _loss(nnx.merge(state.graphdef, apply_surrogate(state.params, sstate,
                                                                 allocation)), x, y)
     loaded, tokenizer = load_model(str(out))
-    assert tokenizer is None  # no tokenizer.json; the commands read byte_tokenizer.json
+    assert type(tokenizer).__name__ == "ByteTokenizer"  # from the byte_tokenizer.json marker
     np.testing.assert_allclose(_loss(loaded, x, y), in_memory, rtol=1e-5)
     dense_loss = _loss(nnx.merge(state.graphdef, state.params), x, y)
     assert abs(in_memory - dense_loss) > 1e-4  # the weights really were cut
@@ -128,8 +128,9 @@ def test_export_cli_and_eval_on_the_byte_model(salaad_run, tmp_path, capsys):
     from lowrank_jax.models.generate import english_eval_text, perplexity
     from lowrank_jax.models.tokenizer import ByteTokenizer
 
-    model, _ = load_model(str(out))
-    ids = ByteTokenizer().encode(english_eval_text())[:200]
+    model, tokenizer = load_model(str(out))
+    assert isinstance(tokenizer, ByteTokenizer)
+    ids = tokenizer.encode(english_eval_text())[:200]
     want = perplexity(model, ids, window=16, progress=False)
     assert printed.startswith(f"perplexity {want.perplexity:.3f} (nll {want.nll:.4f}")
     assert 1.0 < want.perplexity < 256.0  # a byte model: better than nothing, worse than exact
