@@ -47,11 +47,13 @@ from lowrank_jax.quant.lattice import (  # noqa: F401 (re-exported: the public l
     all_digits,
     check_lattice_bits,
     code_dtype,
+    decode_grouped,
     initial_lattice,
     lattice_sigma,
     make_grid,
     nearest_codeword,
     random_orthogonal,
+    refit_lattice,
     round_to_lattice,
 )
 from lowrank_jax.quant.rounding import (  # noqa: F401 (re-exported: the rotated-quantizer toolkit)
@@ -71,7 +73,6 @@ from pallas_kernels.lattice_matmul.reference import (
     code_bits,
     dequantize_reference,
     hadamard_block_size,
-    unpack_codes,
 )
 
 
@@ -317,88 +318,6 @@ def _round_groups(w_rot, h_rot, lower, affine, offset, tune_iters: int, bits: in
         codes = jax.vmap(
             lambda w, g: ldlq(w, h_rot, lower, g, tune_iters=tune_iters, bits=bits)[0])(w_g, grids)
     return codes.reshape(m, n // 4).astype(code_dtype(bits))
-
-
-def refit_lattice(
-    weight_rot: Float[Array, "m n"],
-    h: Float[Array, "n n"] | None,
-    codes: UInt[Array, "m q"],
-    affine: Float[Array, "g 4 4"],
-    offset: Float[Array, "g 4"],
-    *,
-    bits: int = 2,
-    ridge: float = 1e-6,
-) -> tuple[Array, Array]:
-    r"""The ``A_g``, ``b_g`` minimising ``Σ_rows (C − W_r) H (C − W_r)ᵀ`` with the codes fixed.
-
-    ``C[i, 4k:4k+4] = A_g z_{i,k} + b_g`` is linear in ``Θ_g = [A_g | b_g]`` (20 numbers), so each
-    group's optimum solves the normal equations (``F_i[k] = [z_{i,k}, 1]``)
-
-    .. math::
-        \sum_{i∈g}\sum_{k,k'} F_i[k]_l\, H_{4k+j,4k'+j'}\, F_i[k']_{l'}\;Θ_{j'l'}
-        = \sum_{i∈g}\sum_k F_i[k]_l\,(H w_i)_{4k+j}
-
-    with a ridge ``ridge·tr/20`` towards the current ``Θ_g`` (digits a group never uses keep
-    their value). ``h=None`` is ``H = I`` (plain least squares).
-
-    Args:
-        weight_rot: the rotated, scaled target ``W_r [m, n]``.
-        h: rotated Hessian ``[n, n]`` or ``None``.
-        codes: ``[m, n/4]`` lattice codes.
-        affine, offset: current ``[G, 4, 4]``, ``[G, 4]`` (``G`` divides ``m``).
-        bits: digit width of ``codes``.
-        ridge: relative ridge of the solve.
-
-    Returns:
-        ``(affine [G, 4, 4], offset [G, 4])``.
-
-    Example::
-
-        >>> import jax.numpy as jnp
-        >>> a, b = initial_lattice()
-        >>> codes = jnp.arange(8, dtype=jnp.uint8).reshape(4, 2) * 31
-        >>> w = dequantize(UniSVQWeight(codes, jnp.ones(8), jnp.ones(4), a, b, 1, 1))
-        >>> a2, b2 = refit_lattice(w, None, codes, a[None], b[None])
-        >>> bool(jnp.allclose(a2[0], a, atol=1e-4))
-        True
-    """
-    m, n = weight_rot.shape
-    q = n // 4
-    groups = affine.shape[0]
-    w = weight_rot.astype(jnp.float32)
-    z = unpack_codes(codes, bits).astype(jnp.float32)  # m q 4
-    f = jnp.concatenate([z, jnp.ones((m, q, 1), jnp.float32)], -1)  # m q 5
-    if h is None:
-        gram = jnp.einsum("rkl,rkL->rlL", f, f)  # m 5 5, the same for every j
-        gram = jnp.einsum("rlL,jJ->rjlJL", gram, jnp.eye(4))
-        hw = w
-    else:
-        hr = h.astype(jnp.float32).reshape(q, 4, q, 4)
-        t = jnp.einsum("rkl,kjKJ->rljKJ", f, hr)
-        gram = jnp.einsum("rljKJ,rKL->rjlJL", t, f)
-        hw = w @ h.astype(jnp.float32)
-    rhs = jnp.einsum("rkl,rkj->rjl", f, hw.reshape(m, q, 4))
-    gram = gram.reshape(groups, m // groups, 20, 20).sum(1)
-    rhs = rhs.reshape(groups, m // groups, 20).sum(1)
-    theta0 = jnp.concatenate([affine, offset[..., None]], -1).reshape(groups, 20)
-    lam = ridge * jnp.trace(gram, axis1=1, axis2=2)[:, None] / 20 + 1e-30
-    theta = jnp.linalg.solve(gram + lam[:, :, None] * jnp.eye(20),
-                             (rhs + lam * theta0)[..., None])[..., 0].reshape(groups, 4, 5)
-    return theta[..., :4], theta[..., 4]
-
-
-def decode_grouped(
-    codes: UInt[Array, "m q"], affine: Float[Array, "g 4 4"], offset: Float[Array, "g 4"],
-    bits: int | None = None,
-) -> Float[Array, "m n"]:
-    """Rotated-domain ``C [m, n]`` with ``C[i, 4k:4k+4] = A_g z_{i,k} + b_g`` (``i`` in group
-    ``g``; ``G`` contiguous groups of ``m/G`` rows)."""
-    m, q = codes.shape
-    groups = affine.shape[0]
-    z = unpack_codes(codes, bits).astype(jnp.float32).reshape(groups, m // groups, q, 4)
-    c = jnp.einsum("grqk,gjk->grqj", z, affine.astype(jnp.float32))
-    c = c + offset.astype(jnp.float32)[:, None, None, :]
-    return c.reshape(m, 4 * q)
 
 
 @functools.partial(jax.jit, static_argnums=(3, 4, 5))
