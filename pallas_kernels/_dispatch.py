@@ -129,22 +129,21 @@ def fit_dividing_tile(op: str, name: str, block: int, dim: int, dim_name: str) -
 
 def dividing_tile(op: str, name: str, cap: int, dim: int, dim_name: str) -> int:
     """A derived tile (a ``BlockSizes`` field left ``None``) for an axis the kernel does not pad:
-    ``dim`` when ``dim <= cap``, else the largest power of two ``<= cap`` (``>= 8``) dividing it;
-    a ``ValueError`` when there is none (pass the field or pad the axis).
+    the largest power of two ``<= cap`` (``>= 8``) dividing ``dim``, else ``dim`` itself when
+    ``dim <= cap`` (one block); a ``ValueError`` when neither (pass the field or pad the axis).
 
     Example::
 
-        >>> dividing_tile("op", "block_k", 512, 576, "d_in"), dividing_tile(
-        ...     "op", "block_k", 512, 24, "d_in")
-        (64, 24)
+        >>> [dividing_tile("op", "block_k", 512, d, "d_in") for d in (576, 24, 20)]
+        [64, 8, 20]
     """
-    if dim <= cap:
-        return dim
     block = cap
     while block >= 8:
         if dim % block == 0:
             return block
         block //= 2
+    if dim <= cap:
+        return dim
     raise ValueError(
         f"{op}: {dim_name}={dim} has no power-of-two tile <= {cap}; pass "
         f"BlockSizes({name}=...) (a divisor of {dim}) or pad {dim_name} to a multiple of 8."

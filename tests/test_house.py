@@ -5,12 +5,16 @@ against the targets already reached, so a new import circle, an upward arrow, a 
 import or a kernel op without ``BlockSizes`` fails here.
 """
 
+import dataclasses
+import importlib
 import json
 import pathlib
 import subprocess
 import sys
 
 import pytest
+
+from pallas_kernels import _dispatch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -53,3 +57,18 @@ def test_ground_floor_imports_nothing_above(counts):
 def test_no_private_imports(counts):
     # 22 before issue 37's floors pass, 11 after it; what one module uses of another is public
     assert counts["private"] == [], counts["private"]
+
+
+def test_every_kernel_op_has_block_sizes(counts):
+    # 2 of 6 before issue 37's tiling pass; one policy in pallas_kernels/_dispatch.py
+    assert len(counts["ops"]) == 6 and counts["ops_missing_block_sizes"] == [], counts
+
+
+def test_every_block_sizes_follows_the_one_policy():
+    for op in ("flash_attention", "grouped_lora", "lattice_matmul", "sparse_attention",
+               "subspace_attention", "xkv_decode"):
+        tiles = importlib.import_module(f"pallas_kernels.{op}").BlockSizes
+        assert issubclass(tiles, _dispatch.TileSizes) and tiles.get_default() == tiles(), op
+        first = dataclasses.fields(tiles)[0].name
+        with pytest.raises(ValueError, match=rf"BlockSizes.{first}=12 must be a power of two"):
+            tiles(**{first: 12})

@@ -45,10 +45,11 @@ class BlockSizes(_dispatch.TileSizes):
             the padded rank ``R`` is not padded: ``R ≤ block_r`` is one chunk, a larger ``R``
             must be a multiple of ``block_r``.
         block_k: ``d_in`` chunk of :func:`lora_shrink`'s contraction; it must divide ``d_in``
-            (``None``: ``d_in`` itself up to 512, else the largest power of two ``≤ 512``
-            dividing it; an error when there is none, never a silent whole-dimension tile).
+            (``None``: the largest power of two ``≤ 512`` dividing ``d_in``, else ``d_in``
+            itself up to 512; an error otherwise, never a silent whole-dimension tile; see
+            :func:`~pallas_kernels._dispatch.dividing_tile`).
         block_n: output-column tile of :func:`lora_expand`; it must divide ``d_out`` (``None``:
-            ``d_out`` itself up to 128, else the largest power of two ``≤ 128`` dividing it).
+            the largest power of two ``≤ 128`` dividing it, else ``d_out`` itself up to 128).
 
     Example::
 
