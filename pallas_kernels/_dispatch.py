@@ -48,6 +48,17 @@ def has_accelerator() -> bool:
     return jax.default_backend() in ("gpu", "cuda", "rocm", "tpu")
 
 
+def backend_platform() -> str:
+    """The Pallas lowering of the default backend: ``"gpu"`` (Triton), ``"tpu"`` (Mosaic) or
+    ``"interpret"`` (no accelerator), the default of every op's ``platform=``."""
+    backend = jax.default_backend()
+    if backend == "tpu":
+        return "tpu"
+    if backend in ("gpu", "cuda", "rocm"):
+        return "gpu"
+    return "interpret"
+
+
 def resolve(implementation: str, interpret: bool | None, *, op: str = "op") -> tuple[str, bool]:
     """``(implementation, interpret)`` resolved to ``("pallas" | "xla", bool)`` (module doc).
 

@@ -50,15 +50,6 @@ class BlockSizes(_dispatch.TileSizes):
                           _dispatch.fit_tile(self.block_k, kv_len))
 
 
-def _backend_platform() -> str:
-    backend = jax.default_backend()
-    if backend == "tpu":
-        return "tpu"
-    if backend in ("gpu", "cuda", "rocm"):
-        return "gpu"
-    return "interpret"
-
-
 def resolve_implementation(implementation: str, interpret: Any = None) -> str:
     """``"pallas"`` or ``"xla"``: the one meaning of :mod:`pallas_kernels._dispatch` (``"auto"``:
     the kernel on GPU/TPU or when ``interpret`` is set, the reference elsewhere)."""
@@ -174,7 +165,7 @@ def flash_attention(
     if resolve_implementation(implementation, interpret) == "xla":
         return flash_attention_reference(q, k, v, causal=causal, scale=scale)
     block_sizes = BlockSizes.check("flash_attention", block_sizes)
-    platform = platform or _backend_platform()
+    platform = platform or _dispatch.backend_platform()
     if platform not in _kernel.PLATFORMS:
         raise ValueError(f"platform={platform!r} is unknown; choose one of {_kernel.PLATFORMS}.")
     if interpret is None:

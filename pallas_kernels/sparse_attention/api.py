@@ -16,7 +16,6 @@ import numpy as np
 from jaxtyping import Array, Bool, Float
 
 from pallas_kernels.flash_attention.api import (
-    _backend_platform,
     flash_attention,
     padded_head_dim,
     resolve_implementation,
@@ -219,7 +218,7 @@ def sale_prefill_attention(
         out = jnp.transpose(out, (0, 2, 1, 3))
         return (out, mask) if return_mask else out
 
-    platform = platform or _backend_platform()
+    platform = platform or _dispatch.backend_platform()
     if interpret is None:
         interpret = platform == "interpret"
     if platform == "interpret" and not interpret:

@@ -12,7 +12,7 @@ from jaxtyping import Array, Bool, Float
 
 from pallas_kernels import _dispatch
 from pallas_kernels._dispatch import IMPLEMENTATIONS, resolve_implementation
-from pallas_kernels.flash_attention.api import _backend_platform, padded_head_dim
+from pallas_kernels.flash_attention.api import padded_head_dim
 from pallas_kernels.subspace_attention import kernel as _kernel
 from pallas_kernels.subspace_attention.reference import (
     check_subspace_shapes,
@@ -108,7 +108,7 @@ def subspace_attention(
         return subspace_attention_blocked(q, k, v, q_lat, k_lat, v_lat, v_basis, near_mask,
                                           block_q=bq, block_k=bk, scale=scale,
                                           v_residual=v_residual, max_near=max_near)
-    platform = platform or _backend_platform()
+    platform = platform or _dispatch.backend_platform()
     if platform not in _kernel.PLATFORMS:
         raise ValueError(f"platform={platform!r} is unknown; choose one of {_kernel.PLATFORMS}.")
     if interpret is None:
