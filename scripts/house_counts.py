@@ -12,7 +12,8 @@ Counts:
   importing its own package's ``__init__`` is not counted);
 - **upward arrows**: imports from a lower floor to a higher one (``FLOORS`` below);
 - **private imports**: ``from lowrank_jax.x import _name`` (or ``import lowrank_jax.x._y``) from
-  another module;
+  another module, and the same inside ``pallas_kernels`` (a package's private module, such as
+  ``pallas_kernels._dispatch``, may be imported by the modules under that package);
 - **kernel ops without BlockSizes**: op packages under ``pallas_kernels/`` whose ``api.py`` does not
   define or import a ``BlockSizes`` class;
 - **training steps**: functions (package + scripts) that call ``value_and_grad``/``grad`` and an
@@ -30,6 +31,7 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = "lowrank_jax"
+KERNELS = "pallas_kernels"
 
 # Floors, lowest first. A module may import its own floor or any floor below it. An entry names a
 # subpackage ("nn") or a module inside one ("quant.pipeline"); the longest match wins, and modules
@@ -73,8 +75,8 @@ def module_name(path: pathlib.Path) -> str:
     return ".".join(parts)
 
 
-def package_modules() -> dict[str, pathlib.Path]:
-    return {module_name(p): p for p in sorted((ROOT / PACKAGE).rglob("*.py"))}
+def package_modules(package: str = PACKAGE) -> dict[str, pathlib.Path]:
+    return {module_name(p): p for p in sorted((ROOT / package).rglob("*.py"))}
 
 
 def _resolve(importer: str, is_package: bool, level: int, target: str | None) -> str:
@@ -308,6 +310,7 @@ def nll_implementations() -> list[str]:
 def counts() -> dict[str, object]:
     modules = package_modules()
     edges, private = import_graph(modules)
+    private += import_graph(package_modules(KERNELS))[1]  # the kernels' own private names
     ops, missing = ops_without_block_sizes()
     return {
         "circles": circles(edges),

@@ -20,7 +20,7 @@ import optax
 from flax import nnx
 
 from lowrank_jax.bench.timing import time_interleaved
-from lowrank_jax.bench.training import _tokens, row
+from lowrank_jax.bench.training import random_token_batch, row
 from lowrank_jax.core.losses import cross_entropy
 from lowrank_jax.models.llama import Llama, LlamaConfig
 from lowrank_jax.nn import LoRARule, apply_lora
@@ -55,7 +55,7 @@ def _sequential_runner(base: Llama, k_jobs: int, batch: int, seq: int):
 
             per_rank[rank] = (step, lora, rest, tx)
         step, lora, rest, tx = per_rank[rank]
-        x, y = _tokens(base.cfg.vocab_size, batch, seq, seed=k)
+        x, y = random_token_batch(base.cfg.vocab_size, batch, seq, seed=k)
         jobs.append([step, jax.tree.map(jnp.copy, lora), tx.init(lora), rest, x, y])
 
     def run():
@@ -77,7 +77,7 @@ def _packed_parts(base: Llama, k_jobs, batch, seq, implementation):
     tx = per_job_adamw([1e-3] * k_jobs)
     ids = jnp.repeat(jnp.arange(k_jobs), batch)
     step = make_packed_step(graph, rest, ids, tx, k_jobs)
-    x, y = _tokens(base.cfg.vocab_size, batch * k_jobs, seq)
+    x, y = random_token_batch(base.cfg.vocab_size, batch * k_jobs, seq)
     holder = [lora, tx.init(lora)]
 
     def run():

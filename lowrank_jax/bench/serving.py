@@ -14,7 +14,7 @@ import tempfile
 import jax
 
 from lowrank_jax.bench.timing import time_interleaved
-from lowrank_jax.bench.training import _prefill_runner, decode_runners, row
+from lowrank_jax.bench.training import decode_runners, prefill_runner, row
 
 
 def _load(name: str, dtype: str):
@@ -103,12 +103,12 @@ DECODE_VARIANTS = {
 def _sampler_runners(vocab: int) -> dict:
     """The sampler on one vocabulary-sized logits row: greedy (``temperature=0``, the argmax
     branch) and top-p (the branch every greedy token also paid before the ``lax.cond``)."""
-    from lowrank_jax.models.generate import _sample
+    from lowrank_jax.models.generate import sample_token
 
     logits = jax.random.normal(jax.random.key(0), (1, vocab))
     key = jax.random.key(1)
-    return {("sample", "greedy"): lambda: _sample(logits, key, 0.0, 1.0),
-            ("sample", "top-p"): lambda: _sample(logits, key, 0.7, 0.9)}
+    return {("sample", "greedy"): lambda: sample_token(logits, key, 0.0, 1.0),
+            ("sample", "top-p"): lambda: sample_token(logits, key, 0.7, 0.9)}
 
 
 def smollm2_serving(*, quick: bool, reps: int) -> list[dict]:
@@ -132,7 +132,7 @@ def smollm2_serving(*, quick: bool, reps: int) -> list[dict]:
             "bf16 bits": fuse_projections(bf16_weights(model))}
     prompt = _prompt(tokenizer, prompt_len)
     tokens = jax.numpy.asarray([prompt])
-    fns = {("prefill", k): _prefill_runner(ours[k], tokens) for k in ("fp32", "bf16 bits")}
+    fns = {("prefill", k): prefill_runner(ours[k], tokens) for k in ("fp32", "bf16 bits")}
     for label, (model_key, kwargs) in DECODE_VARIANTS.items():
         many, one = decode_runners(ours[model_key], prompt, new_tokens, tokenizer, **kwargs)
         fns[("decode", label, "many")], fns[("decode", label, "one")] = many, one

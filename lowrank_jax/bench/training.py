@@ -29,7 +29,16 @@ def row(benchmark: str, case: str, method: str, baseline: str, method_s: float,
             "time_ratio": method_s / baseline_s, "target": target, "met": met, **extra}
 
 
-def _tokens(vocab: int, batch: int, seq: int, seed: int = 0):
+def random_token_batch(vocab: int, batch: int, seq: int, seed: int = 0):
+    """``(inputs, targets)``, each ``int32 [batch, seq]``: uniform random ids below ``vocab`` and
+    the same ids shifted by one (the next-token targets), from ``jax.random.key(seed)``.
+
+    Example::
+
+        >>> x, y = random_token_batch(256, 2, 5)
+        >>> x.shape, bool((x[:, 1:] == y[:, :-1]).all())
+        ((2, 5), True)
+    """
     ids = jax.random.randint(jax.random.key(seed), (batch, seq + 1), 0, vocab, jnp.int32)
     return ids[:, :-1], ids[:, 1:]
 
@@ -42,7 +51,7 @@ def train_step_runner(cfg: LlamaConfig, tx: optax.GradientTransformation, batch:
     params = nnx.as_pure(state)
     holder = [params, tx.init(params)]
     step = make_train_step(graph, tx)
-    x, y = _tokens(cfg.vocab_size, batch, seq, seed)
+    x, y = random_token_batch(cfg.vocab_size, batch, seq, seed)
 
     def run():
         holder[0], holder[1], metrics = step(holder[0], holder[1], x, y)
@@ -124,7 +133,9 @@ def spectron_overhead(*, quick: bool, reps: int) -> list[dict]:
     return rows
 
 
-def _prefill_runner(model: Llama, tokens):
+def prefill_runner(model: Llama, tokens):
+    """A zero-argument callable: one jitted prefill of ``tokens [batch, seq]`` through ``model``
+    (no cache), returning the last position's logits ``[batch, vocab]``."""
     static, state = prepare(model)
     run = jax.jit(lambda state, tokens: forward(static, state, tokens)[0][:, -1])
     return lambda: run(state, tokens)
@@ -186,8 +197,8 @@ def factorized_vs_dense(*, quick: bool, reps: int) -> list[dict]:
     train = time_interleaved({name: train_step_runner(cfg, optax.adamw(1e-3), batch, seq)
                               for name, cfg in cfgs.items()}, reps=reps)
     models = {name: Llama(cfg, rngs=nnx.Rngs(0)) for name, cfg in cfgs.items()}
-    x, _ = _tokens(base["vocab_size"], batch, seq)
-    prefill = time_interleaved({name: _prefill_runner(m, x) for name, m in models.items()},
+    x, _ = random_token_batch(base["vocab_size"], batch, seq)
+    prefill = time_interleaved({name: prefill_runner(m, x) for name, m in models.items()},
                                reps=reps)
     prompt = [int(t) for t in np.asarray(x[0, :prompt_len])]
     decode = decode_interleaved(models, prompt, new_tokens, reps)
@@ -208,5 +219,5 @@ def factorized_vs_dense(*, quick: bool, reps: int) -> list[dict]:
     return rows
 
 
-__all__ = ["decode_interleaved", "decode_runners", "factorized_vs_dense", "row",
-           "spectron_overhead", "train_step_runner"]
+__all__ = ["decode_interleaved", "decode_runners", "factorized_vs_dense", "prefill_runner",
+           "random_token_batch", "row", "spectron_overhead", "train_step_runner"]

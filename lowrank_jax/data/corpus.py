@@ -32,7 +32,16 @@ STDLIB_MODULES = (
 )
 
 
-def _docstrings(module) -> list[str]:
+def module_docstrings(module) -> list[str]:
+    """The docstrings of ``module``, in a fixed order: the module's own, then for each class and
+    function defined there (sorted by name) its docstring and, for a class, its methods'.
+
+    Example::
+
+        >>> import bisect
+        >>> module_docstrings(bisect)[0].startswith("Bisection algorithms")
+        True
+    """
     texts = []
     doc = inspect.getdoc(module)
     if doc:
@@ -66,7 +75,7 @@ def collect_docstrings(modules: tuple[str, ...] = STDLIB_MODULES) -> str:
             module = importlib.import_module(name)
         except Exception:  # a module missing from a stripped-down Python: skip it
             continue
-        parts.extend(_docstrings(module))
+        parts.extend(module_docstrings(module))
     return "\n\n".join(parts)
 
 
@@ -156,6 +165,11 @@ def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int, max_batches:
 def nats_to_bits(nats: float) -> float:
     """A loss in nats (per byte) as bits: ``nats / ln 2``."""
     return nats / math.log(2.0)
+
+
+__all__ = ["STDLIB_MODULES", "batch_at", "collect_docstrings", "corpus_bytes", "corpus_text",
+           "eval_batches", "module_docstrings", "nats_to_bits", "train_val_split",
+           "unigram_entropy_bits"]
 
 
 if __name__ == "__main__":  # the fresh interpreter of corpus_text: python -I corpus.py MODULE...

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from lowrank_jax.data.corpus import _docstrings as _module_docstrings
+from lowrank_jax.data.corpus import module_docstrings
 from lowrank_jax.federated.simulator import Client
 from lowrank_jax.nn import LoRARule, apply_lora
 
@@ -57,7 +57,7 @@ def topic_sentences(min_chars: int = 40, max_chars: int = 400):
                 module = importlib.import_module(name)
             except ImportError:  # a module missing from a stripped-down Python: skip it
                 continue
-            for doc in _module_docstrings(module):
+            for doc in module_docstrings(module):
                 for sentence in re.split(r"(?<=[.!?])\s+|\n\s*\n", doc):
                     sentence = " ".join(sentence.split())
                     if min_chars <= len(sentence) <= max_chars:

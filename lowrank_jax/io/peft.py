@@ -272,9 +272,10 @@ def export_peft(
     return config
 
 
-def _read_config(path: str) -> dict:
-    """``adapter_config.json``, checked: valid JSON, numeric ``r`` / ``lora_alpha`` (and in
-    their patterns); errors name the file and the key."""
+def read_adapter_config(path: str | os.PathLike) -> dict:
+    """A PEFT ``adapter_config.json`` as a dict, checked: valid JSON holding an object, ``r`` a
+    positive integer and ``lora_alpha`` a positive number (and so every value of
+    ``rank_pattern`` / ``alpha_pattern``); a ``ValueError`` names the file and the key."""
     try:
         with open(path, encoding="utf-8") as f:
             config = json.load(f)
@@ -308,7 +309,18 @@ def _read_config(path: str) -> dict:
     return config
 
 
-def _pattern_value(name: str, pattern: Mapping[str, Any], default):
+def pattern_value(name: str, pattern: Mapping[str, Any], default):
+    """The value a PEFT ``rank_pattern`` / ``alpha_pattern`` gives module ``name``, else
+    ``default``: the first key that matches the end of the dotted name as a regular expression
+    (PEFT's rule: ``"q_proj"`` matches ``"model.layers.0.self_attn.q_proj"``).
+
+    Example::
+
+        >>> pattern_value("model.layers.0.self_attn.q_proj", {"q_proj": 16}, 8)
+        16
+        >>> pattern_value("model.layers.0.mlp.up_proj", {"q_proj": 16}, 8)
+        8
+    """
     for key, value in pattern.items():
         if re.match(rf"(.*\.)?({key})$", name):
             return value
@@ -359,7 +371,7 @@ def import_peft(model: nnx.Module, folder: str | os.PathLike, *,
         if not os.path.exists(p):
             raise FileNotFoundError(f"import_peft: {p} not found; a PEFT adapter folder holds "
                                     f"{CONFIG_NAME} and {WEIGHTS_NAME}.")
-    config = _read_config(config_path)
+    config = read_adapter_config(config_path)
     if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"import_peft: peft_type={config.get('peft_type')!r}; only 'LORA' "
                          "adapters can be imported.")
@@ -421,7 +433,7 @@ def import_peft(model: nnx.Module, folder: str | os.PathLike, *,
                 f"model's layer needs [r, {in_f}] and [{out_f}, r]. Was the adapter trained on "
                 "a different base model?"
             )
-        expected_r = int(_pattern_value(hf_name, config.get("rank_pattern") or {}, r_default))
+        expected_r = int(pattern_value(hf_name, config.get("rank_pattern") or {}, r_default))
         if expected_r != rank:
             raise ValueError(f"import_peft: {hf_name} stores rank {rank} but the config says "
                              f"{expected_r}; the adapter folder is inconsistent.")
@@ -430,7 +442,7 @@ def import_peft(model: nnx.Module, folder: str | os.PathLike, *,
                 f"import_peft: {path} already has a rank-{existing[path].rank} adapter but the "
                 f"PEFT adapter has rank {rank}; remove_lora(model) first or match the rank."
             )
-        alpha = float(_pattern_value(hf_name, config.get("alpha_pattern") or {}, alpha_default))
+        alpha = float(pattern_value(hf_name, config.get("alpha_pattern") or {}, alpha_default))
         plan.append((path, rank, alpha, a_t, b_t))
     new = [(path, rank, alpha) for path, rank, alpha, _, _ in plan if path not in existing]
     if new:
@@ -449,4 +461,5 @@ def import_peft(model: nnx.Module, folder: str | os.PathLike, *,
 
 
 __all__ = ["CONFIG_NAME", "HF_DECODER_MAP", "NAME_MAPS", "PEFT_PREFIX", "WEIGHTS_NAME",
-           "export_peft", "hf_module_name", "import_peft", "name_mapper", "our_module_path"]
+           "export_peft", "hf_module_name", "import_peft", "name_mapper", "our_module_path",
+           "pattern_value", "read_adapter_config"]

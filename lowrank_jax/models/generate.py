@@ -136,14 +136,19 @@ def _prefill(static, state, tokens, cache):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _decode_step(static, state, token, cache):
+def decode_step(static, state, token, cache):
+    """One jitted decode step: ``(logits [batch, vocab], cache)`` of the last position after
+    ``token [batch, t]`` is appended to ``cache`` (``static, state`` from :func:`prepare`).
+
+    The cache is not donated (a custom cache may be read again after the step); generate's own
+    :class:`KVCache` loop uses a donating twin of this step."""
     logits, cache = forward(static, state, token, cache)
     return logits[:, -1], cache
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
 def _decode_step_in_place(static, state, token, cache):
-    """:func:`_decode_step` for generate's own :class:`KVCache`: its buffers are donated, so
+    """:func:`decode_step` for generate's own :class:`KVCache`: its buffers are donated, so
     each token updates the cache in place instead of copying all of it (DERIVED: the copy is
     O(layers · context) bytes per token)."""
     logits, cache = forward(static, state, token, cache)
@@ -157,8 +162,10 @@ UNROLL_MIN_NEW_TOKENS = 256
 
 
 @jax.jit
-def _sample(logits, key, temperature, top_p):
-    """Greedy when ``temperature == 0``, else top-p sampling from ``softmax(logits / T)``.
+def sample_token(logits, key, temperature, top_p):
+    """The next token ``[batch]`` from ``logits [batch, vocab]``: greedy (the argmax) when
+    ``temperature == 0``, else top-p (nucleus) sampling from ``softmax(logits / temperature)``
+    over the smallest set of tokens whose probability reaches ``top_p``.
 
     A ``lax.cond``, so greedy decoding runs only the argmax: the top-p branch sorts the whole
     vocabulary (MEASURED: 18–33 ms per token for SmolLM2's 49152 logits on 2 cores, against
@@ -178,7 +185,7 @@ def _sample(logits, key, temperature, top_p):
 
 
 def _stepwise(static, state, logits, cache, key, temperature, top_p, max_new_tokens,
-              decode_step, tokenizer, stream, return_logits, stop_at_eos, eos_set):
+              step_fn, tokenizer, stream, return_logits, stop_at_eos, eos_set):
     """One jitted decode step per token from Python: for ``stream`` (every token on the host)
     and for custom caches (whose structure may change between steps)."""
     new_ids: list[int] = []
@@ -186,7 +193,7 @@ def _stepwise(static, state, logits, cache, key, temperature, top_p, max_new_tok
     emitted = ""
     for step in range(max_new_tokens):
         key, sub = jax.random.split(key)
-        token = int(_sample(logits, sub, temperature, top_p)[0])
+        token = int(sample_token(logits, sub, temperature, top_p)[0])
         if return_logits:
             kept_logits.append(np.asarray(logits[0]))
         new_ids.append(token)
@@ -200,7 +207,7 @@ def _stepwise(static, state, logits, cache, key, temperature, top_p, max_new_tok
         if stop_at_eos and token in eos_set:
             return new_ids, kept_logits, True
         if step + 1 < max_new_tokens:
-            logits, cache = decode_step(static, state, jnp.asarray([[token]], jnp.int32), cache)
+            logits, cache = step_fn(static, state, jnp.asarray([[token]], jnp.int32), cache)
     return new_ids, kept_logits, False
 
 
@@ -212,7 +219,7 @@ def _decode_loop(static, state, logits, cache, key, temperature, top_p, stops, n
 
     def sample(logits, key, i, buf, kept):
         key, sub = jax.random.split(key)
-        token = _sample(logits, sub, temperature, top_p)[0].astype(jnp.int32)
+        token = sample_token(logits, sub, temperature, top_p)[0].astype(jnp.int32)
         if keep:
             kept = kept.at[i].set(logits[0])
         return key, token, buf.at[i].set(token), kept, jnp.any(token == stops)
@@ -341,7 +348,7 @@ def generate(
         unroll_decode = max_new_tokens >= UNROLL_MIN_NEW_TOKENS
     if unroll_decode and static.mode == "scan":  # decode reads each layer's weights in place
         static, state = prepare(model, scan_layers=False)
-    decode_step = _decode_step if cache_factory else _decode_step_in_place  # ours: donate it
+    step_fn = decode_step if cache_factory else _decode_step_in_place  # ours: donate it
     temperature_arr = jnp.float32(temperature)
     top_p_arr = jnp.float32(top_p)
 
@@ -356,7 +363,7 @@ def generate(
     else:
         new_ids, kept_logits, stopped = _stepwise(
             static, state, logits, cache, key, temperature_arr, top_p_arr, max_new_tokens,
-            decode_step, tokenizer, stream, return_logits, stop_at_eos, eos_set)
+            step_fn, tokenizer, stream, return_logits, stop_at_eos, eos_set)
     text = tokenizer.decode(new_ids) if tokenizer is not None else None
     return GenerationResult(
         new_ids, text, stopped, np.stack(kept_logits) if return_logits else None
@@ -505,10 +512,12 @@ def _full(static, state, tokens):
 __all__ = [
     "GenerationResult",
     "PerplexityResult",
+    "decode_step",
     "english_eval_text",
     "forward",
     "generate",
     "logits_full",
     "perplexity",
     "prepare",
+    "sample_token",
 ]

@@ -27,7 +27,7 @@ from typing import Any, Callable
 import numpy as np
 
 from lowrank_jax.models.llama import Llama, LlamaConfig
-from lowrank_jax.models.safetensors_io import _check_dtype, llama_from_state_dict
+from lowrank_jax.models.safetensors_io import check_load_dtype, llama_from_state_dict
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 SUPPORTED_TENSOR_TYPES = (
@@ -297,7 +297,7 @@ def load_gguf(
     cfg = config_from_gguf(meta, source=path)
     names = {t.name for t in reader.tensors}
     cfg.tie_embeddings = "output.weight" not in names
-    cfg.dtype = cfg.param_dtype = _check_dtype(dtype)
+    cfg.dtype = cfg.param_dtype = check_load_dtype(dtype)
     cfg.attention = attention
     state = hf_state_from_gguf(reader, cfg, source=path)
     model = llama_from_state_dict(cfg, state, source=path)

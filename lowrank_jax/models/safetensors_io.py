@@ -364,7 +364,7 @@ def load_hf_checkpoint(
     except ValueError as err:
         raise ValueError(f"{config_path}: invalid JSON ({err}).") from None
     cfg = config_from_hf(hf, source=config_path)
-    cfg.dtype = cfg.param_dtype = _check_dtype(dtype)
+    cfg.dtype = cfg.param_dtype = check_load_dtype(dtype)
     cfg.attention = attention
     tensors: dict[str, np.ndarray] = {}
     for path in _safetensors_files(folder):
@@ -372,7 +372,9 @@ def load_hf_checkpoint(
     return llama_from_state_dict(cfg, tensors, source=folder)
 
 
-def _check_dtype(dtype: str) -> str:
+def check_load_dtype(dtype: str) -> str:
+    """``dtype`` if a checkpoint can be loaded in it (``"float32"`` or ``"bfloat16"``), else a
+    ``ValueError`` that names the two choices (shared by the safetensors and GGUF loaders)."""
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype={dtype!r} is not supported; use 'float32' or 'bfloat16'.")
     return dtype
@@ -380,6 +382,7 @@ def _check_dtype(dtype: str) -> str:
 
 __all__ = [
     "abstract_llama",
+    "check_load_dtype",
     "config_from_hf",
     "config_to_hf",
     "llama_from_state_dict",

@@ -46,7 +46,7 @@ def read_peft_adapter(folder: str | os.PathLike) -> dict[str, tuple[np.ndarray, 
 
     from safetensors.numpy import load_file
 
-    from lowrank_jax.io.peft import CONFIG_NAME, WEIGHTS_NAME, _pattern_value, _read_config
+    from lowrank_jax.io.peft import CONFIG_NAME, WEIGHTS_NAME, pattern_value, read_adapter_config
     from lowrank_jax.io.peft import our_module_path
     from lowrank_jax.nn.lora import lora_scaling
 
@@ -56,7 +56,7 @@ def read_peft_adapter(folder: str | os.PathLike) -> dict[str, tuple[np.ndarray, 
         if not os.path.exists(p):
             raise FileNotFoundError(f"--adapter {folder}: {p} not found; a PEFT adapter folder "
                                     f"holds {CONFIG_NAME} and {WEIGHTS_NAME}.")
-    config = _read_config(config_path)
+    config = read_adapter_config(config_path)
     if config.get("peft_type", "LORA") != "LORA" or config.get("use_dora"):
         raise ValueError(f"--adapter {folder}: only plain LoRA adapters can be served "
                          f"(peft_type={config.get('peft_type')!r}, "
@@ -76,7 +76,7 @@ def read_peft_adapter(folder: str | os.PathLike) -> dict[str, tuple[np.ndarray, 
         if set(pair) != {"lora_A", "lora_B"}:
             raise ValueError(f"--adapter {folder}: module {name!r} lacks lora_A or lora_B.")
         rank = int(pair["lora_A"].shape[0])
-        alpha = float(_pattern_value(name, config.get("alpha_pattern") or {}, alpha_default))
+        alpha = float(pattern_value(name, config.get("alpha_pattern") or {}, alpha_default))
         out[our_module_path(name)] = (pair["lora_A"].T, pair["lora_B"].T,
                                       lora_scaling(rank, alpha, use_rslora))
     return out
@@ -190,7 +190,7 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: i
     """
     import jax
 
-    from lowrank_jax.models.generate import GenerationResult, _decode_step, _sample, prepare
+    from lowrank_jax.models.generate import GenerationResult, decode_step, prepare, sample_token
     from lowrank_jax.models.llama import KVCache
 
     cfg = model.cfg
@@ -209,18 +209,18 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: i
     eos_set = {int(i) for i in eos_ids}
     static, state = prepare(model)  # the shared prompt prefix: layers scanned (fast compile)
     cache = KVCache.empty(cfg, n_batch, max(n + k for n, k in zip(lengths, budget)))
-    logits, cache = _decode_step(static, state, jnp.asarray([p[:lo] for p in prompts],
+    logits, cache = decode_step(static, state, jnp.asarray([p[:lo] for p in prompts],
                                                             jnp.int32), cache)
     # one token per step: layers unrolled, each matmul reads its weights in place (as generate)
     static, state = prepare(model, scan_layers=False)
-    step = functools.partial(_decode_step, static)  # jitted: logits[:, -1] and the cache
+    step = functools.partial(decode_step, static)  # jitted: logits[:, -1] and the cache
     temperature_arr, top_p_arr = jnp.float32(temperature), jnp.float32(top_p)
     new_ids: list[list[int]] = [[] for _ in prompts]
     stopped = [False] * n_batch
     pos = lo  # the position the next fed token takes
     while True:
         key, sub = jax.random.split(key)
-        sampled = np.asarray(_sample(logits, sub, temperature_arr, top_p_arr))
+        sampled = np.asarray(sample_token(logits, sub, temperature_arr, top_p_arr))
         feed = []
         for b, prompt in enumerate(prompts):
             if pos < lengths[b]:  # still inside its prompt: feed the prompt's own token

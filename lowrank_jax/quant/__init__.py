@@ -20,20 +20,14 @@ from lowrank_jax.quant.rtn import (
     rtn_quantize,
 )
 from lowrank_jax.quant.scalar_ldlq import sq_bits_per_weight, sq_ldlq_quantize
+from lowrank_jax.quant.lattice import initial_lattice, make_grid, nearest_codeword
+from lowrank_jax.quant.rounding import hessian, inverse_rht, ldlq, ldlq_quantize, proxy_loss, rht
 from lowrank_jax.quant.unisvq import (
     UniSVQConfig,
     UniSVQWeight,
     dequantize,
     finetune_block,
-    hessian,
-    initial_lattice,
-    inverse_rht,
-    ldlq_quantize,
-    make_grid,
-    nearest_codeword,
-    proxy_loss,
     quantize_linear,
-    rht,
 )
 
 __all__ = [
@@ -50,6 +44,7 @@ __all__ = [
     "initial_lattice",
     "inverse_rht",
     "kmeans_vq_weight",
+    "ldlq",
     "ldlq_quantize",
     "make_grid",
     "nearest_codeword",

@@ -20,15 +20,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, UInt8
 
+from lowrank_jax.quant.lattice import nearest_codeword
+from lowrank_jax.quant.rounding import block_ldl, inverse_rht, ldlq, rotate_problem
 from lowrank_jax.quant.packing import vq_bits_per_weight
-from lowrank_jax.quant.unisvq import (
-    UniSVQConfig,
-    _ldlq,
-    block_ldl,
-    inverse_rht,
-    nearest_codeword,
-    rotate_problem,
-)
+from lowrank_jax.quant.unisvq import UniSVQConfig
 from pallas_kernels.lattice_matmul.reference import hadamard_block_size
 
 KMEANS_SAMPLE = 32768  # DERIVED: 4-vectors per k-means fit (128 per centroid). On a 1536x576
@@ -156,7 +151,7 @@ def _vq_core(weight, h, key, tune_iters, iters, block_in, block_out, sample):
         codes = nearest_codeword(w_rot.reshape(m, n // 4, 4), grid).astype(jnp.uint8)
     else:
         lower, _ = block_ldl(h_rot)
-        codes, _ = _ldlq(w_rot, h_rot, lower, grid, tune_iters)
+        codes, _ = ldlq(w_rot, h_rot, lower, grid, tune_iters=tune_iters)
     return codes, grid, s_in, s_out * w_scale
 
 

@@ -1,6 +1,7 @@
 """The UniSVQ lattice codebook: ``A z + b`` over ``z ∈ {0..2^b − 1}⁴`` (``b`` = 2, 3 or 4 bits
 per digit), its initial (scaled orthogonal) transform, the exhaustive nearest-codeword search
-and the exact rounding shortcut for a scaled orthogonal ``A``.
+and the exact rounding shortcut for a scaled orthogonal ``A``; per-group lattices ``A_g z + b_g``
+(:func:`decode_grouped`) and their closed-form refit to fixed codes (:func:`refit_lattice`).
 
 References:
     Wang et al, `UniSVQ: 2-bit Unified Scalar-Vector Quantization
@@ -13,7 +14,7 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float, Int, UInt
 
 from pallas_kernels.lattice_matmul.reference import unpack_codes
 
@@ -123,6 +124,88 @@ def nearest_codeword(w4: Float[Array, "... 4"], grid: Float[Array, "k 4"]) -> In
     return jnp.argmax(score, axis=-1)
 
 
+def refit_lattice(
+    weight_rot: Float[Array, "m n"],
+    h: Float[Array, "n n"] | None,
+    codes: UInt[Array, "m q"],
+    affine: Float[Array, "g 4 4"],
+    offset: Float[Array, "g 4"],
+    *,
+    bits: int = 2,
+    ridge: float = 1e-6,
+) -> tuple[Array, Array]:
+    r"""The ``A_g``, ``b_g`` minimising ``Σ_rows (C − W_r) H (C − W_r)ᵀ`` with the codes fixed.
+
+    ``C[i, 4k:4k+4] = A_g z_{i,k} + b_g`` is linear in ``Θ_g = [A_g | b_g]`` (20 numbers), so each
+    group's optimum solves the normal equations (``F_i[k] = [z_{i,k}, 1]``)
+
+    .. math::
+        \sum_{i∈g}\sum_{k,k'} F_i[k]_l\, H_{4k+j,4k'+j'}\, F_i[k']_{l'}\;Θ_{j'l'}
+        = \sum_{i∈g}\sum_k F_i[k]_l\,(H w_i)_{4k+j}
+
+    with a ridge ``ridge·tr/20`` towards the current ``Θ_g`` (digits a group never uses keep
+    their value). ``h=None`` is ``H = I`` (plain least squares).
+
+    Args:
+        weight_rot: the rotated, scaled target ``W_r [m, n]``.
+        h: rotated Hessian ``[n, n]`` or ``None``.
+        codes: ``[m, n/4]`` lattice codes.
+        affine, offset: current ``[G, 4, 4]``, ``[G, 4]`` (``G`` divides ``m``).
+        bits: digit width of ``codes``.
+        ridge: relative ridge of the solve.
+
+    Returns:
+        ``(affine [G, 4, 4], offset [G, 4])``.
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> a, b = initial_lattice()
+        >>> codes = jnp.arange(8, dtype=jnp.uint8).reshape(4, 2) * 31
+        >>> w = decode_grouped(codes, a[None], b[None])  # exactly on the lattice
+        >>> a2, b2 = refit_lattice(w, None, codes, a[None], b[None])
+        >>> bool(jnp.allclose(a2[0], a, atol=1e-4))
+        True
+    """
+    m, n = weight_rot.shape
+    q = n // 4
+    groups = affine.shape[0]
+    w = weight_rot.astype(jnp.float32)
+    z = unpack_codes(codes, bits).astype(jnp.float32)  # m q 4
+    f = jnp.concatenate([z, jnp.ones((m, q, 1), jnp.float32)], -1)  # m q 5
+    if h is None:
+        gram = jnp.einsum("rkl,rkL->rlL", f, f)  # m 5 5, the same for every j
+        gram = jnp.einsum("rlL,jJ->rjlJL", gram, jnp.eye(4))
+        hw = w
+    else:
+        hr = h.astype(jnp.float32).reshape(q, 4, q, 4)
+        t = jnp.einsum("rkl,kjKJ->rljKJ", f, hr)
+        gram = jnp.einsum("rljKJ,rKL->rjlJL", t, f)
+        hw = w @ h.astype(jnp.float32)
+    rhs = jnp.einsum("rkl,rkj->rjl", f, hw.reshape(m, q, 4))
+    gram = gram.reshape(groups, m // groups, 20, 20).sum(1)
+    rhs = rhs.reshape(groups, m // groups, 20).sum(1)
+    theta0 = jnp.concatenate([affine, offset[..., None]], -1).reshape(groups, 20)
+    lam = ridge * jnp.trace(gram, axis1=1, axis2=2)[:, None] / 20 + 1e-30
+    theta = jnp.linalg.solve(gram + lam[:, :, None] * jnp.eye(20),
+                             (rhs + lam * theta0)[..., None])[..., 0].reshape(groups, 4, 5)
+    return theta[..., :4], theta[..., 4]
+
+
+def decode_grouped(
+    codes: UInt[Array, "m q"], affine: Float[Array, "g 4 4"], offset: Float[Array, "g 4"],
+    bits: int | None = None,
+) -> Float[Array, "m n"]:
+    """Rotated-domain ``C [m, n]`` with ``C[i, 4k:4k+4] = A_g z_{i,k} + b_g`` (``i`` in group
+    ``g``; ``G`` contiguous groups of ``m/G`` rows)."""
+    m, q = codes.shape
+    groups = affine.shape[0]
+    z = unpack_codes(codes, bits).astype(jnp.float32).reshape(groups, m // groups, q, 4)
+    c = jnp.einsum("grqk,gjk->grqj", z, affine.astype(jnp.float32))
+    c = c + offset.astype(jnp.float32)[:, None, None, :]
+    return c.reshape(m, 4 * q)
+
+
 __all__ = [
     "GAUSSIAN_STEP_3BIT",
     "GAUSSIAN_STEP_4BIT",
@@ -131,10 +214,12 @@ __all__ = [
     "all_digits",
     "check_lattice_bits",
     "code_dtype",
+    "decode_grouped",
     "initial_lattice",
     "lattice_sigma",
     "make_grid",
     "nearest_codeword",
     "random_orthogonal",
+    "refit_lattice",
     "round_to_lattice",
 ]

@@ -27,16 +27,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from lowrank_jax.quant.lattice import initial_lattice, make_grid
+from lowrank_jax.quant.rounding import block_ldl, inverse_rht, ldlq, rotate_problem
 from lowrank_jax.quant.packing import FLOAT_BITS
-from lowrank_jax.quant.unisvq import (
-    UniSVQConfig,
-    _ldlq,
-    block_ldl,
-    initial_lattice,
-    inverse_rht,
-    make_grid,
-    rotate_problem,
-)
+from lowrank_jax.quant.unisvq import UniSVQConfig
 from pallas_kernels.lattice_matmul.reference import hadamard_block_size
 
 SCALE_CANDIDATES = tuple(0.70 + 0.05 * i for i in range(17))  # × group RMS, 0.70 … 1.50
@@ -135,7 +129,7 @@ def _sq_core(weight, h, key, tune_iters, group_size, block_in, block_out):
         w_hat = (q * per4[..., None]).reshape(m, n)
     else:
         lower, _ = block_ldl(h_rot)
-        _, w_hat = _ldlq(w_rot, h_rot, lower, grid, tune_iters, per4)
+        _, w_hat = ldlq(w_rot, h_rot, lower, grid, tune_iters=tune_iters, scales=per4)
     return inverse_rht(w_hat * w_scale, s_out, s_in, block_out, block_in)
 
 

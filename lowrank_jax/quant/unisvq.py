@@ -47,12 +47,25 @@ from lowrank_jax.quant.lattice import (  # noqa: F401 (re-exported: the public l
     all_digits,
     check_lattice_bits,
     code_dtype,
+    decode_grouped,
     initial_lattice,
     lattice_sigma,
     make_grid,
     nearest_codeword,
     random_orthogonal,
+    refit_lattice,
     round_to_lattice,
+)
+from lowrank_jax.quant.rounding import (  # noqa: F401 (re-exported: the rotated-quantizer toolkit)
+    block_ldl,
+    hessian,
+    inverse_rht,
+    ldlq,
+    ldlq_quantize,
+    proxy_loss,
+    random_signs,
+    rht,
+    rotate_problem,
 )
 from lowrank_jax.quant.packing import unisvq_bits_per_weight
 from pallas_kernels.lattice_matmul.reference import (
@@ -60,7 +73,6 @@ from pallas_kernels.lattice_matmul.reference import (
     code_bits,
     dequantize_reference,
     hadamard_block_size,
-    unpack_codes,
 )
 
 
@@ -161,168 +173,6 @@ class UniSVQWeight:
         ``A_g``, ``b_g``) for every group after the first."""
         m, n = self.shape
         return unisvq_bits_per_weight(m, n, bits=self.bits) + 16 * 20 * (self.groups - 1) / (m * n)
-
-
-def random_signs(key: Array, dim: int) -> Float[Array, " dim"]:
-    return jnp.where(jax.random.bernoulli(key, 0.5, (dim,)), 1.0, -1.0).astype(jnp.float32)
-
-
-def rht(
-    weight: Float[Array, "m n"], signs_out: Float[Array, " m"], signs_in: Float[Array, " n"],
-    block_out: int, block_in: int,
-) -> Float[Array, "m n"]:
-    """Randomized Hadamard transform ``W_r = H_m diag(σ_out) W diag(σ_in) H_nᵀ``."""
-    w = signs_out[:, None] * weight.astype(jnp.float32) * signs_in[None, :]
-    w = block_hadamard(w, block_in)  # W H_nᵀ
-    return block_hadamard(w.T, block_out).T  # H_m (·)
-
-
-def inverse_rht(
-    weight_rot: Float[Array, "m n"], signs_out: Float[Array, " m"], signs_in: Float[Array, " n"],
-    block_out: int, block_in: int,
-) -> Float[Array, "m n"]:
-    """Inverse of :func:`rht` (the Hadamards are orthogonal and symmetric)."""
-    w = block_hadamard(weight_rot.astype(jnp.float32), block_in, transpose=True)
-    w = block_hadamard(w.T, block_out, transpose=True).T
-    return signs_out[:, None] * w * signs_in[None, :]
-
-
-def hessian(x: Float[Array, "... n"], *, damp: float = 1e-2) -> Float[Array, "n n"]:
-    """Calibration Hessian ``E[x xᵀ] + damp·mean(diag)·I`` (fp32) of a layer's inputs.
-
-    DERIVED: the code accumulates ``E[xxᵀ] − μμᵀ`` and adds ``μμᵀ`` back, i.e. ``E[xxᵀ]``.
-    """
-    x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-    h = x2.T @ x2 / x2.shape[0]
-    return h + damp * jnp.mean(jnp.diag(h)) * jnp.eye(h.shape[0])
-
-
-def block_ldl(h: Float[Array, "n n"], block: int = 4) -> tuple[Array, Array]:
-    """``H = L D Lᵀ`` with ``L`` unit block-lower-triangular and ``D`` block-diagonal (4×4 blocks).
-
-    From the Cholesky factor ``H = C Cᵀ``: ``L = C·blockdiag(C_kk)⁻¹`` and
-    ``D = blockdiag(C_kk C_kkᵀ)``.
-    """
-    n = h.shape[0]
-    c = jnp.linalg.cholesky(h.astype(jnp.float32))
-    g = n // block
-    diag_blocks = c.reshape(g, block, g, block)[jnp.arange(g), :, jnp.arange(g), :]  # g b b
-    inv_blocks = jnp.linalg.inv(diag_blocks)
-    lower = jnp.einsum("ngj,gjk->ngk", c.reshape(n, g, block), inv_blocks).reshape(n, n)
-    d = jnp.einsum("gij,gkj->gik", diag_blocks, diag_blocks)
-    return lower, d
-
-
-def proxy_loss(weight: Array, weight_hat: Array, h: Array) -> Array:
-    """``tr((Ŵ−W) H (Ŵ−W)ᵀ) / tr(W H Wᵀ)``: relative output error on the calibration inputs."""
-    e = (weight_hat - weight).astype(jnp.float32)
-    return jnp.sum((e @ h) * e) / jnp.sum((weight @ h) * weight)
-
-
-@functools.partial(jax.jit, static_argnames=("tune_iters", "bits"))
-def _ldlq(w, h, lower, grid, tune_iters: int, scales=None, lattice=None, bits: int = 2):
-    """LDLQ + coordinate descent onto ``grid``; ``scales [m, n/4]`` (optional) multiplies the
-    codebook per row and 4-column group (per-group scalar scales of the SQ baseline).
-    ``lattice=(A, b)`` with a scaled orthogonal ``A`` rounds by :func:`round_to_lattice` instead
-    of searching ``grid`` (which may then be ``None``); ``bits`` sets the codes' dtype."""
-    m, n = w.shape
-    groups = n // 4
-
-    def round_group(target, k):
-        if lattice is not None:
-            idx = round_to_lattice(target, lattice[0], lattice[1], bits)
-            z = unpack_codes(idx.astype(code_dtype(bits))[:, None], bits)[:, 0]
-            z = z.astype(jnp.float32)
-            return idx, z @ lattice[0].T + lattice[1]
-        if scales is None:
-            idx = nearest_codeword(target, grid)
-            return idx, grid[idx]
-        sk = jax.lax.dynamic_slice(scales, (0, k), (m, 1))
-        idx = nearest_codeword(target / sk, grid)
-        return idx, grid[idx] * sk
-
-    def ldl_step(t, carry):
-        w_hat, err, idx_all = carry
-        k = groups - 1 - t
-        lk = jax.lax.dynamic_slice(lower, (0, 4 * k), (n, 4))
-        wk = jax.lax.dynamic_slice(w, (0, 4 * k), (m, 4))
-        idx, c = round_group(wk + err @ lk, k)
-        w_hat = jax.lax.dynamic_update_slice(w_hat, c, (0, 4 * k))
-        err = jax.lax.dynamic_update_slice(err, wk - c, (0, 4 * k))
-        idx_all = jax.lax.dynamic_update_slice(idx_all, idx[:, None].astype(jnp.int32), (0, k))
-        return w_hat, err, idx_all
-
-    init = (jnp.zeros_like(w), jnp.zeros_like(w), jnp.zeros((m, groups), jnp.int32))
-    w_hat, _, idx_all = jax.lax.fori_loop(0, groups, ldl_step, init)
-
-    def tune_step(k, carry):
-        w_hat, idx_all = carry
-        hk = jax.lax.dynamic_slice(h, (0, 4 * k), (n, 4))
-        hkk = jax.lax.dynamic_slice(h, (4 * k, 4 * k), (4, 4))
-        cur = jax.lax.dynamic_slice(w_hat, (0, 4 * k), (m, 4))
-        target = cur + ((w - w_hat) @ hk) @ jnp.linalg.inv(hkk)
-        idx, c = round_group(target, k)
-        w_hat = jax.lax.dynamic_update_slice(w_hat, c, (0, 4 * k))
-        idx_all = jax.lax.dynamic_update_slice(idx_all, idx[:, None].astype(jnp.int32), (0, k))
-        return w_hat, idx_all
-
-    def tune_pass(_, carry):
-        return jax.lax.fori_loop(0, groups, tune_step, carry)
-
-    w_hat, idx_all = jax.lax.fori_loop(0, tune_iters, tune_pass, (w_hat, idx_all))
-    return idx_all.astype(code_dtype(bits)), w_hat
-
-
-def ldlq_quantize(
-    weight_rot: Float[Array, "m n"],
-    h: Float[Array, "n n"] | None,
-    affine: Float[Array, "4 4"],
-    offset: Float[Array, "4"],
-    *,
-    tune_iters: int = 10,
-    bits: int = 2,
-) -> UInt[Array, "m q"]:
-    """Hessian-aware rounding of ``W_r`` onto the lattice ``A z + b`` (LDLQ + coordinate descent).
-
-    .. math::
-        H = L D L^\\top,\\quad \\tilde w_k = w_k + (W - \\hat W)_{:, >k} L_{>k, k},\\quad
-        \\hat w_k = \\mathrm{nearest}(\\tilde w_k)\\;(k = \\text{last} … \\text{first})
-
-    then ``tune_iters`` sweeps of ``ŵ_k ← nearest(ŵ_k + (W − Ŵ) H_{:,k} H_{kk}⁻¹)``. With
-    ``h=None`` (or ``H = I``) this is independent nearest-codeword rounding.
-
-    Args:
-        weight_rot: rotated, unit-RMS weight ``[m, n]`` (``n % 4 == 0``).
-        h: Hessian of the rotated inputs ``[n, n]`` (SPD), or ``None``.
-        affine, offset: the lattice ``A``, ``b``.
-        tune_iters: coordinate-descent passes.
-        bits: lattice digit width, 2 (``{0..3}⁴``), 3 (``{0..7}⁴``) or 4 (``{0..15}⁴``);
-            exhaustive search over the ``16^bits`` codewords here (tiny shapes only for 4 bits;
-            the quantizer itself rounds with :func:`round_to_lattice` for 3 and 4 bits).
-
-    Returns:
-        codes ``[m, n/4]``: ``uint8`` (2 bits) or ``uint16`` (3 or 4 bits).
-
-    Example::
-
-        >>> import jax
-        >>> a, b = initial_lattice()
-        >>> ldlq_quantize(jax.random.normal(jax.random.PRNGKey(0), (3, 8)), None, a, b).shape
-        (3, 2)
-    """
-    m, n = weight_rot.shape
-    if n % 4:
-        raise ValueError(f"weight has n={n} input features; UniSVQ needs n divisible by 4.")
-    grid = make_grid(affine, offset, bits)
-    w = weight_rot.astype(jnp.float32)
-    if h is None:
-        idx = nearest_codeword(w.reshape(m, n // 4, 4), grid)
-        return idx.astype(code_dtype(bits))
-    if h.shape != (n, n):
-        raise ValueError(f"hessian shape {h.shape} does not match the weight's n={n}.")
-    lower, _ = block_ldl(h)
-    codes, _ = _ldlq(w, h.astype(jnp.float32), lower, grid, tune_iters, bits=bits)
-    return codes
 
 
 def quantize_linear(
@@ -445,8 +295,8 @@ def _grouped_core(weight, h, key, cfg: UniSVQConfig, block_in: int, block_out: i
         codes = codes.astype(code_dtype(cfg.bits))
     else:
         lower, _ = block_ldl(h_rot)
-        codes, _ = _ldlq(target, h_rot, lower, None, cfg.tune_iters, lattice=(a0, b0),
-                         bits=cfg.bits)
+        codes, _ = ldlq(target, h_rot, lower, tune_iters=cfg.tune_iters, lattice=(a0, b0),
+                        bits=cfg.bits)
     affine = r[:, None, None] * a0[None]
     offset = r[:, None] * b0[None]
     for i in range(cfg.lattice_refit):
@@ -465,91 +315,9 @@ def _round_groups(w_rot, h_rot, lower, affine, offset, tune_iters: int, bits: in
     if h_rot is None:
         codes = jax.vmap(lambda w, g: nearest_codeword(w.reshape(-1, n // 4, 4), g))(w_g, grids)
     else:
-        codes = jax.vmap(lambda w, g: _ldlq(w, h_rot, lower, g, tune_iters, bits=bits)[0])(
-            w_g, grids)
+        codes = jax.vmap(
+            lambda w, g: ldlq(w, h_rot, lower, g, tune_iters=tune_iters, bits=bits)[0])(w_g, grids)
     return codes.reshape(m, n // 4).astype(code_dtype(bits))
-
-
-def refit_lattice(
-    weight_rot: Float[Array, "m n"],
-    h: Float[Array, "n n"] | None,
-    codes: UInt[Array, "m q"],
-    affine: Float[Array, "g 4 4"],
-    offset: Float[Array, "g 4"],
-    *,
-    bits: int = 2,
-    ridge: float = 1e-6,
-) -> tuple[Array, Array]:
-    r"""The ``A_g``, ``b_g`` minimising ``Σ_rows (C − W_r) H (C − W_r)ᵀ`` with the codes fixed.
-
-    ``C[i, 4k:4k+4] = A_g z_{i,k} + b_g`` is linear in ``Θ_g = [A_g | b_g]`` (20 numbers), so each
-    group's optimum solves the normal equations (``F_i[k] = [z_{i,k}, 1]``)
-
-    .. math::
-        \sum_{i∈g}\sum_{k,k'} F_i[k]_l\, H_{4k+j,4k'+j'}\, F_i[k']_{l'}\;Θ_{j'l'}
-        = \sum_{i∈g}\sum_k F_i[k]_l\,(H w_i)_{4k+j}
-
-    with a ridge ``ridge·tr/20`` towards the current ``Θ_g`` (digits a group never uses keep
-    their value). ``h=None`` is ``H = I`` (plain least squares).
-
-    Args:
-        weight_rot: the rotated, scaled target ``W_r [m, n]``.
-        h: rotated Hessian ``[n, n]`` or ``None``.
-        codes: ``[m, n/4]`` lattice codes.
-        affine, offset: current ``[G, 4, 4]``, ``[G, 4]`` (``G`` divides ``m``).
-        bits: digit width of ``codes``.
-        ridge: relative ridge of the solve.
-
-    Returns:
-        ``(affine [G, 4, 4], offset [G, 4])``.
-
-    Example::
-
-        >>> import jax.numpy as jnp
-        >>> a, b = initial_lattice()
-        >>> codes = jnp.arange(8, dtype=jnp.uint8).reshape(4, 2) * 31
-        >>> w = dequantize(UniSVQWeight(codes, jnp.ones(8), jnp.ones(4), a, b, 1, 1))
-        >>> a2, b2 = refit_lattice(w, None, codes, a[None], b[None])
-        >>> bool(jnp.allclose(a2[0], a, atol=1e-4))
-        True
-    """
-    m, n = weight_rot.shape
-    q = n // 4
-    groups = affine.shape[0]
-    w = weight_rot.astype(jnp.float32)
-    z = unpack_codes(codes, bits).astype(jnp.float32)  # m q 4
-    f = jnp.concatenate([z, jnp.ones((m, q, 1), jnp.float32)], -1)  # m q 5
-    if h is None:
-        gram = jnp.einsum("rkl,rkL->rlL", f, f)  # m 5 5, the same for every j
-        gram = jnp.einsum("rlL,jJ->rjlJL", gram, jnp.eye(4))
-        hw = w
-    else:
-        hr = h.astype(jnp.float32).reshape(q, 4, q, 4)
-        t = jnp.einsum("rkl,kjKJ->rljKJ", f, hr)
-        gram = jnp.einsum("rljKJ,rKL->rjlJL", t, f)
-        hw = w @ h.astype(jnp.float32)
-    rhs = jnp.einsum("rkl,rkj->rjl", f, hw.reshape(m, q, 4))
-    gram = gram.reshape(groups, m // groups, 20, 20).sum(1)
-    rhs = rhs.reshape(groups, m // groups, 20).sum(1)
-    theta0 = jnp.concatenate([affine, offset[..., None]], -1).reshape(groups, 20)
-    lam = ridge * jnp.trace(gram, axis1=1, axis2=2)[:, None] / 20 + 1e-30
-    theta = jnp.linalg.solve(gram + lam[:, :, None] * jnp.eye(20),
-                             (rhs + lam * theta0)[..., None])[..., 0].reshape(groups, 4, 5)
-    return theta[..., :4], theta[..., 4]
-
-
-def decode_grouped(
-    codes: UInt[Array, "m q"], affine: Float[Array, "g 4 4"], offset: Float[Array, "g 4"],
-    bits: int | None = None,
-) -> Float[Array, "m n"]:
-    """Rotated-domain ``C [m, n]`` with ``C[i, 4k:4k+4] = A_g z_{i,k} + b_g`` (``i`` in group
-    ``g``; ``G`` contiguous groups of ``m/G`` rows)."""
-    m, q = codes.shape
-    groups = affine.shape[0]
-    z = unpack_codes(codes, bits).astype(jnp.float32).reshape(groups, m // groups, q, 4)
-    c = jnp.einsum("grqk,gjk->grqj", z, affine.astype(jnp.float32))
-    c = c + offset.astype(jnp.float32)[:, None, None, :]
-    return c.reshape(m, 4 * q)
 
 
 @functools.partial(jax.jit, static_argnums=(3, 4, 5))
@@ -568,30 +336,9 @@ def _quantize_core(weight, h, key, cfg: UniSVQConfig, block_in: int, block_out: 
         codes = codes.astype(code_dtype(cfg.bits))
     else:
         lower, _ = block_ldl(h_rot)
-        codes, _ = _ldlq(w_rot, h_rot, lower, None, cfg.tune_iters, lattice=(affine, offset),
-                         bits=cfg.bits)
+        codes, _ = ldlq(w_rot, h_rot, lower, tune_iters=cfg.tune_iters,
+                        lattice=(affine, offset), bits=cfg.bits)
     return codes, s_in, s_out * w_scale, affine, offset
-
-
-def rotate_problem(weight: Float[Array, "m n"], h: Float[Array, "n n"] | None, key: Array,
-                   block_in: int, block_out: int):
-    """The shared wrapper of every rotated quantizer (UniSVQ, k-means VQ, scalar LDLQ).
-
-    Returns ``(w_rot, w_scale, s_in, s_out, h_rot)``: the unit-RMS RHT of ``W`` (``W_r·w_scale =
-    H_m diag(s_out) W diag(s_in) H_nᵀ``), the random signs (from ``key``'s first two splits) and
-    the Hessian in the rotated input basis (``None`` if ``h`` is).
-    """
-    m, n = weight.shape
-    k_out, k_in, _ = jax.random.split(key, 3)
-    s_out, s_in = random_signs(k_out, m), random_signs(k_in, n)
-    w_rot = rht(weight.astype(jnp.float32), s_out, s_in, block_out, block_in)
-    w_scale = jnp.sqrt(jnp.mean(w_rot * w_rot)) + 1e-12
-    h_rot = None
-    if h is not None:
-        h_rot = s_in[:, None] * h.astype(jnp.float32) * s_in[None, :]
-        h_rot = block_hadamard(block_hadamard(h_rot, block_in).T, block_in).T  # H_n h H_nᵀ
-        h_rot = 0.5 * (h_rot + h_rot.T)
-    return w_rot / w_scale, w_scale, s_in, s_out, h_rot
 
 
 def dequantize(w: UniSVQWeight) -> Float[Array, "m n"]:
@@ -726,6 +473,7 @@ __all__ = [
     "initial_lattice",
     "inverse_rht",
     "lattice_sigma",
+    "ldlq",
     "ldlq_quantize",
     "make_grid",
     "nearest_codeword",

@@ -25,46 +25,29 @@ IMPLEMENTATIONS = ("auto", "pallas", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockSizes:
+class BlockSizes(_dispatch.TileSizes):
     """Tile sizes of the flash kernels (forward and backward use the same tiles).
 
-    ``block_q`` query rows and ``block_k`` keys per tile. Both must be powers of two ≥ 8: Triton
-    needs power-of-two tiles and TPU needs row blocks divisible by 8. DERIVED: sequences shorter
-    than a block use the next power of two ≥ 16 instead, to avoid padding a 40-token prompt to 128.
+    ``block_q`` query rows and ``block_k`` keys per tile, powers of two ≥ 8 (checked once, here;
+    see the tiling policy of :mod:`pallas_kernels._dispatch`). The tiles do not change the
+    result, so a sequence shorter than a tile fits it (:func:`~pallas_kernels._dispatch.fit_tile`:
+    a 40-token prompt uses 64-row tiles, not 128).
 
     Example::
 
-        >>> BlockSizes(block_q=64, block_k=32).block_q
-        64
+        >>> BlockSizes(block_q=64, block_k=32).fitted(40, 1000)
+        BlockSizes(block_q=64, block_k=32)
+        >>> BlockSizes().fitted(40, 20)
+        BlockSizes(block_q=64, block_k=32)
     """
 
     block_q: int = 128
     block_k: int = 128
 
-    def __post_init__(self):
-        for name in ("block_q", "block_k"):
-            _dispatch.check_tile(name, getattr(self, name), "64 or 128")
-
-    @classmethod
-    def get_default(cls) -> "BlockSizes":
-        return cls(128, 128)
-
     def fitted(self, q_len: int, kv_len: int) -> "BlockSizes":
-        """These tiles, shrunk to the next power of two ≥ 16 above a shorter sequence."""
-
-        def fit(block: int, length: int) -> int:
-            return min(block, max(16, 1 << max(length - 1, 1).bit_length()))
-
-        return BlockSizes(fit(self.block_q, q_len), fit(self.block_k, kv_len))
-
-
-def _backend_platform() -> str:
-    backend = jax.default_backend()
-    if backend == "tpu":
-        return "tpu"
-    if backend in ("gpu", "cuda", "rocm"):
-        return "gpu"
-    return "interpret"
+        """These tiles after the one fit rule (:func:`~pallas_kernels._dispatch.fit_tile`)."""
+        return BlockSizes(_dispatch.fit_tile(self.block_q, q_len),
+                          _dispatch.fit_tile(self.block_k, kv_len))
 
 
 def resolve_implementation(implementation: str, interpret: Any = None) -> str:
@@ -181,11 +164,8 @@ def flash_attention(
     scale = d ** -0.5 if scale is None else float(scale)
     if resolve_implementation(implementation, interpret) == "xla":
         return flash_attention_reference(q, k, v, causal=causal, scale=scale)
-    if block_sizes is None:
-        block_sizes = BlockSizes.get_default()
-    if not isinstance(block_sizes, BlockSizes):
-        raise ValueError(f"block_sizes={block_sizes!r} must be a BlockSizes instance.")
-    platform = platform or _backend_platform()
+    block_sizes = BlockSizes.check("flash_attention", block_sizes)
+    platform = platform or _dispatch.backend_platform()
     if platform not in _kernel.PLATFORMS:
         raise ValueError(f"platform={platform!r} is unknown; choose one of {_kernel.PLATFORMS}.")
     if interpret is None:

@@ -48,8 +48,10 @@ def compiler_params(platform: str, n_grid: int):
     return None
 
 
-def _dot(a, b, trans_a: bool = False, trans_b: bool = False):
-    """2-D matmul with fp32 (or int32) accumulation; lowers on Triton and Mosaic alike."""
+def block_dot(a, b, trans_a: bool = False, trans_b: bool = False):
+    """2-D matmul of two loaded blocks (``aᵀ`` / ``bᵀ`` by flag, no transpose op) with fp32
+    accumulation (int32 for integer blocks); lowers on Triton and Mosaic alike. The attention
+    kernels (flash, SALE, subspace) share it."""
     out = jnp.int32 if jnp.issubdtype(a.dtype, jnp.integer) else jnp.float32
     dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
     return lax.dot_general(a, b, dims, preferred_element_type=out)
@@ -80,14 +82,14 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, causal, block_q, 
         start = pl.multiple_of(j * block_k, block_k)
         kb = k_ref[pl.ds(start, block_k), :]
         vb = v_ref[pl.ds(start, block_k), :]
-        s = _dot(q, kb, trans_b=True) * scale
+        s = block_dot(q, kb, trans_b=True) * scale
         mask = _masks(qi * block_q, start, (block_q, block_k), causal=causal, kv_len=kv_len)
         s = jnp.where(mask, s, MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
         alpha = jnp.exp(m - m_new)
         p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
         l_new = alpha * l + jnp.sum(p, axis=1, keepdims=True)
-        acc = alpha * acc + _dot(p.astype(vb.dtype), vb)
+        acc = alpha * acc + block_dot(p.astype(vb.dtype), vb)
         return acc, m_new, l_new
 
     acc0 = jnp.zeros((block_q, d), jnp.float32)
@@ -114,12 +116,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale
         start = pl.multiple_of(j * block_k, block_k)
         kb = k_ref[pl.ds(start, block_k), :]
         vb = v_ref[pl.ds(start, block_k), :]
-        s = _dot(q, kb, trans_b=True) * scale
+        s = block_dot(q, kb, trans_b=True) * scale
         mask = _masks(qi * block_q, start, (block_q, block_k), causal=causal, kv_len=kv_len)
         p = jnp.where(mask, jnp.exp(s - lse), 0.0)
-        dp = _dot(do, vb, trans_b=True)
+        dp = block_dot(do, vb, trans_b=True)
         ds = p * (dp - delta)
-        return dq + _dot(ds.astype(kb.dtype), kb)
+        return dq + block_dot(ds.astype(kb.dtype), kb)
 
     dq = lax.fori_loop(0, upper, body, jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
@@ -139,13 +141,13 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
         dob = do_ref[pl.ds(start, block_q), :]
         lse = lse_ref[pl.ds(start, block_q), :]
         delta = delta_ref[pl.ds(start, block_q), :]
-        s = _dot(qb, kb, trans_b=True) * scale
+        s = block_dot(qb, kb, trans_b=True) * scale
         mask = _masks(start, kj * block_k, (block_q, block_k), causal=causal, kv_len=kv_len)
         p = jnp.where(mask, jnp.exp(s - lse), 0.0)
-        dv = dv + _dot(p.astype(dob.dtype), dob, trans_a=True)
-        dp = _dot(dob, vb, trans_b=True)
+        dv = dv + block_dot(p.astype(dob.dtype), dob, trans_a=True)
+        dp = block_dot(dob, vb, trans_b=True)
         ds = p * (dp - delta)
-        dk = dk + _dot(ds.astype(qb.dtype), qb, trans_a=True)
+        dk = dk + block_dot(ds.astype(qb.dtype), qb, trans_a=True)
         return dk, dv
 
     zeros = jnp.zeros(kb.shape, jnp.float32)
@@ -267,4 +269,5 @@ def export_lowering(fn, *args, platform: str = "tpu", device_kind: str | None = 
     with use_abstract_mesh(mesh):
         return export.export(jax.jit(fn), platforms=[platform],
                              disabled_checks=list(disabled))(*args)
-__all__ = ["PLATFORMS", "compiler_params", "export_lowering", "flash_backward", "flash_forward"]
+__all__ = ["PLATFORMS", "block_dot", "compiler_params", "export_lowering", "flash_backward",
+           "flash_forward"]

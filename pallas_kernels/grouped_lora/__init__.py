@@ -1,6 +1,6 @@
 """PLoRA grouped LoRA kernels: rank-aware shrink / expand over tokens sorted by adapter."""
 
-from pallas_kernels.grouped_lora.api import IMPLEMENTATIONS, lora_expand, lora_shrink
+from pallas_kernels.grouped_lora.api import IMPLEMENTATIONS, BlockSizes, lora_expand, lora_shrink
 from pallas_kernels.grouped_lora.reference import (
     group_ids,
     grouped_lora_loop_reference,
@@ -10,6 +10,7 @@ from pallas_kernels.grouped_lora.reference import (
 )
 
 __all__ = [
+    "BlockSizes",
     "IMPLEMENTATIONS",
     "group_ids",
     "grouped_lora_loop_reference",

@@ -16,6 +16,7 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Literal
 
@@ -23,11 +24,43 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels import _dispatch
 from pallas_kernels.grouped_lora import kernel as _kernel
 from pallas_kernels.grouped_lora import reference
 from pallas_kernels._dispatch import IMPLEMENTATIONS  # noqa: F401 (re-export)
 from pallas_kernels._dispatch import next_pow2 as _next_pow2
-from pallas_kernels._dispatch import check_block, resolve
+from pallas_kernels._dispatch import resolve
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes(_dispatch.TileSizes):
+    """Tiles of the grouped LoRA kernels (:func:`lora_shrink`, :func:`lora_expand`).
+
+    Powers of two ≥ 8, checked once here (the tiling policy of :mod:`pallas_kernels._dispatch`).
+
+    Attributes:
+        block_m: token rows per tile; the rows are padded to a multiple of the tile, which fits
+            a shorter batch (:func:`~pallas_kernels._dispatch.fit_tile`).
+        block_r: rank chunk, skipped when ``≥ r_k`` (DERIVED: 16 is the bf16 MMA granularity);
+            the padded rank ``R`` is not padded: ``R ≤ block_r`` is one chunk, a larger ``R``
+            must be a multiple of ``block_r``.
+        block_k: ``d_in`` chunk of :func:`lora_shrink`'s contraction; it must divide ``d_in``
+            (``None``: the largest power of two ``≤ 512`` dividing ``d_in``, else ``d_in``
+            itself up to 512; an error otherwise, never a silent whole-dimension tile; see
+            :func:`~pallas_kernels._dispatch.dividing_tile`).
+        block_n: output-column tile of :func:`lora_expand`; it must divide ``d_out`` (``None``:
+            the largest power of two ``≤ 128`` dividing it, else ``d_out`` itself up to 128).
+
+    Example::
+
+        >>> BlockSizes(block_m=16, block_r=8)
+        BlockSizes(block_m=16, block_r=8, block_k=None, block_n=None)
+    """
+
+    block_m: int = 64
+    block_r: int = 16
+    block_k: int | None = None
+    block_n: int | None = None
 
 
 def _meta(group_sizes, ranks, scale, k: int):
@@ -41,28 +74,12 @@ def _meta(group_sizes, ranks, scale, k: int):
     return offsets, ranks, scale
 
 
-def _check(name: str, group_sizes, ranks, k: int, r_max: int, block_r: int) -> None:
+def _check(name: str, group_sizes, ranks, k: int) -> None:
     if jnp.shape(group_sizes) != (k,) or jnp.shape(ranks) != (k,):
         raise ValueError(
             f"{name}: group_sizes {jnp.shape(group_sizes)} and ranks {jnp.shape(ranks)} must both "
             f"have shape ({k},), one entry per adapter."
         )
-    check_block(name, "block_r", block_r, r_max, "the padded rank R")
-
-
-def _default_block(dim: int, cap: int, op: str, name: str, dim_name: str) -> int:
-    """The largest power of two ``<= cap`` (``>= 8``) dividing ``dim``; ``dim`` if ``<= cap``."""
-    block = cap
-    while block >= 8:
-        if dim % block == 0:
-            return block
-        block //= 2
-    if dim <= cap:
-        return dim
-    raise ValueError(
-        f"{op}: {dim_name}={dim} has no power-of-two tile <= {cap}; pass {name} (a divisor of "
-        f"{dim}) explicitly or pad {dim_name} to a multiple of 8."
-    )
 
 
 def _pad_rows(x, block_m):
@@ -131,9 +148,7 @@ def lora_shrink(
     *,
     implementation: Literal["auto", "pallas", "xla"] = "auto",
     interpret: bool | None = None,
-    block_m: int = 64,
-    block_r: int | None = None,
-    block_k: int | None = None,
+    block_sizes: BlockSizes | None = None,
 ) -> Float[Array, "n r"]:
     """Grouped LoRA down-projection ``h = s_k (x A_k) ⊙ m_k`` for tokens sorted by adapter.
 
@@ -144,12 +159,8 @@ def lora_shrink(
         implementation, interpret: as every op (:mod:`pallas_kernels._dispatch`): ``"pallas"``
             (kernel), ``"xla"`` (``ragged_dot``), ``"auto"`` (kernel on GPU/TPU or with
             ``interpret=True``, XLA otherwise).
-        block_m: token tile; block_r: rank chunk that is skipped when ``≥ r_k``
-            (default ``min(16, R)``; DERIVED: bf16 MMA granularity); it must divide ``R``.
-        block_k: ``d_in`` chunk of the contraction; it must divide ``d_in`` (a ``ValueError``
-            otherwise). Default: the largest power of two ``≤ 512`` dividing ``d_in``, or
-            ``d_in`` itself when ``d_in ≤ 512``; a larger ``d_in`` with no such divisor is an
-            error (pad it), never a silent whole-dimension tile.
+        block_sizes: the tiles (:class:`BlockSizes`: ``block_m``, ``block_r``, ``block_k``);
+            default ``BlockSizes()``.
 
     Returns:
         ``[N, R]`` fp32; padded columns are exactly 0.
@@ -163,15 +174,20 @@ def lora_shrink(
         ((5, 8), 0.0)
     """
     k, _, r_max = a.shape
-    block_r = min(16, r_max) if block_r is None else block_r
-    _check("lora_shrink", group_sizes, ranks, k, r_max, block_r)
+    blocks = BlockSizes.check("lora_shrink", block_sizes)
+    block_r = _dispatch.fit_dividing_tile("lora_shrink", "block_r", blocks.block_r, r_max,
+                                          "the padded rank R")
+    _check("lora_shrink", group_sizes, ranks, k)
     implementation, interpret = resolve(implementation, interpret, op="lora_shrink")
     if implementation == "xla":
         return reference.lora_shrink_reference(x, a, group_sizes, scale, ranks)
     d_in = x.shape[1]
-    block_k = _default_block(d_in, 512, "lora_shrink", "block_k", "d_in") if block_k is None \
-        else block_k
-    check_block("lora_shrink", "block_k", block_k, d_in, "d_in")
+    if blocks.block_k is None:
+        block_k = _dispatch.dividing_tile("lora_shrink", "block_k", 512, d_in, "d_in")
+    else:
+        block_k = _dispatch.fit_dividing_tile("lora_shrink", "block_k", blocks.block_k, d_in,
+                                              "d_in")
+    block_m = _dispatch.fit_tile(blocks.block_m, x.shape[0])
     return _shrink_pallas(x, a, group_sizes, jnp.asarray(scale, jnp.float32), ranks, block_m,
                           block_r, block_k, interpret)
 
@@ -185,18 +201,16 @@ def lora_expand(
     *,
     implementation: Literal["auto", "pallas", "xla"] = "auto",
     interpret: bool | None = None,
-    block_m: int = 64,
-    block_n: int | None = None,
-    block_r: int | None = None,
+    block_sizes: BlockSizes | None = None,
 ) -> Float[Array, "n d_out"]:
     """Grouped LoRA up-projection ``y = acc + (h ⊙ m_k) B_k`` for tokens sorted by adapter.
 
     Args:
         h: ``[N, R]``; b: ``[K, R, d_out]``; group_sizes, ranks: int ``[K]``.
         acc: optional ``[N, d_out]`` added in the kernel (the base output; saves a pass).
-        implementation, interpret, block_m, block_r: as :func:`lora_shrink`.
-        block_n: output-column tile; it must divide ``d_out`` (default: the largest power of
-            two ``≤ 128`` dividing it, or ``d_out`` when ``d_out ≤ 128``; else an error).
+        implementation, interpret: as :func:`lora_shrink`.
+        block_sizes: the tiles (:class:`BlockSizes`: ``block_m``, ``block_r``, ``block_n``);
+            default ``BlockSizes()``.
 
     Returns:
         ``[N, d_out]`` fp32.
@@ -210,14 +224,22 @@ def lora_expand(
         [1.0, 2.0, 2.0]
     """
     k, r_max, d_out = b.shape
-    block_r = min(16, r_max) if block_r is None else block_r
-    _check("lora_expand", group_sizes, ranks, k, r_max, block_r)
+    blocks = BlockSizes.check("lora_expand", block_sizes)
+    block_r = _dispatch.fit_dividing_tile("lora_expand", "block_r", blocks.block_r, r_max,
+                                          "the padded rank R")
+    _check("lora_expand", group_sizes, ranks, k)
     if acc is not None and acc.shape != (h.shape[0], d_out):
         raise ValueError(f"lora_expand: acc shape {acc.shape} must be {(h.shape[0], d_out)}.")
     implementation, interpret = resolve(implementation, interpret, op="lora_expand")
     if implementation == "xla":
         return reference.lora_expand_reference(h, b, group_sizes, ranks, acc)
-    block_n = _default_block(d_out, 128, "lora_expand", "block_n", "d_out") if block_n is None \
-        else block_n
-    check_block("lora_expand", "block_n", block_n, d_out, "d_out")
+    if blocks.block_n is None:
+        block_n = _dispatch.dividing_tile("lora_expand", "block_n", 128, d_out, "d_out")
+    else:
+        block_n = _dispatch.fit_dividing_tile("lora_expand", "block_n", blocks.block_n, d_out,
+                                              "d_out")
+    block_m = _dispatch.fit_tile(blocks.block_m, h.shape[0])
     return _expand_pallas(h, b, group_sizes, ranks, acc, block_m, block_n, block_r, interpret)
+
+
+__all__ = ["BlockSizes", "IMPLEMENTATIONS", "lora_expand", "lora_shrink"]

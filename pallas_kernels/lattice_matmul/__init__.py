@@ -1,6 +1,12 @@
 """UniSVQ lattice matmul: fused 2- or 3-bit unpack + (affine decode | affine fold) + matmul."""
 
-from pallas_kernels.lattice_matmul.api import IMPLEMENTATIONS, MODES, code_matmul, lattice_matmul
+from pallas_kernels.lattice_matmul.api import (
+    IMPLEMENTATIONS,
+    MODES,
+    BlockSizes,
+    code_matmul,
+    lattice_matmul,
+)
 from pallas_kernels.lattice_matmul.reference import (
     block_hadamard,
     code_matmul_reference,
@@ -14,6 +20,7 @@ from pallas_kernels.lattice_matmul.reference import (
 )
 
 __all__ = [
+    "BlockSizes",
     "IMPLEMENTATIONS",
     "MODES",
     "block_hadamard",

@@ -14,6 +14,7 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Literal
 
@@ -21,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, UInt
 
+from pallas_kernels import _dispatch
 from pallas_kernels.lattice_matmul import reference
 from pallas_kernels.lattice_matmul.kernel import lattice_planes_matmul
 from pallas_kernels._dispatch import IMPLEMENTATIONS  # noqa: F401 (re-export)
@@ -29,6 +31,28 @@ from pallas_kernels._dispatch import inference_only, resolve
 
 #: ``fold``: multiply the codes straight into x; ``dequant``: decode the weight tile first.
 MODES = ("fold", "dequant")
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes(_dispatch.TileSizes):
+    """Tiles of the lattice matmul kernel (:func:`code_matmul`, :func:`lattice_matmul`).
+
+    ``block_t`` tokens, ``block_m`` output rows and ``block_k`` packed code columns (4 weights
+    each) per tile: powers of two ≥ 8, checked once here. The tiles do not change the result,
+    so each fits a shorter axis (the one fit rule,
+    :func:`~pallas_kernels._dispatch.fit_tile`) and the axes are zero-padded to a multiple of
+    it (padded codes meet zero activations). These are not the Hadamard blocks
+    ``block_in`` / ``block_out`` of :func:`lattice_matmul`, which belong to the weight.
+
+    Example::
+
+        >>> BlockSizes(block_m=16, block_k=32)
+        BlockSizes(block_t=64, block_m=16, block_k=32)
+    """
+
+    block_t: int = 64
+    block_m: int = 64
+    block_k: int = 128
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -44,9 +68,7 @@ def code_matmul(
     mode: Literal["fold", "dequant"] = "fold",
     implementation: Literal["auto", "pallas", "xla"] = "auto",
     interpret: bool | None = None,
-    block_t: int | None = None,
-    block_m: int = 64,
-    block_k: int = 128,
+    block_sizes: BlockSizes | None = None,
     bits: int | None = None,
 ) -> Float[Array, "t m"]:
     """Rotated-domain product ``x_rot @ Cᵀ`` (fp32), ``C`` decoded from 2-, 3- or 4-bit codes.
@@ -60,7 +82,8 @@ def code_matmul(
         implementation, interpret: as every op (:mod:`pallas_kernels._dispatch`): ``"auto"`` is
             the kernel on GPU/TPU (or with ``interpret=True``), the reference elsewhere. The
             kernel is inference-only: differentiate ``implementation="xla"``.
-        block_t, block_m, block_k: tile sizes (tokens, output rows, packed K chunk).
+        block_sizes: the tiles (:class:`BlockSizes`: tokens, output rows, packed K chunk);
+            default ``BlockSizes()``.
         bits: bits per digit (2, 3 or 4); ``None`` infers 2 (``uint8``) or 3 (``uint16``) from
             the dtype, so 4-bit codes must say ``bits=4``.
 
@@ -85,6 +108,7 @@ def code_matmul(
             "whose last dim is 4 × codes.shape[1]."
         )
     bits = reference.code_bits(codes, bits)  # explicit, or by dtype: uint8 2-bit, uint16 3-bit
+    blocks = BlockSizes.check("code_matmul", block_sizes)
     impl, interpret = resolve(implementation, interpret, op="code_matmul")
     if impl == "xla":
         if mode == "fold":
@@ -93,9 +117,9 @@ def code_matmul(
         return reference.code_matmul_reference(x_rot, codes, affine, offset, bits)
 
     on_gpu = jax.default_backend() == "gpu" and not interpret
-    if block_t is None:
-        block_t = min(64, max(16, _next_pow2(t)))
-    block_k = min(block_k, _next_pow2(q)) if not on_gpu else block_k
+    block_t = _dispatch.fit_tile(blocks.block_t, t)
+    block_m = _dispatch.fit_tile(blocks.block_m, m)
+    block_k = _dispatch.fit_tile(blocks.block_k, q)
     t_pad, m_pad = _round_up(t, block_t), _round_up(m, block_m)
     q_pad = _round_up(q, block_k)
     if on_gpu:  # Triton: every block must have a power-of-two size
@@ -133,6 +157,7 @@ def lattice_matmul(
     mode: Literal["fold", "dequant"] = "fold",
     implementation: Literal["auto", "pallas", "xla"] = "auto",
     interpret: bool | None = None,
+    block_sizes: BlockSizes | None = None,
     bits: int | None = None,
 ) -> Float[Array, "... m"]:
     """``y = x @ Wᵀ`` for a UniSVQ weight, without ever forming ``W``.
@@ -145,7 +170,7 @@ def lattice_matmul(
         x: activations ``[..., n]``.
         codes, scale_in, scale_out, affine, offset: the quantized weight (see module doc).
         block_in, block_out: Hadamard block sizes on the input / output side.
-        mode, implementation, interpret, bits: see :func:`code_matmul`.
+        mode, implementation, interpret, block_sizes, bits: see :func:`code_matmul`.
 
     Returns:
         ``[..., m]`` in ``x.dtype``.
@@ -166,10 +191,10 @@ def lattice_matmul(
                                      block_in)
     out = code_matmul(
         x_rot.astype(x.dtype), codes, affine, offset, mode=mode,
-        implementation=implementation, interpret=interpret, bits=bits,
+        implementation=implementation, interpret=interpret, block_sizes=block_sizes, bits=bits,
     )
     y = reference.block_hadamard(out, block_out, transpose=True) * scale_out.astype(jnp.float32)
     return y.astype(x.dtype).reshape(*lead, codes.shape[0])
 
 
-__all__ = ["IMPLEMENTATIONS", "MODES", "code_matmul", "lattice_matmul"]
+__all__ = ["BlockSizes", "IMPLEMENTATIONS", "MODES", "code_matmul", "lattice_matmul"]

@@ -6,6 +6,7 @@ The attention-dispatcher entry ``"sale"`` lives in :mod:`lowrank_jax.attention.k
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -15,11 +16,11 @@ import numpy as np
 from jaxtyping import Array, Bool, Float
 
 from pallas_kernels.flash_attention.api import (
-    _backend_platform,
     flash_attention,
     padded_head_dim,
     resolve_implementation,
 )
+from pallas_kernels import _dispatch
 from pallas_kernels._dispatch import inference_only
 from pallas_kernels.flash_attention.reference import check_attention_shapes
 from pallas_kernels.sparse_attention import kernel as _kernel
@@ -35,6 +36,37 @@ from pallas_kernels.sparse_attention.reference import (
 
 #: The repo README's example threshold, used when no calibrated per-head τ is given.
 DEFAULT_TAU = 0.004
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes(_dispatch.TileSizes):
+    """Tiles of the SALE kernels: ``block_q`` query rows and ``block_k`` keys per tile.
+
+    Powers of two ≥ 8, checked once here (the tiling policy of :mod:`pallas_kernels._dispatch`).
+    Each ``block_k`` keys get one selection bit, so the tiles are part of the result and are
+    never fitted (a short sequence pads to them). They are the tiles of a :class:`SaleConfig`
+    (``block_q``, ``block_k``, default 64 × 32, the repo's); :func:`sale_prefill_attention`'s
+    ``block_sizes=`` replaces the config's two tiles (:meth:`of` reads them back).
+
+    Example::
+
+        >>> BlockSizes(block_q=16, block_k=16).apply(SaleConfig(block_seg=32)).block_k
+        16
+        >>> BlockSizes.of(SaleConfig())
+        BlockSizes(block_q=64, block_k=32)
+    """
+
+    block_q: int = 64
+    block_k: int = 32
+
+    @classmethod
+    def of(cls, cfg: SaleConfig) -> "BlockSizes":
+        """The tiles of ``cfg``."""
+        return cls(cfg.block_q, cfg.block_k)
+
+    def apply(self, cfg: SaleConfig) -> SaleConfig:
+        """``cfg`` with these tiles (its checks apply: ``block_seg`` a multiple of ``block_k``)."""
+        return dataclasses.replace(cfg, block_q=self.block_q, block_k=self.block_k)
 
 
 def _tau_vector(tau, heads: int) -> jnp.ndarray:
@@ -115,6 +147,7 @@ def sale_prefill_attention(
     cfg: SaleConfig | None = None,
     *,
     scale: float | None = None,
+    block_sizes: BlockSizes | None = None,
     implementation: str = "auto",
     interpret: Any = None,
     platform: str | None = None,
@@ -135,6 +168,7 @@ def sale_prefill_attention(
       tau: scalar or ``[heads]`` thresholds (per layer, from :func:`calibrate_thresholds`).
       cfg: :class:`SaleConfig` (default: the repo's 64×32 tiles, 128 local window).
       scale: logit scale ``c`` (default ``head_dim ** -0.5``).
+      block_sizes: :class:`BlockSizes` replacing ``cfg``'s tiles (default: ``cfg``'s).
       implementation: ``"pallas"``, ``"xla"`` (jnp reference) or ``"auto"``.
       interpret: Pallas interpret mode (``None``: on CPU only).
       platform: ``"gpu"``, ``"tpu"`` or ``"interpret"`` (default from the backend).
@@ -158,6 +192,8 @@ def sale_prefill_attention(
       Ji et al., SALE, https://arxiv.org/abs/2505.24179
     """
     cfg = SaleConfig() if cfg is None else cfg
+    if block_sizes is not None:
+        cfg = BlockSizes.check("sale_prefill_attention", block_sizes).apply(cfg)
     b, n, n_k_len, h, hk, d = check_attention_shapes(q, k, v, name="sale_prefill_attention")
     if n != n_k_len:
         raise ValueError(
@@ -182,7 +218,7 @@ def sale_prefill_attention(
         out = jnp.transpose(out, (0, 2, 1, 3))
         return (out, mask) if return_mask else out
 
-    platform = platform or _backend_platform()
+    platform = platform or _dispatch.backend_platform()
     if interpret is None:
         interpret = platform == "interpret"
     if platform == "interpret" and not interpret:
@@ -194,4 +230,4 @@ def sale_prefill_attention(
     return (out, mask) if return_mask else out
 
 
-__all__ = ["DEFAULT_TAU", "lookup_table", "sale_prefill_attention"]
+__all__ = ["DEFAULT_TAU", "BlockSizes", "lookup_table", "sale_prefill_attention"]

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.flash_attention.kernel import _dot, compiler_params
+from pallas_kernels.flash_attention.kernel import block_dot, compiler_params
 from pallas_kernels.sparse_attention.reference import MASK_VALUE
 
 _LANES = 128  # TPU lane width: per-row statistics are kept lane-replicated in VMEM
@@ -57,7 +57,7 @@ def _select_kernel(qc_ref, qs_ref, thr_ref, kc_ref, ks_ref, qmk_ref, out_ref, *,
     def body(j, sel):
         start = pl.multiple_of(j * block_k, block_k)
         kb = kc_ref[pl.ds(start, block_k), :].astype(jnp.bfloat16)
-        prod = _dot(qb, kb, trans_b=True)
+        prod = block_dot(qb, kb, trans_b=True)
         est = prod * qs * ks_ref[:, pl.ds(start, block_k)] + qmk_ref[:, pl.ds(start, block_k)]
         col = start + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
         hit = jnp.where((est > thr) & (col <= row), 1, 0)
@@ -112,12 +112,12 @@ def sale_select(q_codes, q_scale, thresholds, k_codes, k_scale, qmk, *, block_q,
 
 
 def _online_softmax_step(q, kb, vb, mask, acc, m, l, scale):
-    s = jnp.where(mask, _dot(q, kb, trans_b=True) * scale, MASK_VALUE)
+    s = jnp.where(mask, block_dot(q, kb, trans_b=True) * scale, MASK_VALUE)
     m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
     alpha = jnp.exp(m - m_new)
     p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
     l_new = alpha * l + jnp.sum(p, axis=1, keepdims=True)
-    return alpha * acc + _dot(p.astype(vb.dtype), vb), m_new, l_new
+    return alpha * acc + block_dot(p.astype(vb.dtype), vb), m_new, l_new
 
 
 def _block_mask(row0, col0, shape, n):

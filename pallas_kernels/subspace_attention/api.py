@@ -12,7 +12,7 @@ from jaxtyping import Array, Bool, Float
 
 from pallas_kernels import _dispatch
 from pallas_kernels._dispatch import IMPLEMENTATIONS, resolve_implementation
-from pallas_kernels.flash_attention.api import _backend_platform, padded_head_dim
+from pallas_kernels.flash_attention.api import padded_head_dim
 from pallas_kernels.subspace_attention import kernel as _kernel
 from pallas_kernels.subspace_attention.reference import (
     check_subspace_shapes,
@@ -22,12 +22,12 @@ from pallas_kernels.subspace_attention.reference import (
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockSizes:
+class BlockSizes(_dispatch.TileSizes):
     """Token blocks of the near/far decision and of the kernel tiles.
 
-    ``block_q`` query rows and ``block_k`` keys per tile; both powers of two ≥ 8 (Triton needs
-    power-of-two tiles, TPU row blocks divisible by 8). The near mask is defined on these blocks,
-    so unlike the flash kernel they are never shrunk: they are part of the result. A frame of
+    ``block_q`` query rows and ``block_k`` keys per tile; both powers of two ≥ 8 (checked once,
+    here; see the tiling policy of :mod:`pallas_kernels._dispatch`). The near mask is defined on
+    these blocks, so they are never fitted: they are part of the result. A frame of
     ``H·W`` tokens is one block when ``block_k == H·W`` (frame-aligned windows).
 
     Example::
@@ -38,14 +38,6 @@ class BlockSizes:
 
     block_q: int = 64
     block_k: int = 64
-
-    def __post_init__(self):
-        for name in ("block_q", "block_k"):
-            _dispatch.check_tile(name, getattr(self, name), "16 or 64")
-
-    @classmethod
-    def get_default(cls) -> "BlockSizes":
-        return cls(64, 64)
 
 
 def subspace_attention(
@@ -101,10 +93,7 @@ def subspace_attention(
         >>> o.shape
         (1, 40, 2, 16)
     """
-    if block_sizes is None:
-        block_sizes = BlockSizes.get_default()
-    if not isinstance(block_sizes, BlockSizes):
-        raise ValueError(f"block_sizes={block_sizes!r} must be a BlockSizes instance.")
+    block_sizes = BlockSizes.check("subspace_attention", block_sizes)
     bq, bk = block_sizes.block_q, block_sizes.block_k
     b, n, h, d, rank, rank_v = check_subspace_shapes(
         q, k, v, q_lat, k_lat, v_lat, v_basis, near_mask, block_q=bq, block_k=bk,
@@ -119,7 +108,7 @@ def subspace_attention(
         return subspace_attention_blocked(q, k, v, q_lat, k_lat, v_lat, v_basis, near_mask,
                                           block_q=bq, block_k=bk, scale=scale,
                                           v_residual=v_residual, max_near=max_near)
-    platform = platform or _backend_platform()
+    platform = platform or _dispatch.backend_platform()
     if platform not in _kernel.PLATFORMS:
         raise ValueError(f"platform={platform!r} is unknown; choose one of {_kernel.PLATFORMS}.")
     if interpret is None:

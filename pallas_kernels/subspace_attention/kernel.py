@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.flash_attention.kernel import _dot, compiler_params
+from pallas_kernels.flash_attention.kernel import block_dot, compiler_params
 from pallas_kernels.subspace_attention.reference import MASK_VALUE
 
 PLATFORMS = ("gpu", "tpu", "interpret")
@@ -44,12 +44,12 @@ def _step(q, kb, vb, col0, acc, m, l, *, scale, n, block_q, block_k):
     """One online-softmax step on a key block; returns ``(p·vb, alpha, m_new, l_new)``."""
     col = col0 + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
     valid = col < n
-    s = jnp.where(valid, _dot(q, kb, trans_b=True) * scale, MASK_VALUE)
+    s = jnp.where(valid, block_dot(q, kb, trans_b=True) * scale, MASK_VALUE)
     m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
     alpha = jnp.exp(m - m_new)
     p = jnp.where(valid, jnp.exp(s - m_new), 0.0)
     l_new = alpha * l + jnp.sum(p, axis=1, keepdims=True)
-    return _dot(p.astype(vb.dtype), vb), alpha, m_new, l_new
+    return block_dot(p.astype(vb.dtype), vb), alpha, m_new, l_new
 
 
 def _dual_stream_kernel(near_lut_ref, near_cnt_ref, far_lut_ref, far_cnt_ref, q_ref, k_ref, v_ref,
@@ -84,7 +84,7 @@ def _dual_stream_kernel(near_lut_ref, near_cnt_ref, far_lut_ref, far_cnt_ref, q_
     carry = lax.fori_loop(0, near_count, near_body, init)
     acc_full, acc_lat, _, l = lax.fori_loop(0, far_count, far_body, carry)
     if latent_values:
-        acc_full = acc_full + _dot(acc_lat, basis_ref[...].astype(jnp.float32), trans_b=True)
+        acc_full = acc_full + block_dot(acc_lat, basis_ref[...].astype(jnp.float32), trans_b=True)
     o_ref[...] = (acc_full / jnp.where(l == 0.0, 1.0, l)).astype(o_ref.dtype)
 
 

@@ -2,18 +2,40 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from pallas_kernels import _dispatch
 from pallas_kernels._dispatch import inference_only, resolve
 from pallas_kernels.xkv_decode.kernel import xkv_decode_partials
 from pallas_kernels.xkv_decode.reference import NEG_INF, xkv_decode_reference
 
 #: ``implementation=`` values: ``auto`` (Pallas on GPU/TPU, else XLA), ``pallas``, ``xla``.
 IMPLEMENTATIONS = ("auto", "pallas", "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes(_dispatch.TileSizes):
+    """Tiling of the xKV decode kernel: ``block_k`` prompt tokens per block (a power of two
+    ≥ 8, checked once here) and ``num_splits`` split-K partitions of the prompt
+    (flash-decoding; a positive count).
+
+    The tiles do not change the result: ``block_k`` fits a shorter prompt (the one fit rule,
+    :func:`~pallas_kernels._dispatch.fit_tile`), the prompt is padded and masked to
+    ``splits · blocks · block_k``, and ``num_splits`` is capped at the number of blocks.
+
+    Example::
+
+        >>> BlockSizes(block_k=16, num_splits=3)
+        BlockSizes(block_k=16, num_splits=3)
+    """
+
+    block_k: int = 128
+    num_splits: int = _dispatch.count_field(4)
 
 
 def _check(q, key_factor, key_basis, value_factor, value_basis, tail_keys, tail_values):
@@ -68,8 +90,7 @@ def xkv_decode_attention(
     scale: float | None = None,
     implementation: str = "auto",
     interpret=None,
-    block_k: int = 128,
-    num_splits: int = 4,
+    block_sizes: BlockSizes | None = None,
 ) -> Float[Array, "b hq d"]:
     """Attention of one new query per sequence over ``[RoPE(A_k B_k) | K_tail]``.
 
@@ -97,8 +118,8 @@ def xkv_decode_attention(
         implementation: ``"auto"`` (Pallas on GPU/TPU, XLA on CPU), ``"pallas"`` or ``"xla"``
             (the pure-jnp reference).
         interpret: Pallas interpret mode; default True on CPU, False elsewhere.
-        block_k: prompt tokens per kernel block (power of two for Triton).
-        num_splits: split-K partitions of the prompt (flash-decoding).
+        block_sizes: :class:`BlockSizes` (``block_k`` prompt tokens per kernel block,
+            ``num_splits`` split-K partitions); default ``BlockSizes()``.
 
     Returns:
         ``[b, q_heads, head_dim]`` in fp32.
@@ -108,7 +129,8 @@ def xkv_decode_attention(
         >>> import jax.numpy as jnp
         >>> out = xkv_decode_attention(jnp.ones((1, 4, 8)), jnp.ones((1, 5, 3)),
         ...     jnp.ones((1, 2, 3, 8)), jnp.ones((1, 5, 3)), jnp.ones((1, 2, 3, 8)),
-        ...     rope_theta=1e4, implementation="pallas", interpret=True, block_k=16)
+        ...     rope_theta=1e4, implementation="pallas", interpret=True,
+        ...     block_sizes=BlockSizes(block_k=16))
         >>> out.shape
         (1, 4, 8)
 
@@ -117,6 +139,7 @@ def xkv_decode_attention(
         Extraction <https://arxiv.org/abs/2503.18893>`_, 2025.
     """
     _check(q, key_factor, key_basis, value_factor, value_basis, tail_keys, tail_values)
+    blocks = BlockSizes.check("xkv_decode_attention", block_sizes)
     implementation, interpret = _resolve(implementation, interpret)
     if tail_keys is not None and tail_length is None:
         tail_length = tail_keys.shape[1]
@@ -124,8 +147,9 @@ def xkv_decode_attention(
         q, key_factor, key_basis, value_factor, value_basis, tail_keys, tail_values,
         tail_length, rope_theta=float(rope_theta),
         scale=float(q.shape[-1] ** -0.5 if scale is None else scale),
-        implementation=implementation, interpret=interpret, block_k=block_k,
-        num_splits=num_splits,
+        implementation=implementation, interpret=interpret,
+        block_k=_dispatch.fit_tile(blocks.block_k, key_factor.shape[1]),
+        num_splits=blocks.num_splits,
     )
 
 
@@ -165,4 +189,4 @@ def _attention(q, key_factor, key_basis, value_factor, value_basis, tail_keys, t
     return out.reshape(b, hq, d)
 
 
-__all__ = ["IMPLEMENTATIONS", "xkv_decode_attention"]
+__all__ = ["BlockSizes", "IMPLEMENTATIONS", "xkv_decode_attention"]

@@ -108,7 +108,7 @@ def test_inference_only_kernels_refuse_gradients_clearly():
     factors = (jnp.ones((1, 5, 3)), jnp.ones((1, 2, 3, 8)), jnp.ones((1, 5, 3)),
                jnp.ones((1, 2, 3, 8)))
     xkv = lambda q: xkv_decode_attention(q, *factors, rope_theta=1e4, implementation="pallas",
-                                         interpret=True, block_k=16).sum()
+                                         interpret=True).sum()
     for name, fn, x in (("code_matmul", lattice, jnp.ones((1, 8))),
                         ("sale_prefill_attention", sale, q),
                         ("xkv_decode_attention", xkv, jnp.ones((1, 4, 8)))):
@@ -119,20 +119,21 @@ def test_inference_only_kernels_refuse_gradients_clearly():
 def test_grouped_lora_blocks_that_cannot_tile_raise():
     import jax.numpy as jnp
 
-    from pallas_kernels.grouped_lora.api import lora_expand, lora_shrink
+    from pallas_kernels.grouped_lora.api import BlockSizes, lora_expand, lora_shrink
 
     sizes, ranks = jnp.array([2, 2]), jnp.array([2, 2])
     x, a = jnp.ones((4, 24)), jnp.ones((2, 24, 4))
     with pytest.raises(ValueError, match=r"block_k=16 does not tile d_in=24"):
-        lora_shrink(x, a, sizes, jnp.ones(2), ranks, interpret=True, block_k=16)
-    with pytest.raises(ValueError, match=r"block_r=3 does not tile the padded rank R=4"):
-        lora_shrink(x, a, sizes, jnp.ones(2), ranks, interpret=True, block_r=3)
+        lora_shrink(x, a, sizes, jnp.ones(2), ranks, interpret=True,
+                    block_sizes=BlockSizes(block_k=16))
+    with pytest.raises(ValueError, match=r"block_r=16 does not tile the padded rank R=24"):
+        lora_shrink(x, jnp.ones((2, 24, 24)), sizes, jnp.ones(2), ranks, interpret=True)
     with pytest.raises(ValueError, match=r"d_in=1030 has no power-of-two tile"):
         lora_shrink(jnp.ones((4, 1030)), jnp.ones((2, 1030, 4)), sizes, jnp.ones(2), ranks,
                     interpret=True)
-    with pytest.raises(ValueError, match=r"block_n=5 does not tile d_out=8"):
-        lora_expand(jnp.ones((4, 4)), jnp.ones((2, 4, 8)), sizes, ranks, interpret=True,
-                    block_n=5)
+    with pytest.raises(ValueError, match=r"block_n=16 does not tile d_out=24"):
+        lora_expand(jnp.ones((4, 4)), jnp.ones((2, 4, 24)), sizes, ranks, interpret=True,
+                    block_sizes=BlockSizes(block_n=16))
     # a default block that fits: d_in = 24 -> block_k = 8, same result as the reference
     got = lora_shrink(x, a, sizes, jnp.ones(2), ranks, interpret=True)
     want = lora_shrink(x, a, sizes, jnp.ones(2), ranks, implementation="xla")

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.grouped_lora import (
+    BlockSizes,
     grouped_lora_loop_reference,
     lora_expand,
     lora_expand_reference,
@@ -32,13 +33,14 @@ def _data(sizes, ranks, r_max, n, d_in=24, d_out=20):
 
 @pytest.mark.parametrize("sizes,ranks,r_max,n", CASES)
 def test_kernel_matches_reference(sizes, ranks, r_max, n):
+    # non-default BlockSizes: 16-row tiles, rank chunks of 8, 3 chunks of the d_in contraction
     x, a, b, gs, scale, rk, acc = _data(sizes, ranks, r_max, n)
-    kw = dict(implementation="pallas", interpret=True, block_m=16, block_r=8)
+    kw = dict(implementation="pallas", interpret=True)
     h_ref = lora_shrink_reference(x, a, gs, scale, rk)
-    h = lora_shrink(x, a, gs, scale, rk, block_k=8, **kw)  # 3 chunks of the d_in contraction
+    h = lora_shrink(x, a, gs, scale, rk, block_sizes=BlockSizes(16, 8, block_k=8), **kw)
     np.testing.assert_allclose(h, h_ref, rtol=1e-5, atol=1e-5)
     y_ref = lora_expand_reference(h_ref, b, gs, rk, acc)
-    y = lora_expand(h_ref, b, gs, rk, acc, **kw)  # default block_n tiles d_out
+    y = lora_expand(h_ref, b, gs, rk, acc, block_sizes=BlockSizes(16, 8), **kw)  # default block_n
     np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-4)
     # ragged_dot reference == slice-per-group loop; padded rank columns exactly zero
     loop = grouped_lora_loop_reference(x, a, b, sizes, scale, ranks)
@@ -59,9 +61,9 @@ def test_kernel_gradients_match_reference():
     def loss(impl):
         def f(x, a, b, acc):
             h = lora_shrink(x, a, gs, scale, rk, implementation=impl, interpret=True,
-                            block_m=16, block_r=8, block_k=8)
-            y = lora_expand(h, b, gs, rk, acc, implementation=impl, interpret=True, block_m=16,
-                            block_r=8)
+                            block_sizes=BlockSizes(16, 8, block_k=8))
+            y = lora_expand(h, b, gs, rk, acc, implementation=impl, interpret=True,
+                            block_sizes=BlockSizes(16, 8))
             return jnp.sum(y * c)
         return jax.grad(f, argnums=(0, 1, 2, 3))(x, a, b, acc)
 
@@ -74,7 +76,13 @@ def test_bad_arguments_raise():
     x, a, b, gs, scale, rk, _ = _data((5, 0, 13, 9), (3, 8, 16, 1), 16, 29)
     with pytest.raises(ValueError, match="group_sizes"):
         lora_shrink(x, a, gs[:3], scale, rk, implementation="xla")
-    with pytest.raises(ValueError, match="block_r"):
-        lora_shrink(x, a, gs, scale, rk, implementation="pallas", interpret=True, block_r=5)
+    with pytest.raises(ValueError, match=r"BlockSizes.block_r=5 must be a power of two >= 8"):
+        BlockSizes(block_r=5)
+    with pytest.raises(ValueError, match=r"block_k=16 does not tile d_in=24"):
+        lora_shrink(x, a, gs, scale, rk, implementation="pallas", interpret=True,
+                    block_sizes=BlockSizes(block_k=16))
+    with pytest.raises(ValueError, match=r"lora_shrink: block_sizes=.* must be a pallas_kernels"):
+        lora_shrink(x, a, gs, scale, rk, implementation="pallas", interpret=True,
+                    block_sizes=dict(block_m=16))
     with pytest.raises(ValueError, match="implementation"):
         lora_expand(x[:, :16], b, gs, rk, implementation="cuda")

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.lattice_matmul import (
+    BlockSizes,
     code_matmul,
     code_matmul_reference,
     lattice_matmul,
@@ -25,12 +26,24 @@ def _operands(t, m, q, dtype=jnp.float32, seed=0):
 
 @pytest.mark.parametrize("mode, t, m, q", [("fold", 3, 37, 13), ("dequant", 17, 70, 40)])
 def test_kernel_equals_reference_fp32_odd_shapes(mode, t, m, q):
+    # non-default BlockSizes: 16-wide code chunks (the dequant case has 3 of them, one partial)
+    # and 32 output rows (37 and 70 rows: partial tiles)
     x, codes, affine, offset = _operands(t, m, q)
     ref = code_matmul_reference(x, codes, affine, offset)
     got = code_matmul(x, codes, affine, offset, mode=mode, implementation="pallas",
-                      interpret=True, block_k=16)
+                      interpret=True, block_sizes=BlockSizes(block_m=32, block_k=16))
     scale = float(jnp.abs(ref).max())
     np.testing.assert_allclose(got, ref, atol=1e-5 * scale, rtol=1e-5)
+
+
+def test_block_sizes_are_checked():
+    with pytest.raises(ValueError, match=r"BlockSizes.block_k=24 must be a power of two >= 8"):
+        BlockSizes(block_k=24)
+    with pytest.raises(ValueError, match=r"BlockSizes.block_t=4 must be a power of two"):
+        BlockSizes(block_t=4)
+    x, codes, affine, offset = _operands(3, 8, 2)
+    with pytest.raises(ValueError, match=r"code_matmul: block_sizes="):
+        code_matmul(x, codes, affine, offset, interpret=True, block_sizes=(16, 16, 16))
 
 
 def test_kernel_integer_part_is_exact():

@@ -126,6 +126,26 @@ def test_sale_kernels_match_reference(n, heads, kv_heads, dim, dtype):
         np.testing.assert_array_equal(anchor_only, R.anchor_block_mask(n, CFG))
 
 
+def test_block_sizes_replace_the_config_tiles():
+    # non-default BlockSizes over a config with the default 64 x 32 tiles: the 16 x 16 kernel
+    # (the same compiled one as CFG's, above) and the same mask and values as CFG's reference
+    q, k, v = _qkv(75, 3, 1, 16, seed=75)
+    taus = jnp.asarray([0.0, 0.05, np.inf], jnp.float32)
+    wide = R.SaleConfig(block_seg=32, local_window=16, dense_below=0)
+    out, mask = api.sale_prefill_attention(q, k, v, taus, wide, implementation="pallas",
+                                           interpret=True, return_mask=True,
+                                           block_sizes=api.BlockSizes(16, 16))
+    ref_out, ref_mask = api.sale_prefill_attention(q, k, v, taus, CFG, implementation="xla",
+                                                   return_mask=True)
+    np.testing.assert_array_equal(np.asarray(mask), np.asarray(ref_mask))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), atol=1e-5, rtol=1e-5)
+    assert api.BlockSizes.of(wide) == api.BlockSizes() == api.BlockSizes(64, 32)
+    with pytest.raises(ValueError, match=r"BlockSizes.block_k=12 must be a power of two >= 8"):
+        api.BlockSizes(16, 12)
+    with pytest.raises(ValueError, match=r"block_seg=32 must be a multiple of block_k=64"):
+        api.sale_prefill_attention(q, k, v, taus, CFG, block_sizes=api.BlockSizes(16, 64))
+
+
 def test_tpu_block_sparse_kernel_matches_reference_in_interpret_mode():
     n = 75
     q, k, v = _qkv(n, 3, 1, 16, layout="bhnd", seed=7)

@@ -7,6 +7,7 @@ import pytest
 
 from lowrank_jax.attention import reference_attention
 from pallas_kernels.xkv_decode import (
+    BlockSizes,
     reconstruct,
     rope,
     xkv_decode_attention,
@@ -25,12 +26,23 @@ def _inputs(b=1, hq=6, hk=2, d=16, length=37, rk=5, rv=7, tail=3, seed=0):
 
 
 def test_kernel_matches_reference_odd_sizes_interpret():
-    # L = 37 (not a multiple of the 8-token block), 3 splits, GQA 3, odd ranks, partial tail
+    # non-default BlockSizes: L = 37 (not a multiple of the 8-token block), 3 splits, GQA 3,
+    # odd ranks, partial tail
     x = _inputs()
     ref = xkv_decode_reference(**x, rope_theta=1e4, tail_length=2)
     out = xkv_decode_attention(**x, rope_theta=1e4, tail_length=2, implementation="pallas",
-                               interpret=True, block_k=8, num_splits=3)
+                               interpret=True, block_sizes=BlockSizes(block_k=8, num_splits=3))
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_block_sizes_are_checked():
+    with pytest.raises(ValueError, match=r"BlockSizes.block_k=12 must be a power of two >= 8"):
+        BlockSizes(block_k=12)
+    with pytest.raises(ValueError, match=r"BlockSizes.num_splits=0 must be a positive int"):
+        BlockSizes(num_splits=0)
+    with pytest.raises(ValueError, match=r"xkv_decode_attention: block_sizes="):
+        xkv_decode_attention(**_inputs(), rope_theta=1e4, implementation="pallas",
+                             interpret=True, block_sizes={"block_k": 8})
 
 
 def test_latent_value_path_equals_explicit_and_dense_attention():

@@ -20,7 +20,7 @@ def _rows(dry_run: bool, reps: int) -> list[dict]:
     import jax.numpy as jnp
     import numpy as np
 
-    from pallas_kernels.grouped_lora import lora_expand, lora_shrink
+    from pallas_kernels.grouped_lora import BlockSizes, lora_expand, lora_shrink
 
     interpret = dry_run
     d, r_max, k = (64, 16, 4) if dry_run else (4096, 64, 8)
@@ -28,6 +28,8 @@ def _rows(dry_run: bool, reps: int) -> list[dict]:
     rank_sets = {"mixed": [4, 8, 16, 16][:k] if dry_run else [8, 16, 32, 64, 8, 16, 32, 64],
                  "all_R": [r_max] * k}
     block = dict(block_m=16, block_r=8) if dry_run else dict(block_m=64, block_r=16)
+    shrink_tiles = BlockSizes(**block)
+    expand_tiles = BlockSizes(**block, block_n=32 if dry_run else 128)
     rows = []
     for n in token_counts:
         keys = jax.random.split(jax.random.key(n), 4)
@@ -47,10 +49,9 @@ def _rows(dry_run: bool, reps: int) -> list[dict]:
             def fwd(impl):
                 def f(x, a, b, base):
                     h = lora_shrink(x, a, gs, scale, rk, implementation=impl,
-                                    interpret=interpret, **block)
+                                    interpret=interpret, block_sizes=shrink_tiles)
                     return lora_expand(h.astype(b.dtype), b, gs, rk, base, implementation=impl,
-                                       interpret=interpret, block_n=32 if dry_run else 128,
-                                       **block)
+                                       interpret=interpret, block_sizes=expand_tiles)
                 return jax.jit(f)
 
             def fwd_bwd(impl):

@@ -22,16 +22,16 @@ def copy_bandwidth(nbytes: int, reps: int) -> float:
 
 
 def check_lattice_matmul(ctx) -> list[dict]:
-    from pallas_kernels.lattice_matmul.api import code_matmul
+    from pallas_kernels.lattice_matmul.api import BlockSizes, code_matmul
     from pallas_kernels.lattice_matmul.reference import code_matmul_reference
 
     if ctx.dry_run:
         shapes, tokens, dtype = [(40, 64)], [3], jnp.float32
-        blocks = dict(block_m=16, block_k=8)
+        blocks = BlockSizes(block_m=16, block_k=8)
     else:
         shapes, tokens, dtype = [(4096, 4096), (12288, 4096), (4096, 12288)], [1, 16, 256, 2048], \
             jnp.bfloat16
-        blocks = {}
+        blocks = BlockSizes()
     bandwidth = None if ctx.dry_run else copy_bandwidth(1 << 30, ctx.reps)
     rows = []
     for m, n in shapes:
@@ -53,7 +53,7 @@ def check_lattice_matmul(ctx) -> list[dict]:
             for mode in ("fold", "dequant"):
                 fn = jax.jit(lambda x, c, a, b, mode=mode: code_matmul(
                     x, c, a, b, mode=mode, implementation="pallas", interpret=ctx.interpret,
-                    **blocks))
+                    block_sizes=blocks))
                 try:
                     got = fn(x, codes, affine, offset)
                     rel = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))

@@ -19,7 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.xkv_decode import reconstruct, rope, xkv_decode_attention  # noqa: E402
+from pallas_kernels.xkv_decode import (  # noqa: E402
+    BlockSizes,
+    reconstruct,
+    rope,
+    xkv_decode_attention,
+)
 from pallas_kernels.xkv_decode.reference import xkv_decode_reference  # noqa: E402
 
 from lowrank_jax.bench import time_fn  # the project's one timer
@@ -41,14 +46,14 @@ def _rows(dry_run: bool, lengths, reps: int, interpret: bool, time_left=lambda: 
     # 1. construction test
     if dry_run:
         shape = dict(b=1, hq=4, hk=2, d=32, length=75, rk=8, rv=12)
-        blocks = dict(block_k=16, num_splits=3)
+        blocks = BlockSizes(block_k=16, num_splits=3)
     else:
         shape = dict(b=2, hq=32, hk=8, d=128, length=4001, rk=384, rv=576)
-        blocks = dict(block_k=64, num_splits=8)
+        blocks = BlockSizes(block_k=64, num_splits=8)
     dtype = jnp.float32 if dry_run else jnp.bfloat16
     q, ak, bk, av, bv = _case(**shape, dtype=dtype)
     got = xkv_decode_attention(q, ak, bk, av, bv, rope_theta=1e7, implementation="pallas",
-                               interpret=interpret, **blocks)
+                               interpret=interpret, block_sizes=blocks)
     want = xkv_decode_reference(q, ak.astype(jnp.float32), bk.astype(jnp.float32),
                                 av.astype(jnp.float32), bv.astype(jnp.float32), rope_theta=1e7)
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
@@ -82,7 +87,7 @@ def _rows(dry_run: bool, lengths, reps: int, interpret: bool, time_left=lambda: 
             splits = max(1, min(32, length // (nblk * 16)))
             kernel = jax.jit(lambda q, ak, bk, av, bv: xkv_decode_attention(
                 q, ak, bk, av, bv, rope_theta=1e7, implementation="pallas",
-                interpret=interpret, block_k=nblk, num_splits=splits))
+                interpret=interpret, block_sizes=BlockSizes(block_k=nblk, num_splits=splits)))
             ref = jax.jit(lambda q, ak, bk, av, bv: xkv_decode_attention(
                 q, ak, bk, av, bv, rope_theta=1e7, implementation="xla"))
             row["baseline_s"] = time_fn(dense, qd, keys, vals, reps=reps)
