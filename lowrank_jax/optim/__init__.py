@@ -136,6 +136,7 @@ from lowrank_jax.optim.lordo_distributed import (
     outer_nesterov,
     set_projection,
 )
+from lowrank_jax.optim.lordo_simulation import simulate_ddp, simulate_lordo
 from lowrank_jax.optim.salaad import (
     SalaadConfig,
     SalaadState,
@@ -187,6 +188,8 @@ __all__ += [
     "scale_by_lordo",
     "scale_by_salaad",
     "set_projection",
+    "simulate_ddp",
+    "simulate_lordo",
     "soft_threshold",
     "surrogate_counts",
     "svt",
