@@ -43,8 +43,12 @@ from lowrank_jax.optim.janus import (
     oe_accumulate,
     oe_finalize,
     orthogonality_clamp,
+    WithSubspacesState,
     reanchor,
+    scale_by_input_projection,
     scale_by_janus,
+    set_subspaces,
+    with_subspaces,
 )
 from lowrank_jax.optim import crispedit, loda  # modules (their transforms share the name)
 from lowrank_jax.optim.loda import CovStat as LoDACovStat
@@ -89,6 +93,10 @@ __all__ = [
     "scale_by_crispedit",
     "scale_by_gao",
     "scale_by_janus",
+    "scale_by_input_projection",
+    "set_subspaces",
+    "with_subspaces",
+    "WithSubspacesState",
     "find_pairs",
     "janus",
     "lora_pairs",

@@ -120,31 +120,25 @@ def lora_finetune(chunks, probs, steps, seed, *, batch=4, lr=2e-3):
     import optax
     from flax import nnx
 
-    from lowrank_jax.core.losses import cross_entropy
+    from lowrank_jax.core.step import make_step, trainable
     from lowrank_jax.hub import load_model
     from lowrank_jax.nn import LoRARule, apply_lora
+    from lowrank_jax.train.loop import lm_loss
 
     model, _ = load_model("smollm2")
     apply_lora(model, LoRARule(r"(q|v)_proj", rank=8, alpha=16.0), rngs=nnx.Rngs(seed))
-    optimizer = nnx.Optimizer(model, optax.adam(lr), wrt=nnx.LoRAParam)
+    graphdef, state = nnx.split(model)
+    tx = optax.adam(lr)
+    step = make_step(lambda s, tokens: lm_loss(graphdef)(s, tokens[:, :-1], tokens[:, 1:]), tx,
+                     wrt=nnx.LoRAParam)
+    opt = tx.init(trainable(state, nnx.LoRAParam))
     length = min(len(c) for c in chunks)
     data = np.asarray([c[:length] for c in chunks], np.int32)
-
-    def loss_fn(m, tokens):
-        logits, _ = m(tokens[:, :-1])
-        return cross_entropy(logits, tokens[:, 1:])
-
-    @nnx.jit
-    def step(m, opt, tokens):
-        loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, nnx.LoRAParam))(
-            m, tokens)
-        opt.update(m, grads)
-        return loss
-
     rng = np.random.default_rng(seed)
     for _ in range(steps):
         pick = rng.choice(len(chunks), size=batch, p=probs)
-        step(model, optimizer, jnp.asarray(data[pick]))
+        state, opt, _ = step(state, opt, jnp.asarray(data[pick]))
+    nnx.update(model, state)
     return model
 
 

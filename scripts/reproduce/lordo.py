@@ -48,9 +48,9 @@ import optax
 from flax import nnx
 from jax.sharding import AxisType
 
-from lowrank_jax.data import batch_at, corpus_bytes, eval_batches, train_val_split
+from lowrank_jax.data import batch_at, corpus_bytes, train_val_split
 from lowrank_jax.models import Llama, LlamaConfig
-from lowrank_jax.core.losses import cross_entropy
+from lowrank_jax.train.loop import evaluate, lm_loss, make_eval_fn
 from lowrank_jax.optim import (
     communication_per_sync,
     lordo,
@@ -103,20 +103,6 @@ def worker_batches(tokens, step, args):
     return jnp.asarray(np.stack(xs)), jnp.asarray(np.stack(ys))
 
 
-def make_loss(graphdef):
-    def loss_fn(params, x, y):
-        logits, _ = nnx.merge(graphdef, params)(x)
-        return cross_entropy(logits, y)
-
-    return loss_fn
-
-
-def evaluate(loss_fn, params, tokens, args) -> float:
-    f = jax.jit(loss_fn)
-    return float(np.mean([float(f(params, x, y))
-                          for x, y in eval_batches(tokens, 16, args.seq, max_batches=8)]))
-
-
 def main(argv=None):
     args = parse_args(argv)
     steps = args.steps or (48 if args.quick else 320)
@@ -133,7 +119,7 @@ def main(argv=None):
     cfg = model_config(args.quick)
     graphdef, params = nnx.split(Llama(cfg, rngs=nnx.Rngs(args.seed)), nnx.Param)
     params = jax.tree.map(jnp.asarray, params)
-    loss_fn = make_loss(graphdef)
+    loss_fn = lm_loss(graphdef)
     n_params = communication_per_sync(params)
     common = {"rank": args.rank, "clip_norm": 1.0}
     workers = {**common, "first_projection": "set"}  # Q_0 from set_projection (global SVD)
@@ -165,7 +151,7 @@ def main(argv=None):
                                              period=period, outer=outer, workers=WORKERS,
                                              mesh=mesh)
         final = jax.tree.map(lambda x: jax.device_put(x, jax.devices()[0]), final)
-        val = evaluate(loss_fn, final, val_tokens, args)
+        val = evaluate(make_eval_fn(graphdef), final, val_tokens, 16, args.seq, max_batches=8)
         rows.append({"arm": name, "val_loss": val, **info,
                      "seconds": round(time.perf_counter() - t0, 1)})
         print(f"{name:32s} val {val:.4f}  floats/worker {info['floats_per_worker']:,}", flush=True)
