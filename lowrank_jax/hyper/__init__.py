@@ -14,6 +14,14 @@ from lowrank_jax.hyper.doc_to_lora import (
     internalize,
     internalizer,
 )
+from lowrank_jax.hyper.evaluate import (
+    answer_scores,
+    cached_distill_data,
+    compiled_temp_bytes,
+    hypernetwork_evaluator,
+    pad_tokens,
+    teacher_floor,
+)
 from lowrank_jax.hyper.export import (
     adapter_bytes,
     export_adapter,
@@ -21,6 +29,7 @@ from lowrank_jax.hyper.export import (
     load_hypernetwork,
     save_hypernetwork,
 )
+from lowrank_jax.hyper import needles  # the needle-in-a-haystack documents (a module)
 from lowrank_jax.hyper.train import (
     DistillData,
     build_distill_data,
@@ -40,6 +49,12 @@ __all__ = [
     "PerceiverResampler",
     "adapted",
     "adapter_bytes",
+    "answer_scores",
+    "cached_distill_data",
+    "compiled_temp_bytes",
+    "hypernetwork_evaluator",
+    "pad_tokens",
+    "teacher_floor",
     "bank_delta",
     "build_distill_data",
     "chunk_encoder",
@@ -54,6 +69,7 @@ __all__ = [
     "kv_cache_bytes",
     "l1_penalty",
     "load_hypernetwork",
+    "needles",
     "restore_hypernetwork",
     "save_hypernetwork",
     "topk_distill",
