@@ -137,7 +137,7 @@ def cached_distill_data(cache_dir, model_name: str, model, tokens, build: dict,
         >>> from lowrank_jax.models.presets import preset_model
         >>> model, folder = preset_model("tiny", seed=0), tempfile.mkdtemp()
         >>> tokens = ([[1, 2, 3, 4]], [[5, 6]], [[7]])
-        >>> build = dict(layers=[0], chunk_len=4, top_k=2)
+        >>> build = dict(layers=[0], chunk_len=4, max_chunks=1, top_k=2)
         >>> a = cached_distill_data(folder, "tiny", model, tokens, build)
         >>> b = cached_distill_data(folder, "tiny", model, tokens, build, log=lambda s: None)
         >>> bool((a.teacher_logp == b.teacher_logp).all())
