@@ -119,7 +119,7 @@ def main(argv=None):
     cfg = model_config(args.quick)
     graphdef, params = nnx.split(Llama(cfg, rngs=nnx.Rngs(args.seed)), nnx.Param)
     params = jax.tree.map(jnp.asarray, params)
-    loss_fn = lm_loss(graphdef)
+    loss_fn, eval_fn = lm_loss(graphdef), make_eval_fn(graphdef)
     n_params = communication_per_sync(params)
     common = {"rank": args.rank, "clip_norm": 1.0}
     workers = {**common, "first_projection": "set"}  # Q_0 from set_projection (global SVD)
@@ -150,8 +150,9 @@ def main(argv=None):
                 final, info = simulate_lordo(tx, params, loss_fn, batches, steps=steps,
                                              period=period, outer=outer, workers=WORKERS,
                                              mesh=mesh)
-        final = jax.tree.map(lambda x: jax.device_put(x, jax.devices()[0]), final)
-        val = evaluate(make_eval_fn(graphdef), final, val_tokens, 16, args.seq, max_batches=8)
+        # plain host copies: the anchor's arrays keep the mesh's explicit axis types otherwise
+        final = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), final)
+        val = evaluate(eval_fn, final, val_tokens, 16, args.seq, max_batches=8)
         rows.append({"arm": name, "val_loss": val, **info,
                      "seconds": round(time.perf_counter() - t0, 1)})
         print(f"{name:32s} val {val:.4f}  floats/worker {info['floats_per_worker']:,}", flush=True)
