@@ -21,6 +21,7 @@ from lowrank_jax.hyper.evaluate import (
     hypernetwork_evaluator,
     pad_tokens,
     teacher_floor,
+    working_memory,
 )
 from lowrank_jax.hyper.export import (
     adapter_bytes,
@@ -74,4 +75,5 @@ __all__ = [
     "save_hypernetwork",
     "topk_distill",
     "train_doc_to_lora",
+    "working_memory",
 ]

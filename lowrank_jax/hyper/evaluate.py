@@ -195,5 +195,44 @@ def compiled_temp_bytes(fn, *args) -> int | None:
         return None
 
 
+def working_memory(model, hyper, data: DistillData, *, layers: Sequence[int], chunk_len: int,
+                   max_chunks: int, total_rank: int) -> dict:
+    """Working memory (bytes, :func:`compiled_temp_bytes`) XLA plans for internalising one
+    document two ways: one Doc-to-LoRA pass (the base model's pass over ``max_chunks`` chunks
+    of ``chunk_len`` tokens, its layer inputs at ``layers``, the hypernetwork) and one step of
+    per-document context distillation (the gradient of :func:`~lowrank_jax.hyper.distill_loss`
+    with respect to a rank-``total_rank`` adapter, on the first document of ``data``).
+
+    Returns:
+        ``{"doc_to_lora": bytes, "context_distillation_step": bytes}`` (``None`` values where
+        the backend has no memory statistics).
+    """
+    from lowrank_jax.hyper.doc_to_lora import LoRABank
+    from lowrank_jax.hyper.train import distill_loss
+    from lowrank_jax.nn.capture import capture
+
+    graph, state = nnx.split(model)
+    hgraph, hstate = nnx.split(hyper)
+    paths = [f"layers/{i}" for i in layers]
+
+    def d2l_fn(hstate, state, ids):
+        m = nnx.merge(graph, state)
+        with capture(m, paths) as rec:
+            m(ids)
+        feats = jnp.stack([rec.inputs[q][0] for q in paths], axis=1)
+        return nnx.merge(hgraph, hstate)(feats[None], jnp.ones((1,) + ids.shape, bool))
+
+    def cd_fn(ab, state, batch):
+        return jax.grad(lambda p: distill_loss(LoRABank(*p), nnx.merge(graph, state),
+                                               hyper.config, batch)[0])(ab)
+
+    one = DistillData(*(jnp.asarray(np.asarray(x)[:1]) for x in data))
+    ab = (jnp.zeros((1, len(layers), total_rank, hyper.config.d_in)),
+          jnp.zeros((1, len(layers), total_rank, hyper.config.d_out)))
+    ids = jnp.zeros((max_chunks, chunk_len), jnp.int32)
+    return {"doc_to_lora": compiled_temp_bytes(d2l_fn, hstate, state, ids),
+            "context_distillation_step": compiled_temp_bytes(cd_fn, ab, state, one)}
+
+
 __all__ = ["answer_scores", "cached_distill_data", "compiled_temp_bytes",
-           "hypernetwork_evaluator", "pad_tokens", "teacher_floor"]
+           "hypernetwork_evaluator", "pad_tokens", "teacher_floor", "working_memory"]

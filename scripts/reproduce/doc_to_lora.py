@@ -32,7 +32,6 @@ import json
 import time
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -52,10 +51,10 @@ from lowrank_jax.hyper import (
 from lowrank_jax.hyper.evaluate import (
     answer_scores,
     cached_distill_data,
-    compiled_temp_bytes,
     hypernetwork_evaluator,
     pad_tokens,
     teacher_floor,
+    working_memory,
 )
 from lowrank_jax.hyper.needles import (
     TEST_NAMES,
@@ -257,31 +256,9 @@ def main(argv=None):
     cd_seconds = float(np.mean(cd_times[1:] if len(cd_times) > 1 else cd_times))
 
     # memory: what XLA plans for one internalisation vs one context-distillation step
-    graph, state = nnx.split(model)
-    hgraph, hstate = nnx.split(hyper)
-    ids = jnp.zeros((max_chunks, args.chunk_len), jnp.int32)
-
-    def d2l_fn(hstate, state, ids):
-        from lowrank_jax.nn.capture import capture
-
-        m = nnx.merge(graph, state)
-        paths = [f"layers/{i}" for i in layers]
-        with capture(m, paths) as rec:
-            m(ids)
-        feats = jnp.stack([rec.inputs[q][0] for q in paths], axis=1)
-        return nnx.merge(hgraph, hstate)(feats[None], jnp.ones((1,) + ids.shape, bool))
-
-    def cd_fn(ab, state, batch):
-        from lowrank_jax.hyper import distill_loss, LoRABank
-
-        return jax.grad(lambda p: distill_loss(LoRABank(*p), nnx.merge(graph, state),
-                                               hyper.config, batch)[0])(ab)
-
-    one = DistillData(*(jnp.asarray(np.asarray(x)[:1]) for x in test_data))
-    ab = (jnp.zeros((1, len(layers), total_rank, hyper.config.d_in)),
-          jnp.zeros((1, len(layers), total_rank, hyper.config.d_out)))
-    mem_d2l = compiled_temp_bytes(d2l_fn, hstate, state, ids)
-    mem_cd = compiled_temp_bytes(cd_fn, ab, state, one)
+    memory = working_memory(model, hyper, test_data, layers=layers, chunk_len=args.chunk_len,
+                            max_chunks=max_chunks, total_rank=total_rank)
+    mem_d2l, mem_cd = memory["doc_to_lora"], memory["context_distillation_step"]
 
     mean_tokens = float(np.mean([len(d) for d in documents]))
     kv = kv_cache_bytes(model.cfg, mean_tokens)

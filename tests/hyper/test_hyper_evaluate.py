@@ -40,3 +40,34 @@ def test_needle_documents_are_seeded_and_answerable():
     documents, questions, answers = tokenize(Chars(), docs)
     assert "".join(map(chr, answers[0])) == f" {docs[0]['code']}"
     assert pad_tokens(questions).shape == (3, max(map(len, questions)))
+
+
+def test_evaluator_at_init_scores_the_base_model_and_memory_is_planned():
+    """A fresh hypernetwork's adapter is a no-op: its scores are the base model's."""
+    from flax import nnx
+
+    from lowrank_jax.hyper import DocToLoRA, build_distill_data, hypernetwork_evaluator
+    from lowrank_jax.hyper import working_memory
+    from lowrank_jax.models.presets import preset_model
+
+    base = preset_model("tiny")
+    hyper = DocToLoRA.for_model(base, layers=(0, 1), rank=2, d_latent=16, n_latents=4,
+                                num_blocks=1, n_heads=2, rngs=nnx.Rngs(0))
+    docs, questions = [[5, 6, 7, 8, 9], [10, 11, 12]], [[1, 2, 3], [4, 5]]
+    answers = [[6, 7], [8, 9]]
+    data = build_distill_data(base, docs, questions, answers, layers=(0, 1), chunk_len=8,
+                              max_chunks=1, top_k=4)
+    evaluate, scores = hypernetwork_evaluator(base, hyper, {"s": (data, questions, answers)})
+    tokens = jnp.asarray(pad_tokens([q + a for q, a in zip(questions, answers)]))
+    want = answer_scores(base(tokens)[0], tokens, [len(q) - 1 for q in questions], answers)
+    got = scores(hyper, "s")
+    assert got[0] == want[0] and got[2] == want[2]
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-5)
+    row = evaluate(hyper)
+    np.testing.assert_allclose(row["s_logp"], np.mean(want[1]), rtol=1e-5)
+    memory = working_memory(base, hyper, data, layers=(0, 1), chunk_len=8, max_chunks=1,
+                            total_rank=4)
+    grads_bytes = 4 * 2 * 4 * (hyper.config.d_in + hyper.config.d_out)  # the CD step's output
+    assert memory["context_distillation_step"] is None or (
+        memory["context_distillation_step"] >= grads_bytes)
+    assert memory["doc_to_lora"] is None or memory["doc_to_lora"] > 0
