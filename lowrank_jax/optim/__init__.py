@@ -145,6 +145,7 @@ from lowrank_jax.optim.lordo_distributed import (
     set_projection,
 )
 from lowrank_jax.optim.lordo_simulation import simulate_ddp, simulate_lordo
+from lowrank_jax.optim.update_norm import max_update_norm, weight_pairs
 from lowrank_jax.optim.salaad import (
     SalaadConfig,
     SalaadState,
@@ -198,6 +199,8 @@ __all__ += [
     "set_projection",
     "simulate_ddp",
     "simulate_lordo",
+    "max_update_norm",
+    "weight_pairs",
     "soft_threshold",
     "surrogate_counts",
     "svt",
