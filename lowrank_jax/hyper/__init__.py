@@ -14,6 +14,15 @@ from lowrank_jax.hyper.doc_to_lora import (
     internalize,
     internalizer,
 )
+from lowrank_jax.hyper.evaluate import (
+    answer_scores,
+    cached_distill_data,
+    compiled_temp_bytes,
+    hypernetwork_evaluator,
+    pad_tokens,
+    teacher_floor,
+    working_memory,
+)
 from lowrank_jax.hyper.export import (
     adapter_bytes,
     export_adapter,
@@ -21,6 +30,7 @@ from lowrank_jax.hyper.export import (
     load_hypernetwork,
     save_hypernetwork,
 )
+from lowrank_jax.hyper import needles  # the needle-in-a-haystack documents (a module)
 from lowrank_jax.hyper.train import (
     DistillData,
     build_distill_data,
@@ -40,6 +50,12 @@ __all__ = [
     "PerceiverResampler",
     "adapted",
     "adapter_bytes",
+    "answer_scores",
+    "cached_distill_data",
+    "compiled_temp_bytes",
+    "hypernetwork_evaluator",
+    "pad_tokens",
+    "teacher_floor",
     "bank_delta",
     "build_distill_data",
     "chunk_encoder",
@@ -54,8 +70,10 @@ __all__ = [
     "kv_cache_bytes",
     "l1_penalty",
     "load_hypernetwork",
+    "needles",
     "restore_hypernetwork",
     "save_hypernetwork",
     "topk_distill",
     "train_doc_to_lora",
+    "working_memory",
 ]

@@ -17,7 +17,7 @@ from lowrank_jax.nn.inject import (
     remove_lora,
     unmerge_lora,
 )
-from lowrank_jax.nn.init import gap_direction, init_lora, init_lora_model
+from lowrank_jax.nn.init import gap_direction, init_lora, init_lora_model, peft_lora_state
 from lowrank_jax.nn.lokra import LoKRAPlusLinear, kruskal_penalty, lokra_regularizer
 from lowrank_jax.nn.lora import LoRALinear, LoRAProjection, lora_scaling
 from lowrank_jax.nn.multi_lora import (
@@ -66,6 +66,7 @@ __all__ = [
     "gap_direction",
     "init_lora",
     "init_lora_model",
+    "peft_lora_state",
     "kruskal_penalty",
     "lokra_regularizer",
     "plan_ranks",

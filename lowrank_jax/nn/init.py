@@ -282,5 +282,51 @@ def init_lora_model(
     return [p for p, _ in layers]
 
 
+def _factor_name(path) -> str:
+    """The last meaningful key of a state path (``.../lora_a/value`` -> ``lora_a``)."""
+    names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+    while names and names[-1] in ("value", "raw_value"):
+        names.pop()
+    return names[-1] if names else ""
+
+
+def peft_lora_state(lora_state: Any, key: jax.Array) -> Any:
+    """A fresh PEFT-default draw of every LoRA factor in a state tree: ``A ~ U(±1/√in)``,
+    ``B = 0`` (the ``"peft"`` method of :func:`init_lora`, on a pytree instead of a layer).
+
+    Every leaf named ``lora_a`` (shape ``[in, r]``) gets its own key, in tree order, from
+    ``jax.random.split(key, max(64, count))``; every other leaf becomes zeros. Being a pure
+    function of ``(tree, key)``, it re-initialises many seeds from one ``nnx.split`` state (a
+    sweep over seeds, ``vmap`` over keys) without touching the model.
+
+    Args:
+        lora_state: the LoRA part of a model, e.g. ``nnx.split(model, nnx.LoRAParam, ...)[1]``,
+            or any pytree whose factor leaves are keyed ``lora_a`` / ``lora_b``.
+        key: PRNG key.
+
+    Returns:
+        A tree of the same structure, shapes and dtypes.
+
+    Example::
+
+        >>> import jax, jax.numpy as jnp
+        >>> tree = {"up": {"lora_a": jnp.ones((4, 2)), "lora_b": jnp.ones((2, 3))}}
+        >>> new = peft_lora_state(tree, jax.random.key(0))
+        >>> float(jnp.abs(new["up"]["lora_a"]).max()) <= 0.5, float(new["up"]["lora_b"].sum())
+        (True, 0.0)
+    """
+    paths = jax.tree_util.tree_flatten_with_path(lora_state)[0]
+    count = sum(_factor_name(p) == "lora_a" for p, _ in paths)
+    keys = iter(jax.random.split(key, max(64, count)))
+
+    def draw(path, value):
+        if _factor_name(path) == "lora_a":
+            bound = 1.0 / math.sqrt(value.shape[0])
+            return jax.random.uniform(next(keys), value.shape, value.dtype, -bound, bound)
+        return jnp.zeros_like(value)
+
+    return jax.tree_util.tree_map_with_path(draw, lora_state)
+
+
 __all__ = ["INIT_METHODS", "capture_layer_inputs", "gap_direction", "init_lora",
-           "init_lora_model"]
+           "init_lora_model", "peft_lora_state"]

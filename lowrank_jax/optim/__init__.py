@@ -43,8 +43,12 @@ from lowrank_jax.optim.janus import (
     oe_accumulate,
     oe_finalize,
     orthogonality_clamp,
+    WithSubspacesState,
     reanchor,
+    scale_by_input_projection,
     scale_by_janus,
+    set_subspaces,
+    with_subspaces,
 )
 from lowrank_jax.optim import crispedit, loda  # modules (their transforms share the name)
 from lowrank_jax.optim.loda import CovStat as LoDACovStat
@@ -89,6 +93,10 @@ __all__ = [
     "scale_by_crispedit",
     "scale_by_gao",
     "scale_by_janus",
+    "scale_by_input_projection",
+    "set_subspaces",
+    "with_subspaces",
+    "WithSubspacesState",
     "find_pairs",
     "janus",
     "lora_pairs",
@@ -136,6 +144,8 @@ from lowrank_jax.optim.lordo_distributed import (
     outer_nesterov,
     set_projection,
 )
+from lowrank_jax.optim.lordo_simulation import simulate_ddp, simulate_lordo
+from lowrank_jax.optim.update_norm import max_update_norm, weight_pairs
 from lowrank_jax.optim.salaad import (
     SalaadConfig,
     SalaadState,
@@ -187,6 +197,10 @@ __all__ += [
     "scale_by_lordo",
     "scale_by_salaad",
     "set_projection",
+    "simulate_ddp",
+    "simulate_lordo",
+    "max_update_norm",
+    "weight_pairs",
     "soft_threshold",
     "surrogate_counts",
     "svt",

@@ -459,8 +459,94 @@ def decoupled_margin_loss(
     return jnp.mean(jax.nn.relu(old - own + margin))
 
 
+# ---------------------------------------------------------------------------------------------
+# A baseline, and the protected bases carried in the optimizer state
+# ---------------------------------------------------------------------------------------------
+
+
+def scale_by_input_projection(
+    *, pair_fn: PairFn = lora_pairs
+) -> optax.GradientTransformationExtraArgs:
+    """The orthogonal-subspace baseline (InfLoRA / LoRA-GPM style): ``δa ← P g_a``,
+    ``P = I − V Vᵀ``; ``b``'s gradient passes unchanged, so the ``a · δb`` term still moves the
+    outputs of protected inputs (what Janus' Gradient Rectification also removes).
+
+    Call as ``update(grads, state, params, subspaces={parent_path: V})``, like
+    :func:`scale_by_janus`.
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> g = {"l": {"lora_a": jnp.ones((3, 1)), "lora_b": jnp.ones((1, 2))}}
+        >>> tx = scale_by_input_projection()
+        >>> u, _ = tx.update(g, tx.init(g), g, subspaces={"l": jnp.eye(3, 1)})
+        >>> u["l"]["lora_a"][:, 0].tolist(), u["l"]["lora_b"][0].tolist()
+        ([0.0, 1.0, 1.0], [1.0, 1.0])
+    """
+
+    def init_fn(params):
+        del params
+        return optax.EmptyState()
+
+    def project(ga, gb, a, b, v):
+        del a, b
+        return ga - v @ (v.T @ ga), gb
+
+    def update_fn(updates, state, params=None, *, subspaces=None, **extra):
+        del extra
+        if params is None:
+            raise ValueError("scale_by_input_projection needs params (the LoRA factors).")
+        return _map_pairs(project, updates, params, subspaces, pair_fn), state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+class WithSubspacesState(NamedTuple):
+    """State of :func:`with_subspaces`: the inner optimizer's state and the protected bases."""
+
+    inner: Any
+    subspaces: dict  # {parent path: V [in, k]}
+
+
+def with_subspaces(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``tx`` (a Janus chain) reading its ``subspaces`` from the optimizer state, not from an
+    extra argument: a step that calls ``tx.update(grads, state, params)`` with nothing else
+    (:func:`lowrank_jax.core.step.make_step`) then trains with protected bases.
+
+    ``init`` starts with no protected basis; put the current ones in with
+    :func:`set_subspaces` (the bases are arrays of the state, so a new task's bases of the same
+    shapes reuse the compiled step).
+
+    Example::
+
+        >>> import jax.numpy as jnp, optax
+        >>> params = {"l": {"lora_a": jnp.eye(4, 2), "lora_b": jnp.ones((2, 3))}}
+        >>> tx = with_subspaces(janus(1e-2))
+        >>> state = set_subspaces(tx.init(params), {"l": jnp.eye(4, 1)})
+        >>> u, _ = tx.update(params, state, params)
+        >>> float(jnp.abs(u["l"]["lora_a"][0]).max())
+        0.0
+    """
+
+    def init_fn(params):
+        return WithSubspacesState(tx.init(params), {})
+
+    def update_fn(updates, state, params=None, **extra):
+        updates, inner = tx.update(updates, state.inner, params, subspaces=state.subspaces,
+                                   **extra)
+        return updates, state._replace(inner=inner)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def set_subspaces(state: WithSubspacesState, subspaces: dict) -> WithSubspacesState:
+    """The :func:`with_subspaces` state with new protected bases ``{parent path: V}``."""
+    return state._replace(subspaces=dict(subspaces))
+
+
 __all__ = [
-    "SubspaceMemory", "clamp_pair", "decoupled_margin_loss", "janus", "janus_rectify",
-    "lora_pair_paths", "oe_accumulate", "oe_finalize", "orthogonality_clamp",
-    "orthonormalize_basis", "reanchor", "rectify_pair", "scale_by_janus",
+    "SubspaceMemory", "WithSubspacesState", "clamp_pair", "decoupled_margin_loss", "janus",
+    "janus_rectify", "lora_pair_paths", "oe_accumulate", "oe_finalize", "orthogonality_clamp",
+    "orthonormalize_basis", "reanchor", "rectify_pair", "scale_by_input_projection",
+    "scale_by_janus", "set_subspaces", "with_subspaces",
 ]

@@ -28,7 +28,7 @@ import numpy as np
 
 from lowrank_jax.hyper import build_distill_data
 from lowrank_jax.hub import load_model
-from scripts.reproduce.doc_to_lora import TRAIN_NAMES, make_documents, tokenize
+from lowrank_jax.hyper.needles import TRAIN_NAMES, make_documents, tokenize
 
 
 def _old_build(commit: str):

@@ -32,6 +32,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from lowrank_jax.bench import time_once
+from lowrank_jax.core.step import make_step
 from lowrank_jax.data import batch_at, corpus_bytes
 from lowrank_jax.models.llama import Llama, LlamaConfig
 from lowrank_jax.nn import LoRARule, apply_lora, lora_layers
@@ -96,15 +97,13 @@ def run_sequential(tokens, k_jobs, batch, seq_len, steps, bar, model_name="tiny"
         graph, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
         tx = optax.adamw(LRS[k], weight_decay=WEIGHT_DECAY)
 
-        @jax.jit
-        def step(lora, opt, x, y, graph=graph, rest=rest, tx=tx):
-            def loss_fn(lora):
-                logits, _ = nnx.merge(graph, lora, rest)(x)
-                return jnp.mean(_xent(logits, y))
-            loss, grads = jax.value_and_grad(loss_fn)(lora)
-            upd, opt = tx.update(grads, opt, lora)
-            return (optax.apply_updates(lora, upd), opt), loss
+        def loss_fn(lora, x, y, graph=graph, rest=rest):
+            logits, _ = nnx.merge(graph, lora, rest)(x)
+            return jnp.mean(_xent(logits, y))
 
+        update = make_step(loss_fn, tx)
+        step = lambda lora, opt, x, y, update=update: (  # noqa: E731
+            lambda new, opt, loss: ((new, opt), loss))(*update(lora, opt, x, y))
         batches = [tuple(map(jnp.asarray, batch_at(tokens, t, batch, seq_len, seed=k)))
                    for t in range(steps + 1)]
         dt, _, job_losses = _time_steps(step, (lora, tx.init(lora)), batches)

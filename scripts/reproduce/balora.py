@@ -153,11 +153,12 @@ def main(argv=None) -> int:
     from flax import nnx
     from tqdm import tqdm
 
+    from lowrank_jax.core.step import make_step, trainable
     from lowrank_jax.data import batch_at, corpus_bytes, eval_batches
     from lowrank_jax.models.presets import preset_model
-    from lowrank_jax.nn import LoRALinear, LoRARule, apply_lora
+    from lowrank_jax.nn import LoRALinear, LoRARule, apply_lora, peft_lora_state
     from lowrank_jax.optim.balora import balancing_gap, balora, find_lora_pairs
-    from lowrank_jax.train.losses import cross_entropy
+    from lowrank_jax.core.losses import cross_entropy
 
     if args.quick:
         args.pretrain_steps, args.steps, args.seeds = 100, 40, 2
@@ -177,18 +178,18 @@ def main(argv=None) -> int:
 
     # --- pretraining (all parameters) -------------------------------------------------------
     model = preset_model("tiny", seed=0)
-    opt = nnx.Optimizer(model, optax.adamw(3e-3, weight_decay=0.01), wrt=nnx.Param)
-
-    @nnx.jit
-    def pre_step(model, opt, x, y):
-        loss, grads = nnx.value_and_grad(lambda m: cross_entropy(m(x)[0], y))(model)
-        opt.update(model, grads)
-        return loss
+    pre_graph, params = nnx.split(model)
+    pre_tx = optax.adamw(3e-3, weight_decay=0.01)
+    pre_step = make_step(lambda p, x, y: cross_entropy(nnx.merge(pre_graph, p)(x)[0], y), pre_tx,
+                         wrt=nnx.Param)
+    pre_state = pre_tx.init(trainable(params, nnx.Param))
 
     start = time.perf_counter()
     for step in tqdm(range(args.pretrain_steps), desc="pretrain"):
         x, y = batch_at(pre, step, args.batch_size, args.seq_len, seed=1)
-        pre_loss = float(pre_step(model, opt, jnp.asarray(x), jnp.asarray(y)))
+        params, pre_state, pre_loss = pre_step(params, pre_state, jnp.asarray(x), jnp.asarray(y))
+    pre_loss = float(pre_loss)
+    nnx.update(model, params)
     pretrain_seconds = time.perf_counter() - start
 
     # --- adapters: scale 1 inside the module, s applied to lora_a in the loss (traced) --------
@@ -203,16 +204,7 @@ def main(argv=None) -> int:
     _, pissa_lora, pissa_rest = nnx.split(pissa_model, nnx.LoRAParam, ...)
 
     def peft_init(seed: int):
-        """PEFT's default: A ~ kaiming_uniform(a=√5) = U(±1/√in), B = 0."""
-        keys = iter(jax.random.split(jax.random.key(seed), 64))
-
-        def init(path, v):
-            if _leaf_name(path) == "lora_a":
-                bound = 1.0 / math.sqrt(v.shape[0])
-                return jax.random.uniform(next(keys), v.shape, v.dtype, -bound, bound)
-            return jnp.zeros_like(v)
-
-        return jax.tree_util.tree_map_with_path(init, lora_template)
+        return peft_lora_state(lora_template, jax.random.key(seed))
 
     def scaled(lora, scale):
         return jax.tree_util.tree_map_with_path(
@@ -227,12 +219,11 @@ def main(argv=None) -> int:
         if mode is not None:
             tx = balora(tx, mode=mode)
         state0 = tx.init(lora0)
+        update = make_step(loss_fn, tx, jit=False)
 
         def step(carry, batch):
-            lora, state = carry
-            loss, grads = jax.value_and_grad(loss_fn)(lora, scale, *batch, base)
-            updates, state = tx.update(grads, state, lora)
-            return (optax.apply_updates(lora, updates), state), loss
+            lora, state, loss = update(*carry, scale, *batch, base)
+            return (lora, state), loss
 
         (lora, _), losses = jax.lax.scan(step, (lora0, state0), (xs, ys))
         return lora, losses

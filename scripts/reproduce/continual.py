@@ -37,13 +37,17 @@ import optax
 from tqdm.auto import tqdm
 
 from lowrank_jax.core.losses import cross_entropy
+from lowrank_jax.core.step import make_step
 from lowrank_jax.optim.janus import (
     SubspaceMemory,
-    clamp_pair,
     decoupled_margin_loss,
     oe_accumulate,
     oe_finalize,
-    rectify_pair,
+    orthogonality_clamp,
+    scale_by_input_projection,
+    scale_by_janus,
+    set_subspaces,
+    with_subspaces,
 )
 from lowrank_jax.train.continual import continual_metrics
 
@@ -110,57 +114,30 @@ def run_method(method: str, data, seed: int, steps: int, lr: float, batch: int):
     thresholds = {"l1": 1 - 1e-6, "l2": 0.97}
     protect = method in ("ortho_a", "gr_plain", "janus_gr", "janus")
     use_dml = method in ("dml_only", "janus")
-    tx = optax.adam(lr)
+    if method == "ortho_a":
+        tx = with_subspaces(optax.chain(scale_by_input_projection(), optax.adam(lr)))
+    elif protect:
+        tx = with_subspaces(optax.chain(
+            scale_by_janus(SCALE, precondition=method != "gr_plain"), optax.adam(lr),
+            orthogonality_clamp()))
+    else:
+        tx = optax.adam(lr)
     acc = np.zeros((TASKS, TASKS))
     prototypes = np.zeros((0, HIDDEN), np.float32)
     past_inputs = []
     violation = []
 
-    def loss_fn(p, x, y, seen, current, protos):
+    def loss_fn(p, x, y, current, protos):
+        # frozen kernels; a class's head row trains only during its task (zero gradient else)
+        p = {**{k: {**p[k], "kernel": jax.lax.stop_gradient(p[k]["kernel"])} for k in memories},
+             "head": jnp.where(current[:, None], p["head"], jax.lax.stop_gradient(p["head"]))}
         ce = cross_entropy(logits_fn(p, x, current), y)
         if use_dml:
             _, f = features(p, x)
             ce = ce + DML_WEIGHT * decoupled_margin_loss(f, y, protos, p["head"], margin=MARGIN)
         return ce
 
-    def rectify(grads, p, bases):
-        out = dict(grads)
-        for name in ("l1", "l2"):
-            g, q, v = grads[name], p[name], bases[name]
-            if method == "ortho_a":
-                ga = g["lora_a"] - v @ (v.T @ g["lora_a"])
-                gb = g["lora_b"]
-            else:
-                ga, gb = rectify_pair(g["lora_a"], g["lora_b"], q["lora_a"], q["lora_b"], v,
-                                      scale=SCALE, precondition=method != "gr_plain")
-            out[name] = {**g, "lora_a": ga, "lora_b": gb}
-        return out
-
-    def clamp(updates, p, bases):
-        if method == "ortho_a":
-            return updates
-        out = dict(updates)
-        for name in ("l1", "l2"):
-            da, db = clamp_pair(updates[name]["lora_a"], updates[name]["lora_b"],
-                                p[name]["lora_a"], bases[name])
-            out[name] = {**updates[name], "lora_a": da, "lora_b": db}
-        return out
-
-    @jax.jit
-    def step(p, opt, x, y, seen, current, head_mask, protos, bases):
-        grads = jax.grad(loss_fn)(p, x, y, seen, current, protos)
-        grads = {**grads, "l1": {**grads["l1"], "kernel": jnp.zeros_like(grads["l1"]["kernel"])},
-                 "l2": {**grads["l2"], "kernel": jnp.zeros_like(grads["l2"]["kernel"])},
-                 "head": grads["head"] * head_mask[:, None]}
-        if protect:
-            grads = rectify(grads, p, bases)
-        updates, opt = tx.update(grads, opt, p)
-        updates = {**updates, "head": updates["head"] * head_mask[:, None]}
-        if protect:
-            updates = clamp(updates, p, bases)
-        for name in ("l1", "l2"):
-            updates[name] = {**updates[name], "kernel": jnp.zeros_like(updates[name]["kernel"])}
-        return optax.apply_updates(p, updates), opt
+    step = make_step(loss_fn, tx)
 
     @jax.jit
     def accuracy(p, x, y, seen):
@@ -186,13 +163,14 @@ def run_method(method: str, data, seed: int, steps: int, lr: float, batch: int):
                 params[name] = {**q, "kernel": q["kernel"] + SCALE * protected @ q["lora_b"],
                                 "lora_a": q["lora_a"] - protected}
         opt = tx.init(params)
+        if protect:
+            opt = set_subspaces(opt, bases)
         before = jax.tree.map(jnp.array, params)
         protos = jnp.asarray(prototypes) if len(prototypes) else jnp.zeros((1, HIDDEN))
         n_steps = steps * len(tasks)
         for i in range(n_steps):
             idx = rng.integers(0, len(y_tr), batch)
-            params, opt = step(params, opt, x_tr[idx], y_tr[idx], seen, current,
-                               current.astype(np.float32), protos, bases)
+            params, opt, _ = step(params, opt, x_tr[idx], y_tr[idx], current, protos)
         # first-layer violation on past inputs
         if past_inputs:
             xp = np.concatenate(past_inputs)

@@ -29,6 +29,7 @@ import optax
 from tqdm.auto import tqdm
 
 from lowrank_jax.core.losses import cross_entropy
+from lowrank_jax.core.step import make_step
 from lowrank_jax.optim.loda import (
     CovStat,
     decompose,
@@ -66,17 +67,15 @@ def run_loda(data, seed: int, steps: int, lr: float, gao_lr: float, batch: int, 
                       "lora_b": jnp.concatenate([trainable[n]["b_g"], trainable[n]["b_i"]], 0)}
         return out
 
-    def loss_fn(trainable, hd, kern, frozen, x, y, current):
-        p = as_base_params(kern, frozen, trainable, hd)
-        return cross_entropy(base.logits_fn(p, x, current), y)
+    # B factors (GAO) and the head (Adam) in one step; a head row trains only during its task
+    tx = optax.partition({"b": tx_b, "head": tx_head}, {"b": "b", "head": "head"})
 
-    @jax.jit
-    def step(trainable, hd, opt_b, opt_h, kern, frozen, x, y, current, head_mask):
-        g_b, g_h = jax.grad(loss_fn, argnums=(0, 1))(trainable, hd, kern, frozen, x, y, current)
-        upd_b, opt_b = tx_b.update(g_b, opt_b, trainable)
-        upd_h, opt_h = tx_head.update(g_h * head_mask[:, None], opt_h, hd)
-        return (optax.apply_updates(trainable, upd_b),
-                optax.apply_updates(hd, upd_h * head_mask[:, None]), opt_b, opt_h)
+    def loss_fn(p, kern, frozen, x, y, current):
+        hd = jnp.where(current[:, None], p["head"], jax.lax.stop_gradient(p["head"]))
+        return cross_entropy(base.logits_fn(as_base_params(kern, frozen, p["b"], hd), x, current),
+                             y)
+
+    step = make_step(loss_fn, tx)
 
     @jax.jit
     def accuracy(kern, hd, x, y, seen):
@@ -109,12 +108,12 @@ def run_loda(data, seed: int, steps: int, lr: float, gao_lr: float, batch: int, 
                        "E_new_I": float(sub.energy_new_i), "E_old_I": float(sub.energy_old_i)}
         trainable = {n: {"b_g": jnp.zeros((k_g, base.HIDDEN)),
                          "b_i": jnp.zeros((k_i, base.HIDDEN))} for n in LAYERS}
-        opt_b, opt_h = tx_b.init(trainable), tx_head.init(head)
+        p = {"b": trainable, "head": head}
+        opt = tx.init(p)
         for _ in range(steps):
             idx = rng.integers(0, len(y_tr), batch)
-            trainable, head, opt_b, opt_h = step(
-                trainable, head, opt_b, opt_h, kernels, frozen, x_tr[idx], y_tr[idx], current,
-                current.astype(np.float32))
+            p, opt, _ = step(p, opt, kernels, frozen, x_tr[idx], y_tr[idx], current)
+        trainable, head = p["b"], p["head"]
         # recalibrate (before merging and before updating the memory), merge, update memory
         for n in LAYERS:
             b_g = trainable[n]["b_g"]

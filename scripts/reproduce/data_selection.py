@@ -57,46 +57,6 @@ def parse_args(argv=None):
     return args
 
 
-def error_table(A, losses, budgets, ranks, reps, seed, *, lipschitz_kmeans=None):
-    """{method: {f"m={m},k={k}": (median, p90, oracle calls)}} for the three methods."""
-    import jax
-    import jax.numpy as jnp
-
-    from lowrank_jax.data import selection as sel
-
-    A, losses = jnp.asarray(A), jnp.asarray(losses)
-    lbar = float(losses.mean())
-    oracle = lambda i: losses[i]
-    keys = jax.random.split(jax.random.key(seed), reps)
-    rows = {}
-    for k in ranks:
-        fit = sel.lowrank_residuals(jax.random.key(seed + 1), A, k)
-        lam = jax.vmap(lambda key, k=k, fit=fit: sel.lowrank_coreset(
-            key, A, oracle, num_samples=16, rank=k, fit=fit).lipschitz)(keys)
-        lam_km = float(jnp.median(lam)) if lipschitz_kmeans is None else lipschitz_kmeans
-        for m in budgets:
-            def err(cs):
-                return sel.relative_error(sel.weighted_mean(losses[cs.idx], cs.weights), lbar)
-
-            def uniform(key, m=m):
-                return err(sel.uniform_coreset(key, A.shape[0], m))
-
-            def kmeans(key, m=m, k=k, lam_km=lam_km):
-                return err(sel.kmeans_sensitivity_coreset(
-                    key, A, oracle, num_clusters=4 * k, num_samples=m, lipschitz=lam_km))
-
-            def lowrank(key, m=m, k=k, fit=fit):
-                return err(sel.lowrank_coreset(key, A, oracle, num_samples=m, rank=k, fit=fit))
-
-            runs = {"uniform": (uniform, m), "kmeans_sensitivity": (kmeans, 4 * k + m),
-                    "lowrank_residual": (lowrank, 4 * k + m)}
-            for name, (fn, calls) in runs.items():
-                e = np.asarray(jax.jit(jax.vmap(fn))(keys))
-                rows.setdefault(name, {})[f"m={m},k={k}"] = (
-                    float(np.median(e)), float(np.percentile(e, 90)), calls)
-    return rows
-
-
 def print_table(title, rows):
     cells = list(next(iter(rows.values())))
     print(f"\n{title}: relative error median / p90 (oracle calls)")
@@ -120,31 +80,25 @@ def lora_finetune(chunks, probs, steps, seed, *, batch=4, lr=2e-3):
     import optax
     from flax import nnx
 
-    from lowrank_jax.core.losses import cross_entropy
+    from lowrank_jax.core.step import make_step, trainable
     from lowrank_jax.hub import load_model
     from lowrank_jax.nn import LoRARule, apply_lora
+    from lowrank_jax.train.loop import lm_loss
 
     model, _ = load_model("smollm2")
     apply_lora(model, LoRARule(r"(q|v)_proj", rank=8, alpha=16.0), rngs=nnx.Rngs(seed))
-    optimizer = nnx.Optimizer(model, optax.adam(lr), wrt=nnx.LoRAParam)
+    graphdef, state = nnx.split(model)
+    tx = optax.adam(lr)
+    step = make_step(lambda s, tokens: lm_loss(graphdef)(s, tokens[:, :-1], tokens[:, 1:]), tx,
+                     wrt=nnx.LoRAParam)
+    opt = tx.init(trainable(state, nnx.LoRAParam))
     length = min(len(c) for c in chunks)
     data = np.asarray([c[:length] for c in chunks], np.int32)
-
-    def loss_fn(m, tokens):
-        logits, _ = m(tokens[:, :-1])
-        return cross_entropy(logits, tokens[:, 1:])
-
-    @nnx.jit
-    def step(m, opt, tokens):
-        loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, nnx.LoRAParam))(
-            m, tokens)
-        opt.update(m, grads)
-        return loss
-
     rng = np.random.default_rng(seed)
     for _ in range(steps):
         pick = rng.choice(len(chunks), size=batch, p=probs)
-        step(model, optimizer, jnp.asarray(data[pick]))
+        state, opt, _ = step(state, opt, jnp.asarray(data[pick]))
+    nnx.update(model, state)
     return model
 
 
@@ -152,6 +106,7 @@ def main(argv=None) -> int:
     import jax
 
     from lowrank_jax.data import selection as sel
+    from lowrank_jax.data.coreset_errors import coreset_error_table
 
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -159,7 +114,8 @@ def main(argv=None) -> int:
     result = {"args": {k: v for k, v in vars(args).items()}}
 
     A, losses, _ = sel.synthetic_lowrank_losses(jax.random.key(args.seed))
-    synth = error_table(A, losses, args.budgets, (8,), args.reps, args.seed, lipschitz_kmeans=0.5)
+    synth = coreset_error_table(A, losses, args.budgets, (8,), args.reps, args.seed,
+                                lipschitz_kmeans=0.5)
     print_table("synthetic n=20000 d=64 k=8", synth)
     result["synthetic"] = synth
     print(f"[{time.time() - start:.0f}s]")
@@ -179,7 +135,7 @@ def main(argv=None) -> int:
         emb = emb - emb.mean(0, keepdims=True)
         print(f"embedded {len(pool)} of {len(all_chunks)} chunks x {args.chunk_tokens} tokens, "
               f"mean NLL {nll.mean():.3f} [{time.time() - start:.0f}s]")
-        real = error_table(emb, nll, args.real_budgets, args.ranks, args.reps, args.seed)
+        real = coreset_error_table(emb, nll, args.real_budgets, args.ranks, args.reps, args.seed)
         print_table(f"SmolLM2 hidden states, n={len(pool)} d={emb.shape[1]}", real)
         result["real"] = real
         print(f"[{time.time() - start:.0f}s]")

@@ -28,13 +28,10 @@ The prepared data (teacher top-k log-probs and document features) is cached in
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import os
 import time
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -44,7 +41,6 @@ from lowrank_jax.hyper import (
     DocToLoRA,
     adapted,
     adapter_bytes,
-    build_distill_data,
     context_distiller,
     internalizer,
     kv_cache_bytes,
@@ -52,181 +48,24 @@ from lowrank_jax.hyper import (
     save_hypernetwork,
     train_doc_to_lora,
 )
+from lowrank_jax.hyper.evaluate import (
+    answer_scores,
+    cached_distill_data,
+    hypernetwork_evaluator,
+    pad_tokens,
+    teacher_floor,
+    working_memory,
+)
+from lowrank_jax.hyper.needles import (
+    TEST_NAMES,
+    TRAIN_NAMES,
+    VARIED_TEST_NAMES,
+    VARIED_TRAIN_NAMES,
+    make_documents,
+    make_varied_documents,
+    tokenize,
+)
 from lowrank_jax.hub import load_model
-
-FILLER = [
-    "The grass is green and the sky is blue.", "A river flows quietly past the old mill.",
-    "Children played in the park until sunset.", "The market opens early on Saturday.",
-    "Rain fell softly on the tiled roofs.", "An old clock ticked in the hallway.",
-    "The baker sold fresh bread every morning.", "Birds sang in the tall oak trees.",
-    "The train left the station on time.", "Snow covered the distant mountains.",
-    "A cat slept on the warm windowsill.", "The library was calm and full of books.",
-]
-TRAIN_NAMES = ["Alice", "Bob", "Carol", "David", "Emma", "Frank", "Grace", "Henry", "Irene",
-               "James", "Karen", "Louis", "Maria", "Nathan", "Olivia", "Peter", "Rachel",
-               "Simon", "Tina", "Victor"]
-TEST_NAMES = ["Wendy", "Xavier", "Yolanda", "Zachary", "Ursula", "Quentin", "Beatrice", "Oscar"]
-
-
-# round 5: many distinct documents (the previous round memorised 400). Filler from templates
-# (14 x 16 x 16 = 3584 sentences), 156 training names x 90 codes (14,040 pairs, each training
-# document a fresh pair), 40 test names that never occur in training.
-SUBJECTS = ["The farmer", "A small boy", "The old teacher", "My neighbour", "The doctor",
-            "A tired traveller", "The young painter", "Our captain", "The shopkeeper",
-            "A quiet student", "The mayor", "An old fisherman", "The gardener", "A nurse"]
-ACTIONS = ["walked slowly", "sang a song", "read a letter", "drank some tea", "waited",
-           "fixed a bicycle", "cooked dinner", "wrote a poem", "found a coin", "lost a glove",
-           "painted a fence", "fed the ducks", "took a photo", "sold apples", "counted sheep",
-           "lit a candle"]
-PLACES = ["near the river", "in the garden", "at the station", "by the sea", "in the kitchen",
-          "on the hill", "behind the school", "at the market", "in the forest", "on the bridge",
-          "under the bridge", "in the village", "at the harbour", "on the farm",
-          "in the library", "at noon"]
-VARIED_TRAIN_NAMES = (TRAIN_NAMES + """Aaron Abigail Adam Adrian Agnes Albert Alex Amanda Amber Amy
-    Andrew Angela Anna Anthony Arthur Audrey Barbara Ben Bernard Betty Bill Brandon Brian Bruce
-    Carl Caroline Catherine Charles Charlotte Chris Claire Clara Colin Daniel Diana Donald Doris
-    Dorothy Edward Eleanor Elijah Eliza Ellen Emily Eric Ethan Eva Evelyn Felix Fiona Florence
-    Frances George Gerald Gloria Gordon Hannah Harold Harry Helen Howard Hugo Ian Isaac Ivan Jack
-    Jacob Jane Janet Jason Jean Jeffrey Jennifer Jessica Joan John Joseph Joyce Julia Julian
-    Justin Keith Kevin Laura Lawrence Leo Linda Lisa Lucy Luke Margaret Mark Martha Martin Mary
-    Matthew Megan Michael Monica Nancy Neil Nicole Noah Norman Oliver Pamela Patrick Paul
-    Philip Ralph Raymond Rebecca Richard Robert Roger Ronald Rose Roy Ruth Ryan Samuel Sandra
-    Sarah Scott Sharon Sophia Stephen Steven Susan Thomas Timothy Tony Vera Walter Wayne
-    William""".split())
-VARIED_TEST_NAMES = TEST_NAMES + """Agatha Ambrose Barnaby Cedric Cornelia Desmond Dolores
-    Edmund Esther Gideon Gwendolyn Horace Imogen Jasper Lavinia Leopold Lorna Mabel Marcus
-    Mildred Murray Octavia Percival Priscilla Reginald Rosalind Rupert Silas Theodora Winifred
-    Ophelia Ignatius""".split()
-
-
-def make_varied_documents(rng, n, names, codes, min_filler, max_filler, exclude=()):
-    """``n`` documents, each a distinct (name, code) pair (none in ``exclude``) among template
-    filler sentences; returns the documents and the set of pairs used."""
-    pairs = [(a, c) for a in names for c in codes if (a, c) not in set(exclude)]
-    if n > len(pairs):
-        raise ValueError(f"{n} documents need {n} distinct (name, code) pairs; "
-                         f"only {len(pairs)} exist.")
-    docs = []
-    for j in rng.choice(len(pairs), n, replace=False):
-        name, code = pairs[int(j)]
-        k = int(rng.integers(min_filler, max_filler + 1))
-        sentences = [f"{rng.choice(SUBJECTS)} {rng.choice(ACTIONS)} {rng.choice(PLACES)}."
-                     for _ in range(k)]
-        sentences.insert(int(rng.integers(0, k + 1)), f"The secret code of {name} is {code}.")
-        docs.append({"doc": " ".join(sentences), "name": name, "code": int(code)})
-    return docs
-
-
-def make_documents(rng, n, names, codes, min_filler, max_filler):
-    docs = []
-    for _ in range(n):
-        name, code = str(rng.choice(names)), int(rng.choice(codes))
-        k = int(rng.integers(min_filler, max_filler + 1))
-        sentences = [FILLER[i] for i in rng.choice(len(FILLER), k, replace=True)]
-        sentences.insert(int(rng.integers(0, k + 1)), f"The secret code of {name} is {code}.")
-        docs.append({"doc": " ".join(sentences), "name": name, "code": code})
-    return docs
-
-
-def tokenize(tok, docs):
-    documents = [tok.encode(d["doc"] + "\n", add_bos=False) for d in docs]
-    questions = [tok.encode(f"What is the secret code of {d['name']}? The secret code of "
-                            f"{d['name']} is", add_bos=False) for d in docs]
-    answers = [tok.encode(f" {d['code']}", add_bos=False) for d in docs]
-    return documents, questions, answers
-
-
-def answer_scores(logits, tokens, starts, answers):
-    """Per example: exact match (argmax on every answer token), answer log-prob, and the
-    fraction of the code's digit tokens that are the argmax (partial learning)."""
-    logp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
-    hits, lps, digits = [], [], []
-    for i, (s, a) in enumerate(zip(starts, answers)):
-        pos = np.arange(s, s + len(a))
-        right = logp[i, pos].argmax(-1) == np.asarray(a)
-        hits.append(bool(np.all(right)))
-        lps.append(float(logp[i, pos, a].sum()))
-        digits.append(float(np.mean(right[1:])))  # a[0] is the space token
-    return hits, lps, digits
-
-
-def pad(rows):
-    width = max(len(r) for r in rows)
-    out = np.zeros((len(rows), width), np.int32)
-    for i, r in enumerate(rows):
-        out[i, :len(r)] = r
-    return out
-
-
-def compiled_temp_bytes(fn, *args):
-    """Working memory XLA plans for ``fn(*args)`` (temp buffers), or None if unavailable."""
-    try:
-        stats = jax.jit(fn).lower(*args).compile().memory_analysis()
-        return int(stats.temp_size_in_bytes + stats.output_size_in_bytes)
-    except Exception:  # noqa: BLE001 - backends without memory stats
-        return None
-
-
-def cached_distill_data(cache_dir, model_name, model, tokens, build):
-    """:func:`build_distill_data` of ``tokens`` (documents, questions, answers), cached in
-    ``cache_dir`` under a hash of the tokens, the model name and the build settings."""
-    key = hashlib.sha256(json.dumps([model_name, build, tokens]).encode()).hexdigest()[:20]
-    path = Path(cache_dir) / f"distill_{key}.npz"
-    if path.exists():
-        with np.load(path) as f:
-            print(f"prepared data from the cache {path.name}", flush=True)
-            return DistillData(*(f[k] for k in DistillData._fields))
-    data = build_distill_data(model, *tokens, **build)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".partial.npz")
-    np.savez(tmp, **data._asdict())
-    os.replace(tmp, path)
-    return data
-
-
-def teacher_floor(data):
-    """The KL's floor: the teacher's own top-k cross-entropy, per-document averaged."""
-    p = np.exp(data.teacher_logp)
-    per_token = -np.sum(p * data.teacher_logp, axis=-1)
-    w = data.weights
-    return float(np.mean(np.sum(per_token * w, 1) / np.maximum(np.sum(w, 1), 1e-9)))
-
-
-def d2l_evaluator(model, hyper, sets):
-    """``evaluate(hyper) -> {name_acc, name_digits, name_logp}`` for each ``(data, questions,
-    answers)`` in ``sets``; one compiled pass per set (hypernetwork + adapted model)."""
-    hgraph, _ = nnx.split(hyper)
-    graph, state = nnx.split(model)
-    config = hyper.config
-
-    @jax.jit
-    def logits_fn(hstate, state, features, mask, tokens):
-        bank = nnx.merge(hgraph, hstate)(features, mask)
-        m = nnx.merge(graph, state)
-        with adapted(m, bank, config):
-            return m(tokens)[0]
-
-    prepared = {name: (jnp.asarray(d.features), jnp.asarray(d.mask),
-                       jnp.asarray(pad([q + a for q, a in zip(qs, ans)])),
-                       [len(q) - 1 for q in qs], ans)
-                for name, (d, qs, ans) in sets.items()}
-
-    def scores(hyper, name):
-        feats, mask, tokens, starts, ans = prepared[name]
-        logits = logits_fn(nnx.split(hyper)[1], state, feats, mask, tokens)
-        return answer_scores(logits, tokens, starts, ans)
-
-    def evaluate(hyper):
-        row = {}
-        for name in prepared:
-            hits, lps, digits = scores(hyper, name)
-            row.update({f"{name}_acc": float(np.mean(hits)),
-                        f"{name}_digits": float(np.mean(digits)),
-                        f"{name}_logp": float(np.mean(lps))})
-        return row
-
-    return evaluate, scores
-
 
 def plot_curve(curve, floor, out_png, title):
     import matplotlib
@@ -342,7 +181,7 @@ def main(argv=None):
                                 rngs=nnx.Rngs(0))
     n_seen = min(len(te[0]), len(tr[0]))
     seen = DistillData(*(np.asarray(x)[:n_seen] for x in train_data))
-    evaluate, d2l_scores = d2l_evaluator(model, hyper, {
+    evaluate, d2l_scores = hypernetwork_evaluator(model, hyper, {
         "heldout": (test_data, te[1], te[2]), "seen": (seen, tr[1][:n_seen], tr[2][:n_seen])})
     t0 = time.time()
     if args.eval_only:
@@ -372,8 +211,9 @@ def main(argv=None):
 
     documents, questions, answers = te
     starts_q = [len(q) - 1 for q in questions]
-    student = jnp.asarray(pad([q + a for q, a in zip(questions, answers)]))
-    with_doc = jnp.asarray(pad([d + q + a for d, q, a in zip(documents, questions, answers)]))
+    student = jnp.asarray(pad_tokens([q + a for q, a in zip(questions, answers)]))
+    with_doc = jnp.asarray(pad_tokens([d + q + a for d, q, a in
+                                       zip(documents, questions, answers)]))
     starts_doc = [len(d) + len(q) - 1 for d, q in zip(documents, questions)]
     results = {}
     results["base (no document)"] = answer_scores(model(student)[0], student, starts_q, answers)
@@ -416,31 +256,9 @@ def main(argv=None):
     cd_seconds = float(np.mean(cd_times[1:] if len(cd_times) > 1 else cd_times))
 
     # memory: what XLA plans for one internalisation vs one context-distillation step
-    graph, state = nnx.split(model)
-    hgraph, hstate = nnx.split(hyper)
-    ids = jnp.zeros((max_chunks, args.chunk_len), jnp.int32)
-
-    def d2l_fn(hstate, state, ids):
-        from lowrank_jax.nn.capture import capture
-
-        m = nnx.merge(graph, state)
-        paths = [f"layers/{i}" for i in layers]
-        with capture(m, paths) as rec:
-            m(ids)
-        feats = jnp.stack([rec.inputs[q][0] for q in paths], axis=1)
-        return nnx.merge(hgraph, hstate)(feats[None], jnp.ones((1,) + ids.shape, bool))
-
-    def cd_fn(ab, state, batch):
-        from lowrank_jax.hyper import distill_loss, LoRABank
-
-        return jax.grad(lambda p: distill_loss(LoRABank(*p), nnx.merge(graph, state),
-                                               hyper.config, batch)[0])(ab)
-
-    one = DistillData(*(jnp.asarray(np.asarray(x)[:1]) for x in test_data))
-    ab = (jnp.zeros((1, len(layers), total_rank, hyper.config.d_in)),
-          jnp.zeros((1, len(layers), total_rank, hyper.config.d_out)))
-    mem_d2l = compiled_temp_bytes(d2l_fn, hstate, state, ids)
-    mem_cd = compiled_temp_bytes(cd_fn, ab, state, one)
+    memory = working_memory(model, hyper, test_data, layers=layers, chunk_len=args.chunk_len,
+                            max_chunks=max_chunks, total_rank=total_rank)
+    mem_d2l, mem_cd = memory["doc_to_lora"], memory["context_distillation_step"]
 
     mean_tokens = float(np.mean([len(d) for d in documents]))
     kv = kv_cache_bytes(model.cfg, mean_tokens)

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from lowrank_jax.core.step import make_step
 from lowrank_jax.nn import lora_layers, plan_ranks
 from lowrank_jax.optim.balora import balora
 from scripts.reproduce import llm_common as common
@@ -49,7 +50,7 @@ def train_run(method, lr, task, args, ranks=None):
     graphdef, lora, rest = common.split_lora(model)
     evaluate = common.make_eval(graphdef)
     tx = make_tx(method, lr)
-    step = common.make_step(common.make_loss(graphdef), tx)
+    step = make_step(common.make_loss(graphdef), tx)
     opt = tx.init(lora)
     rng = np.random.default_rng(args.data_seed)
     curve = [(0, evaluate(lora, rest, task.heldout)[0])]

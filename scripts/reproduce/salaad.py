@@ -37,7 +37,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from lowrank_jax.data import batch_at, corpus_bytes, eval_batches, train_val_split
+from lowrank_jax.data import batch_at, corpus_bytes, train_val_split
 from lowrank_jax.models import Llama, LlamaConfig
 from lowrank_jax.optim import (
     SalaadConfig,
@@ -48,7 +48,9 @@ from lowrank_jax.optim import (
     salaad_init,
     salaad_stats,
 )
-from lowrank_jax.train.loop import cross_entropy
+from lowrank_jax.core.step import make_step
+from lowrank_jax.train.loop import evaluate as lm_evaluate
+from lowrank_jax.train.loop import lm_loss, make_eval_fn
 
 BUDGETS = (0.3, 0.5, 0.7, 1.0)
 
@@ -76,27 +78,12 @@ def model_config(projection="dense", rank_ratio=0.25) -> LlamaConfig:
                        d_ff=128, max_seq_len=64, projection=projection, rank_ratio=rank_ratio)
 
 
-def make_loss(graphdef):
-    def loss_fn(params, x, y):
-        logits, _ = nnx.merge(graphdef, params)(x)
-        return cross_entropy(logits, y)
-
-    return loss_fn
-
-
 def train(tx, graphdef, params, tokens, args, steps):
-    loss_fn = make_loss(graphdef)
-
-    @jax.jit
-    def step(params, state, x, y):
-        grads = jax.grad(loss_fn)(params, x, y)
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
+    step = make_step(lm_loss(graphdef), tx)
     state = tx.init(params)
     for t in range(steps):
         x, y = batch_at(tokens, t, args.batch, args.seq, args.seed)
-        params, state = step(params, state, x, y)
+        params, state, _ = step(params, state, x, y)
     return params, state
 
 
@@ -106,10 +93,8 @@ _EVAL = {}
 def evaluate(graphdef, params, tokens, args) -> float:
     key = id(graphdef)  # one compiled loss per architecture
     if key not in _EVAL:
-        _EVAL[key] = (graphdef, jax.jit(make_loss(graphdef)))
-    f = _EVAL[key][1]
-    return float(np.mean([float(f(params, x, y))
-                          for x, y in eval_batches(tokens, 16, args.seq, max_batches=8)]))
+        _EVAL[key] = (graphdef, make_eval_fn(graphdef))
+    return lm_evaluate(_EVAL[key][1], params, tokens, 16, args.seq, max_batches=8)
 
 
 def factorized_for_budget(target: int):

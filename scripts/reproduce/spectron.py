@@ -48,7 +48,7 @@ from tqdm import tqdm
 
 from lowrank_jax.data import batch_at, corpus_bytes, eval_batches, train_val_split
 from lowrank_jax.models import Llama, LlamaConfig
-from lowrank_jax.optim import factor_pairs, spectral_norm_exact, spectron_with_adamw
+from lowrank_jax.optim import max_update_norm, spectron_with_adamw, weight_pairs
 from lowrank_jax.train import lm_loss, make_eval_fn, make_step
 from scripts._shared import flops_per_token, lr_shape
 
@@ -93,41 +93,6 @@ def make_config(args, projection: str) -> LlamaConfig:
     return LlamaConfig(vocab_size=256, d_model=args.d_model, n_layers=args.layers,
                        n_heads=args.heads, n_kv_heads=args.heads, d_ff=args.d_ff,
                        max_seq_len=args.seq, projection=projection, rank_ratio=args.rank_ratio)
-
-
-def weight_pairs(params) -> list:
-    """``[(a_path, b_path)]`` for factorized models, ``[(kernel_path, None)]`` for dense."""
-    pairs = factor_pairs(params)
-    if pairs:
-        return pairs
-    out = []
-    for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
-        names = tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
-        if names and names[-1] == "kernel" and "layers" in names:
-            out.append((names, None))
-    return out
-
-
-def _get(tree, path):
-    for k in path:
-        tree = tree[k]
-    return tree
-
-
-def make_delta_w_fn(pairs):
-    """Jitted ``(old, new) -> max over layers of ‖W_new − W_old‖₂`` (exact, Gram eigvalsh)."""
-
-    def fn(old, new):
-        norms = []
-        for pa, pb in pairs:
-            if pb is None:
-                delta = _get(new, pa) - _get(old, pa)
-            else:
-                delta = _get(new, pa) @ _get(new, pb) - _get(old, pa) @ _get(old, pb)
-            norms.append(spectral_norm_exact(delta))
-        return jnp.max(jnp.stack(norms))
-
-    return jax.jit(fn)
 
 
 @dataclasses.dataclass
@@ -183,7 +148,7 @@ def main(argv=None) -> int:
         eta=0.01, adamw_lr=args.other_lr, weight_decay=args.weight_decay)
     adamw_step, fact_eval = make_step(lm_loss(fact_graph), adamw_tx), make_eval_fn(fact_graph)
     spectron_step = make_step(lm_loss(fact_graph), spectron_tx)
-    fact_delta = make_delta_w_fn(weight_pairs(fact_params))
+    fact_delta = max_update_norm(weight_pairs(fact_params))
 
     runs = []
     for lr in args.adamw_lrs:
@@ -199,7 +164,7 @@ def main(argv=None) -> int:
         dense_eval = make_eval_fn(dense_graph)
         runs.append(Run(f"dense adamw lr={args.dense_lr:g}", "dense", args.dense_lr, dense_steps,
                         dense_graph, dense_params, adamw_tx.init(dense_params), dense_step,
-                        make_delta_w_fn(weight_pairs(dense_params))))
+                        max_update_norm(weight_pairs(dense_params))))
 
     total = sum(r.steps for r in runs)
     with tqdm(total=total, desc="lockstep training") as bar:

@@ -120,3 +120,18 @@ def test_bad_inputs():
         init_lora(_layer(), "gap")
     with pytest.raises(ValueError, match="12 input"):
         init_lora(_layer(), "gap", calibration_inputs=jnp.ones((4, 5)))
+
+
+def test_peft_lora_state_draws_each_a_from_its_own_split_key():
+    """Known answer: A leaf i (tree order) is U(±1/√in) from split(key, 64)[i]; B leaves zero."""
+    from lowrank_jax.nn.init import peft_lora_state
+
+    tree = {"p": {"lora_a": jnp.ones((4, 2)), "lora_b": jnp.ones((2, 3))},
+            "q": {"lora_a": jnp.ones((9, 2)), "lora_b": jnp.ones((2, 5))}}
+    out = peft_lora_state(tree, jax.random.key(3))
+    keys = jax.random.split(jax.random.key(3), 64)
+    np.testing.assert_array_equal(out["p"]["lora_a"],
+                                  jax.random.uniform(keys[0], (4, 2), minval=-0.5, maxval=0.5))
+    np.testing.assert_array_equal(out["q"]["lora_a"],
+                                  jax.random.uniform(keys[1], (9, 2), minval=-1 / 3, maxval=1 / 3))
+    assert float(jnp.abs(out["p"]["lora_b"]).sum() + jnp.abs(out["q"]["lora_b"]).sum()) == 0.0
