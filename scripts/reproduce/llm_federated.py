@@ -12,7 +12,7 @@ Writes ``docs/results/llm_federated.md`` (``--model smollm2``; the tiny random m
 and the numbers as JSON under ``runs/``. The results note is rewritten after every strategy, so a
 run stopped by its time limit still leaves the finished strategies.
 
-    python -m scripts.reproduce.llm_federated                       # SmolLM2-135M, CPU minutes
+    python -m scripts.reproduce.llm_federated                       # SmolLM2-135M, ~10 CPU min
     python -m scripts.reproduce.llm_federated --model tiny --rounds 4   # random tiny Llama, smoke
 """
 
@@ -280,17 +280,18 @@ def main(argv=None):
     parser.add_argument("--clients-per-domain", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--local-steps", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--length", type=int, default=16, help="tokens per window (inputs)")
-    parser.add_argument("--train-windows", type=int, default=16, help="per client")
+    parser.add_argument("--train-windows", type=int, default=64, help="per client")
     parser.add_argument("--heldout-windows", type=int, default=4, help="per domain")
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--pattern", default=PATTERN)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=5e-3)
     parser.add_argument("--warmup-rounds", type=int, default=2)
     parser.add_argument("--tau", type=float, default=0.5)
     parser.add_argument("--rebuild-every", type=int, default=5)
-    parser.add_argument("--strategies", default="fedtreelora,fedsa,fedavg,fedhera,local")
+    parser.add_argument("--strategies",
+                        default="fedtreelora,fedsa,fedavg,fedhera,clustered,local")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="results note (default by --model)")
     parser.add_argument("--note-only", action="store_true",
