@@ -23,6 +23,7 @@ from lowrank_jax.federated.simulator import (
     client_batches,
     select_clients,
     simulate,
+    token_window_client,
 )
 from lowrank_jax.federated.strategies import (
     FedAvgLoRA,
@@ -52,4 +53,5 @@ __all__ = [
     "fedtreelora",
     "select_clients",
     "simulate",
+    "token_window_client",
 ]

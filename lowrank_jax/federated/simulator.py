@@ -1,7 +1,10 @@
 """A federated LoRA simulator: heterogeneous clients, vmapped or sequential local training,
 per-round orbax checkpoints (a long simulation resumes), a tqdm bar over the rounds.
 
-The model is any NNX classifier ``x [b, ...] -> logits [b, classes]`` whose adapted layers are
+The model is any NNX classifier ``x [b, ...] -> logits [b, classes]`` — or a language model
+``tokens [b, t] -> logits [b, t, vocab]`` (a model returning ``(logits, cache)``, like
+:class:`lowrank_jax.models.Llama`, is read by its first output; clients of token windows come from
+:func:`token_window_client`) — whose adapted layers are
 :class:`lowrank_jax.nn.LoRALinear` (added with :func:`lowrank_jax.nn.apply_lora`), all at the same
 stored rank ``r``. Only the adapters train; the base is frozen. Each round:
 
@@ -93,12 +96,16 @@ class FederationContext:
 
 @dataclasses.dataclass
 class FederatedResult:
-    """``history``: one dict of :data:`METRICS` per round; ``state``: the strategy's final state."""
+    """``history``: one dict of :data:`METRICS` per round (the metrics of a round that was not
+    evaluated are NaN); ``state``: the strategy's final state; ``client_metrics``: the final
+    state's ``global_loss`` / ``global_accuracy`` / ``personal_loss`` / ``personal_accuracy`` of
+    every client on its own test set (arrays ``[N]``)."""
 
     history: list
     state: Any
     context: FederationContext
     strategy: Any
+    client_metrics: dict = dataclasses.field(default_factory=dict)
 
     @property
     def final(self) -> dict:
@@ -147,14 +154,42 @@ class AdapterModel:
                 node = node[key]
             node["lora_a"], node["lora_b"] = a, b
         nnx.replace_by_pure_dict(state, pure)
-        return nnx.merge(self.graphdef, state, self.rest)(x)
+        out = nnx.merge(self.graphdef, state, self.rest)(x)
+        return out[0] if isinstance(out, (tuple, list)) else out  # (logits, cache) models
+
+
+def token_window_client(train_windows: np.ndarray, heldout_windows: np.ndarray, **budgets
+                        ) -> Client:
+    """A language-model :class:`Client` from token windows ``[n, t]``: inputs are the first
+    ``t − 1`` tokens of each window, targets the next tokens (``y[:, j] = window[:, j + 1]``), so
+    ``loss="cross_entropy"`` trains and scores next-token prediction.
+
+    Example::
+
+        >>> import numpy as np
+        >>> c = token_window_client(np.arange(12).reshape(3, 4), np.arange(8).reshape(2, 4))
+        >>> c.train_x[0].tolist(), c.train_y[0].tolist()
+        ([0, 1, 2], [1, 2, 3])
+    """
+    train, heldout = np.asarray(train_windows), np.asarray(heldout_windows)
+    for name, w in (("train_windows", train), ("heldout_windows", heldout)):
+        if w.ndim != 2 or w.shape[1] < 2 or not np.issubdtype(w.dtype, np.integer):
+            raise ValueError(f"token_window_client: {name} must be integer token windows "
+                             f"[n, t] with t >= 2; got {w.dtype} {w.shape}.")
+    return Client(train[:, :-1], train[:, 1:], heldout[:, :-1], heldout[:, 1:], **budgets)
 
 
 def cross_entropy_and_accuracy(logits, labels, weights):
-    """Weighted mean cross-entropy (nats) and accuracy of integer ``labels``."""
+    """Weighted mean (over examples) cross-entropy (nats) and accuracy of integer ``labels``.
+
+    ``labels`` ``[b]`` (one class per example) or ``[b, t, ...]`` (a sequence of targets per
+    example, e.g. next tokens): an example's value is then its mean over positions.
+    """
     nll = token_nll(logits, labels)
-    total = jnp.maximum(weights.sum(), 1e-12)
     correct = (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
+    per_example = tuple(range(1, labels.ndim))
+    nll, correct = nll.mean(axis=per_example), correct.mean(axis=per_example)
+    total = jnp.maximum(weights.sum(), 1e-12)
     return (nll * weights).sum() / total, (correct * weights).sum() / total
 
 
@@ -281,7 +316,7 @@ def simulate(model: nnx.Module, clients: Sequence[Client], strategy, *, rounds: 
              optimizer: optax.GradientTransformation | None = None, participation: float = 1.0,
              seed: int = 0, execution: str = "vmap", checkpoint_dir: str | None = None,
              bytes_per_element: float = 2.0, loss: str = "cross_entropy", progress: bool = True,
-             description: str | None = None) -> FederatedResult:
+             description: str | None = None, eval_every: int = 1) -> FederatedResult:
     """Run a federated LoRA simulation and return its per-round history.
 
     Example::
@@ -314,9 +349,14 @@ def simulate(model: nnx.Module, clients: Sequence[Client], strategy, *, rounds: 
         execution: ``"vmap"`` (all participants as one batched job) or ``"sequential"``.
         checkpoint_dir: save an orbax checkpoint every round there, and resume from the latest.
         bytes_per_element: for the download accounting (fp16 = 2).
-        loss: ``"cross_entropy"`` (integer labels; accuracy reported) or ``"mse"`` (float
-            targets ``[n, outputs]``; the ``*_loss`` metrics are squared errors, accuracies NaN).
+        loss: ``"cross_entropy"`` (integer labels ``[n]``, or token targets ``[n, t]`` of a
+            language model: see :func:`token_window_client`; accuracy reported) or ``"mse"``
+            (float targets ``[n, outputs]``; the ``*_loss`` metrics are squared errors,
+            accuracies NaN).
         progress: show a tqdm bar over the rounds.
+        eval_every: evaluate the global and personalised models every ``eval_every`` rounds
+            and after the last (the other rounds' accuracy / loss metrics are NaN): evaluation
+            of a large model costs as much as a round of training.
 
     Returns:
         A :class:`FederatedResult`.
@@ -328,7 +368,7 @@ def simulate(model: nnx.Module, clients: Sequence[Client], strategy, *, rounds: 
     if execution not in ("vmap", "sequential"):
         raise ValueError(f"execution={execution!r}: use 'vmap' or 'sequential'.")
     for key, value in (("rounds", rounds), ("local_steps", local_steps),
-                       ("batch_size", batch_size)):
+                       ("batch_size", batch_size), ("eval_every", eval_every)):
         if not (isinstance(value, int) and value > 0):
             raise ValueError(f"{key}={value!r} must be a positive integer.")
     if not clients:
@@ -353,6 +393,18 @@ def simulate(model: nnx.Module, clients: Sequence[Client], strategy, *, rounds: 
                              f"{classes} outputs; give labels in [0, {classes}).")
     test_x, test_y, test_w = _pad_tests(clients)
     n_test = test_w.sum()
+    per_client = test_w.sum(1)
+
+    def evaluate(state):
+        g_loss, g_acc = eval_global(strategy.global_adapters(ctx, state), test_x, test_y, test_w)
+        p_loss, p_acc = eval_personal(strategy.personal_adapters(ctx, state), test_x, test_y,
+                                      test_w)
+        sums = {"global_loss": g_loss, "global_accuracy": g_acc, "personal_loss": p_loss,
+                "personal_accuracy": p_acc}
+        return ({k: float(np.sum(v) / n_test) for k, v in sums.items()},
+                {k: np.asarray(v) / per_client for k, v in sums.items()})
+
+    client_metrics: dict = {}
 
     state = strategy.init(ctx, AdapterModel(model).initial_adapters())  # current adapters
     history: list = []
@@ -400,14 +452,12 @@ def simulate(model: nnx.Module, clients: Sequence[Client], strategy, *, rounds: 
                 f"round {t}: clients {participants[~finite].tolist()} returned non-finite "
                 "adapters (local training diverged); lower learning_rate or local_steps.")
         state = strategy.aggregate(ctx, state, t, participants, uploads)
-        g_loss, g_acc = eval_global(strategy.global_adapters(ctx, state), test_x, test_y, test_w)
-        p_loss, p_acc = eval_personal(strategy.personal_adapters(ctx, state), test_x, test_y,
-                                      test_w)
-        row = {"round": float(t), "global_accuracy": float(g_acc.sum() / n_test),
-               "global_loss": float(g_loss.sum() / n_test),
-               "personal_accuracy": float(p_acc.sum() / n_test),
-               "personal_loss": float(p_loss.sum() / n_test),
-               "train_loss": float(np.mean(losses)), "bytes_down": float(sent_bytes)}
+        if (t + 1) % eval_every == 0 or t == rounds - 1:
+            pooled, client_metrics = evaluate(state)
+        else:
+            pooled, client_metrics = dict.fromkeys(METRICS[1:5], float("nan")), {}
+        row = {"round": float(t), **pooled, "train_loss": float(np.mean(losses)),
+               "bytes_down": float(sent_bytes)}
         history.append(row)
         if manager is not None:
             manager.save(t, args=ocp.args.StandardSave({
@@ -417,4 +467,7 @@ def simulate(model: nnx.Module, clients: Sequence[Client], strategy, *, rounds: 
         bar.update(1)
         bar.set_postfix(acc=f"{row['global_accuracy']:.3f}", pacc=f"{row['personal_accuracy']:.3f}")
     bar.close()
-    return FederatedResult(history=history, state=state, context=ctx, strategy=strategy)
+    if not client_metrics:  # resumed after the last round
+        client_metrics = evaluate(state)[1]
+    return FederatedResult(history=history, state=state, context=ctx, strategy=strategy,
+                           client_metrics=client_metrics)
