@@ -10,6 +10,7 @@ from lowrank_jax.bench import BENCHMARKS, check_record, format_table, time_fn, t
 from lowrank_jax.cli import main
 
 
+@pytest.mark.slow  # 90 s; test_only_runs_one_benchmark... runs one benchmark end to end
 def test_quick_suite_runs_every_benchmark_and_writes_finite_ratios(tmp_path, capsys):
     assert main(["bench", "--quick", "--out", str(tmp_path)]) == 0
     record = json.loads((tmp_path / "bench.json").read_text())

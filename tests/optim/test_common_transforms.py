@@ -115,6 +115,14 @@ class Case:
     extra: Callable[[], dict] = dict
 
 
+def _janus_with_subspaces(learning_rate: float = 0.1):
+    # the bases ride in the state (set as a step would, before the first update)
+    tx = optim.with_subspaces(optim.janus(learning_rate))
+    return optax.GradientTransformationExtraArgs(
+        lambda params: optim.set_subspaces(tx.init(params), _janus_args()["subspaces"]),
+        tx.update)
+
+
 def _balora_after_sgd(min_product_norm: float = 0.0):
     return optax.chain(optax.sgd(0.1), optim.scale_by_balora(min_product_norm=min_product_norm))
 
@@ -161,6 +169,9 @@ CASES: dict[str, Case] = {
                   _janus_args),
     "orthogonality_clamp": Case(optim.orthogonality_clamp, _lora_tree, {"tol": 1e-6},
                                 ("pair_fn",), _janus_args),
+    "scale_by_input_projection": Case(optim.scale_by_input_projection, _lora_tree, {},
+                                      ("pair_fn",), _janus_args),
+    "with_subspaces": Case(_janus_with_subspaces, _lora_tree, {"learning_rate": 0.1}),
     "crispedit.scale_by_crispedit": Case(_scale_by_crispedit, _kernel_tree, {}, ("unmatched",)),
     "crispedit.crispedit": Case(_crispedit, _kernel_tree, {"learning_rate": 1e-2, "b1": 0.8},
                                 ("order", "mu_dtype")),
