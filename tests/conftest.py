@@ -2,7 +2,14 @@
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "")
+# The suite compiles hundreds of small programs and runs each a few times: XLA's CPU backend
+# optimisations (LLVM -O2 and its expensive passes) cost more compile time than they save run
+# time there. The same optimisations JAX's `jax_disable_most_optimizations` switches off; the
+# environment variable reaches the CLI processes the tests launch too. A user's own XLA_FLAGS
+# win; LOWRANK_JAX_TEST_XLA_OPT=1 keeps XLA's defaults.
+if "XLA_FLAGS" not in os.environ and os.environ.get("LOWRANK_JAX_TEST_XLA_OPT", "0") == "0":
+    os.environ["XLA_FLAGS"] = ("--xla_backend_optimization_level=0 "
+                               "--xla_llvm_disable_expensive_passes=true")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402

