@@ -7,6 +7,9 @@ import json
 
 import pytest
 
+# its module-scoped fixtures are built once: every test of this file runs on one worker
+pytestmark = pytest.mark.xdist_group("faults.test_outputs")
+
 JOBS = """model: tiny
 targets: [up_proj]
 seq_len: 8

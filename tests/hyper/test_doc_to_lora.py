@@ -36,6 +36,9 @@ from lowrank_jax.hub import load_model
 from lowrank_jax.models.presets import preset_model
 from lowrank_jax.train.losses import cross_entropy
 
+# its module-scoped fixtures are built once: every test of this file runs on one worker
+pytestmark = pytest.mark.xdist_group("hyper.test_doc_to_lora")
+
 CHUNK = 8
 QUERY = jnp.asarray([[3, 14, 15, 92, 65, 35, 89, 79]], jnp.int32)
 

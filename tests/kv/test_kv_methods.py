@@ -14,6 +14,9 @@ from lowrank_jax.kv import methods, quantized
 from lowrank_jax.kv.hybrid import xkv_quant_compress
 from lowrank_jax.models.llama import Llama, LlamaConfig
 
+# its module-scoped fixtures are built once: every test of this file runs on one worker
+pytestmark = pytest.mark.xdist_group("kv.test_kv_methods")
+
 FP16_TOL = dict(rtol=2e-3, atol=2e-3)
 
 

@@ -8,6 +8,9 @@ from flax import nnx
 from lowrank_jax.models.generate import generate
 from lowrank_jax.models.llama import Llama, LlamaConfig
 
+# its module-scoped fixtures are built once: every test of this file runs on one worker
+pytestmark = pytest.mark.xdist_group("models.test_decode_loop")
+
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 
 

@@ -15,6 +15,9 @@ from lowrank_jax.models.llama import Llama, LlamaConfig, count_params
 from lowrank_jax.models.presets import preset_model
 from lowrank_jax.nn import apply_lora
 
+# its module-scoped fixtures are built once: every test of this file runs on one worker
+pytestmark = pytest.mark.xdist_group("models.test_fused")
+
 TOKENS = jnp.asarray([[5, 17, 2, 40, 9, 33, 1, 8]], jnp.int32)
 
 

@@ -9,6 +9,9 @@ from flax import nnx
 from lowrank_jax.models.generate import generate, logits_full, perplexity
 from lowrank_jax.models.llama import KVCache, Llama, LlamaConfig, apply_rope
 
+# its module-scoped fixtures are built once: every test of this file runs on one worker
+pytestmark = pytest.mark.xdist_group("models.test_llama")
+
 
 def tiny_config(**overrides) -> LlamaConfig:
     base = dict(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48,

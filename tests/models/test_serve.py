@@ -12,6 +12,9 @@ from lowrank_jax.models.llama import Llama, LlamaConfig
 from lowrank_jax.models.serve import AdapterServer
 from lowrank_jax.nn import apply_lora, lora_layers
 
+# its module-scoped fixtures are built once: every test of this file runs on one worker
+pytestmark = pytest.mark.xdist_group("models.test_serve")
+
 CFG = LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
                   max_seq_len=32)
 TOKENS = jax.random.randint(jax.random.PRNGKey(3), (2, 9), 0, 64)

@@ -12,6 +12,9 @@ import pytest
 
 from lowrank_jax.optim import balora_synthetic
 
+# its module-scoped fixtures are built once: every test of this file runs on one worker
+pytestmark = pytest.mark.xdist_group("optim.test_balora_synthetic")
+
 
 @pytest.fixture(scope="module")
 def study():

@@ -11,6 +11,9 @@ from lowrank_jax.models import Llama, LlamaConfig
 from lowrank_jax.nn import FactorizedLinear
 from lowrank_jax.optim import factor_pairs, label_factors, spectron_with_adamw
 
+# its module-scoped fixtures are built once: every test of this file runs on one worker
+pytestmark = pytest.mark.xdist_group("optim.test_factors")
+
 
 class TwoFactorized(nnx.Module):
     def __init__(self, rngs):

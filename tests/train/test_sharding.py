@@ -12,6 +12,9 @@ from lowrank_jax.train import sharding
 from lowrank_jax.train.config import MeshConfig
 from lowrank_jax.train.loop import init_state
 
+# its module-scoped fixtures are built once: every test of this file runs on one worker
+pytestmark = pytest.mark.xdist_group("train.test_sharding")
+
 SMALL = [
     "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=4",
     "model.d_ff=64", "model.max_seq_len=16", "train.seq_len=16", "train.batch_size=8",

@@ -22,6 +22,9 @@ from lowrank_jax.train.structure import (
     structured_param_count,
 )
 
+# its module-scoped fixtures are built once: every test of this file runs on one worker
+pytestmark = pytest.mark.xdist_group("train.test_structure")
+
 TINY = [
     "model.d_model=16", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1",
     "model.d_ff=32", "model.max_seq_len=16", "model.projection=dense", "train.seq_len=16",
