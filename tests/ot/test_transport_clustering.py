@@ -38,6 +38,11 @@ def _random_q(key, n, k, a):
     return Q / Q.sum(1, keepdims=True) * a[:, None]
 
 
+def _solve(key, *args, **kw):
+    """``transport_clustering`` compiled as one program (op by op it compiles ~150 small ones)."""
+    return jax.jit(lambda k: transport_clustering(k, *args, **kw))(key)
+
+
 def test_feasibility_hard_and_soft_registration():
     x, y, _ = _blobs(jax.random.key(0), n=24)
     C = point_cost(x, y)
@@ -46,8 +51,8 @@ def test_feasibility_hard_and_soft_registration():
     np.testing.assert_allclose(np.asarray(soft.sum(0)), np.asarray(b), atol=1e-6)
     np.testing.assert_allclose(np.asarray(soft.sum(1)), np.asarray(a), atol=1e-6)
     for registration in ("hungarian", soft):
-        plan = transport_clustering(jax.random.key(1), x=x, y=y, rank=3, iterations=100,
-                                    restarts=1, registration=registration)
+        plan = _solve(jax.random.key(1), x=x, y=y, rank=3, iterations=100, restarts=1,
+                      registration=registration)
         for M, w in ((plan.Q, a), (plan.R, b)):
             assert float(M.min()) >= 0
             np.testing.assert_allclose(np.asarray(M.sum(1)), np.asarray(w), atol=1e-6)
@@ -192,7 +197,7 @@ def _adjusted_rand(u, v):
 
 def test_planted_co_clusters_recovered():
     x, y, labels = _blobs(jax.random.key(11), n=120, shift=(0.7, 0.3), sigma=0.3)
-    plan = transport_clustering(jax.random.key(2), x=x, y=y, rank=4, iterations=500, restarts=3)
+    plan = _solve(jax.random.key(2), x=x, y=y, rank=4, iterations=500, restarts=3)
     assert _adjusted_rand(labels, plan.labels_x) >= 0.95
     assert _adjusted_rand(labels, plan.labels_y) >= 0.95
     perm = full_rank_plan(point_cost(x, y))
@@ -238,6 +243,6 @@ def test_factored_transport_clustering_matches_dense_for_hard_and_soft_registrat
     for registration in ("hungarian", soft):
         kw = {"x": x, "y": y, "rank": 3, "iterations": 60, "restarts": 1,
               "registration": registration}
-        dense = transport_clustering(jax.random.key(3), **kw)
-        fact = transport_clustering(jax.random.key(3), factored=True, **kw)
+        dense = _solve(jax.random.key(3), **kw)
+        fact = _solve(jax.random.key(3), factored=True, **kw)
         np.testing.assert_allclose(float(fact.cost), float(dense.cost), rtol=1e-4)
