@@ -91,6 +91,27 @@ def time_interleaved(
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
+def reference_matmul_seconds(flops: float, *, reps: int = 3) -> tuple[float, int]:
+    """Time of the same-run baseline of a benchmark: one jitted fp32 ``n×n @ n×n`` matmul with
+    ``2n³ ≈ flops`` (compare an op's time to it, not to an absolute clock).
+
+    Returns:
+        ``(median seconds, n)``.
+
+    Example::
+
+        >>> seconds, n = reference_matmul_seconds(2 * 16**3, reps=1)
+        >>> n, seconds > 0
+        (16, True)
+    """
+    import jax.numpy as jnp
+
+    n = int(round((flops / 2) ** (1 / 3)))
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+    return time_fn(jax.jit(lambda x, y: x @ y), a, b, reps=reps, warmup=1), n
+
+
 def machine_record() -> dict:
     """Where and with what a benchmark ran: date (UTC), host, CPU count, versions, devices."""
     import os
@@ -114,4 +135,4 @@ def machine_record() -> dict:
     }
 
 
-__all__ = ["machine_record", "time_fn", "time_interleaved", "time_once"]
+__all__ = ["machine_record", "reference_matmul_seconds", "time_fn", "time_interleaved", "time_once"]

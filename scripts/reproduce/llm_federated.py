@@ -33,9 +33,10 @@ from flax import nnx
 
 from lowrank_jax import federated as fed
 from lowrank_jax.data.continual_text import build_continual_text
+from lowrank_jax.hub import load_model
+from lowrank_jax.io.results import machine_line, run_command
 from lowrank_jax.models.presets import preset_model
 from lowrank_jax.nn import LoRARule, apply_lora
-from scripts.reproduce import llm_common as common
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PATTERN = r"self_attn/(q_proj|v_proj)$"
@@ -62,7 +63,7 @@ def strategies(args, n_domains):
 def load(args):
     """``(model with LoRA, encode, description)``."""
     if args.model == "smollm2":
-        model, tokenizer = common.load_smollm2()
+        model, tokenizer = load_model("smollm2")
         encode = lambda text: tokenizer.encode(text, add_bos=False)  # noqa: E731
         name = "SmolLM2-135M-Instruct"
     else:
@@ -259,7 +260,7 @@ def rewrite_note(args, parser):
         meta = {**meta, "command": " ".join(["python -m scripts.reproduce.llm_federated"]
                                             + flags),
                 "date": meta.get("date", written),
-                "machine": meta.get("machine", common.machine())}
+                "machine": meta.get("machine", machine_line())}
     labels = payload["labels"]
     domains = meta.get("domains") or list(dict.fromkeys(labels))
     rows = {k: v["row"] for k, v in payload["runs"].items()}
@@ -303,8 +304,8 @@ def main(argv=None):
     start = time.time()
     is_real = args.model == "smollm2"
     out, image = _outputs(args)
-    meta = {"command": common.command().strip(), "date": datetime.date.today().isoformat(),
-            "machine": common.machine()}
+    meta = {"command": run_command().strip(), "date": datetime.date.today().isoformat(),
+            "machine": machine_line()}
     model, encode, model_name, paths = load(args)
     clients, labels, tasks = make_clients(args, encode)
     domains = [t.name for t in tasks]
