@@ -16,11 +16,12 @@ from lowrank_jax.bench.suite import (
 from lowrank_jax.bench.timing import (
     machine_record,
     reference_matmul_seconds,
+    speedup,
     time_fn,
     time_interleaved,
     time_once,
 )
 
 __all__ = ["BENCHMARKS", "check_record", "format_markdown", "format_table", "machine_record",
-           "reference_matmul_seconds", "run_suite", "select", "time_fn", "time_interleaved",
-           "time_once"]
+           "reference_matmul_seconds", "run_suite", "select", "speedup", "time_fn",
+           "time_interleaved", "time_once"]

@@ -91,6 +91,21 @@ def time_interleaved(
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
+def speedup(baseline: Callable[[], Any], method: Callable[[], Any], *, reps: int = 5,
+            warmup: int = 1) -> float:
+    """``time(baseline) / time(method)``: medians of :func:`time_interleaved` (same rounds).
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> x = jnp.ones((64, 64))
+        >>> speedup(lambda: (x @ x) @ x, lambda: x @ x, reps=3) > 0
+        True
+    """
+    times = time_interleaved({"baseline": baseline, "method": method}, reps=reps, warmup=warmup)
+    return times["baseline"] / times["method"]
+
+
 def reference_matmul_seconds(flops: float, *, reps: int = 3) -> tuple[float, int]:
     """Time of the same-run baseline of a benchmark: one jitted fp32 ``n×n @ n×n`` matmul with
     ``2n³ ≈ flops`` (compare an op's time to it, not to an absolute clock).
@@ -135,4 +150,5 @@ def machine_record() -> dict:
     }
 
 
-__all__ = ["machine_record", "reference_matmul_seconds", "time_fn", "time_interleaved", "time_once"]
+__all__ = ["machine_record", "reference_matmul_seconds", "speedup", "time_fn", "time_interleaved",
+           "time_once"]

@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +33,7 @@ from flax import nnx
 
 from lowrank_jax.analysis.rank import energy_rank
 from lowrank_jax.attention import subspace as vsvd
+from lowrank_jax.bench import speedup as timed_speedup
 from lowrank_jax.data.video import frame_psnr, frame_ssim, procedural_videos
 from lowrank_jax.models import video_dit
 
@@ -54,29 +53,10 @@ def load_or_train(path: str, quick: bool):
     return model, "trained in-script"
 
 
-def sampling_qkv(model, noise, steps):
-    """Dense Euler sampling; yields every step's per-layer ``(q, k, v)``."""
-    forward = nnx.jit(lambda m, x, s: m(x, s, return_qkv=True))
-    grid = jnp.linspace(1.0, 0.0, steps + 1)
-    x = noise
-    for i in range(steps):
-        velocity, qkv = forward(model, x, jnp.full((x.shape[0],), grid[i]))
-        yield qkv
-        x = x + (grid[i + 1] - grid[i]) * velocity
-
-
-def calibrate(model, noise, steps):
-    cfg = model.config
-    stats = [vsvd.init_grams(cfg.heads, cfg.head_dim) for _ in range(cfg.layers)]
-    for qkv in sampling_qkv(model, noise, steps):
-        stats = [vsvd.accumulate_grams(s, *layer) for s, layer in zip(stats, qkv)]
-    return stats
-
-
 def spectrum_plot(model, noise, steps, img_dir):
     """σ_i/σ_1 of QKᵀ per layer/head (mid-trajectory, first clip) and a random baseline."""
     cfg = model.config
-    qkv_steps = list(sampling_qkv(model, noise, steps))
+    qkv_steps = list(video_dit.sampling_qkv(model, noise, steps=steps))
     spectra, ranks = {}, {}
     for step in (0, steps // 2, steps - 1):
         for layer, (q, k, _) in enumerate(qkv_steps[step]):
@@ -107,18 +87,8 @@ def spectrum_plot(model, noise, steps, img_dir):
 
 
 def speedup(dense_fn, fast_fn, args, reps):
-    """Median over interleaved rounds of ``time(dense) / time(fast)`` (shared-CPU robust)."""
-    jax.block_until_ready(dense_fn(*args))
-    jax.block_until_ready(fast_fn(*args))
-    ratios = []
-    for _ in range(reps):
-        times = []
-        for fn in (dense_fn, fast_fn):
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times.append(time.perf_counter() - start)
-        ratios.append(times[0] / times[1])
-    return statistics.median(ratios)
+    """``time(dense) / time(fast)``, interleaved rounds (shared-CPU robust)."""
+    return timed_speedup(lambda: dense_fn(*args), lambda: fast_fn(*args), reps=reps)
 
 
 def synthetic_timing(quick: bool) -> list[dict]:
@@ -186,7 +156,7 @@ def main(argv=None) -> None:
     calib_noise = jax.random.normal(jax.random.key(100), (clips, *shape))
     eval_noise = jax.random.normal(jax.random.key(200), (clips, *shape))
 
-    stats = calibrate(model, calib_noise, steps)
+    stats = video_dit.calibrate_grams(model, calib_noise, steps=steps)
     ranks, held_out = spectrum_plot(model, eval_noise, steps, img_dir)
     print("energy ranks (90%, 99%) of QKᵀ:", ranks)
 
