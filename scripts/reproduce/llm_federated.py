@@ -32,6 +32,8 @@ import numpy as np
 from flax import nnx
 
 from lowrank_jax import federated as fed
+from lowrank_jax.federated.experiment import plot_tree
+from lowrank_jax.federated.fedtreelora import tree_report
 from lowrank_jax.data.continual_text import build_continual_text
 from lowrank_jax.hub import load_model
 from lowrank_jax.io.results import machine_line, run_command
@@ -107,52 +109,6 @@ def summarize(result, labels, domains):
         mask = np.array(labels) == d
         row[f"nll_{d}"] = float(np.mean(m["personal_loss"][mask]))
     return row
-
-
-def tree_report(result, labels):
-    """The tree FedTreeLoRA built, its per-layer depths, and whether its domain-count cut is the
-    domains."""
-    from lowrank_jax.federated import fedtreelora as tree_rules
-
-    state = result.state
-    n = len(labels)
-    tree = np.asarray(state["tree"])[: n - 1]
-    domains = sorted(set(labels))
-    cut = tree_rules.cut(tree, len(domains))
-    groups = [sorted({labels[i] for i in np.flatnonzero(cut == g)}) for g in np.unique(cut)]
-    pure = all(len(g) == 1 for g in groups) and len(groups) == len(domains)
-    # each client's first merge partner: the nearest client in the tree
-    first_pairs = [(int(a), int(b)) for a, b, _, size in tree if size == 2]
-    same = sum(labels[a] == labels[b] for a, b in first_pairs)
-    depths = {layer: int(k) for layer, k in zip(result.context.layers, state["depths"])}
-    return {"tree": tree.tolist(), "cut_groups": groups, "cut_is_domains": bool(pure),
-            "pairs": len(first_pairs), "same_domain_pairs": int(same), "depths": depths,
-            "built_round": int(state["built"])}
-
-
-def plot_tree(report, labels, path, title):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from scipy.cluster.hierarchy import dendrogram
-
-    tree = np.asarray(report["tree"], np.float64)
-    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 2]})
-    dendrogram(tree, labels=[f"{d} #{i}" for i, d in enumerate(labels)], ax=ax0,
-               leaf_rotation=60, color_threshold=0)
-    ax0.set_ylabel("average B-cosine distance")
-    ax0.set_title(title, fontsize=9)
-    depths = list(report["depths"].values())
-    ax1.plot(range(len(depths)), depths, marker=".")
-    ax1.set_xlabel("adapted layer (shallow → deep)")
-    ax1.set_ylabel("groups k_l")
-    ax1.set_ylim(0, len(labels) + 0.5)
-    ax1.set_title("FedTreeLoRA groups per layer", fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def verdict(rows, report, is_real):
@@ -323,7 +279,7 @@ def main(argv=None):
                       "client_metrics": {k: np.asarray(v).tolist()
                                          for k, v in result.client_metrics.items()}}
         if name == "fedtreelora":
-            report = tree_report(result, labels)
+            report = tree_report(result.state, labels, result.context.layers)
             runs[name]["tree"] = report
             plot_tree(report, labels, image, f"FedTreeLoRA tree after round "
                       f"{report['built_round']} ({'SmolLM2-135M' if is_real else 'tiny model'})")
