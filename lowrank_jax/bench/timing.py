@@ -65,10 +65,46 @@ def time_once(fn: Callable, *args: Any) -> tuple[float, Any]:
     return time.perf_counter() - start, out
 
 
+def interleaved_samples(
+    fns: dict[str, Callable[[], Any]], *, reps: int = 5, warmup: int = 1, rotate: bool = False
+) -> dict[str, list[float]]:
+    """Wall seconds of every timed call of each zero-argument callable, timed round-robin.
+
+    Args:
+        fns: ``{name: fn}``; each ``fn()`` runs the work once (its result is blocked on).
+        reps: timed rounds (every candidate once per round).
+        warmup: untimed rounds first (compilation, caches).
+        rotate: start round ``r`` at candidate ``r mod len(fns)`` (no candidate always first).
+
+    Returns:
+        ``{name: [seconds of round 0, 1, ...]}``.
+
+    Example::
+
+        >>> samples = interleaved_samples({"a": lambda: 1, "b": lambda: 2}, reps=3, rotate=True)
+        >>> {k: len(v) for k, v in samples.items()}
+        {'a': 3, 'b': 3}
+    """
+    _positive("reps", reps)
+    for _ in range(warmup):
+        for fn in fns.values():
+            jax.block_until_ready(fn())
+    names = list(fns)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(reps):
+        shift = r % len(names) if rotate else 0
+        for name in names[shift:] + names[:shift]:
+            start = time.perf_counter()
+            jax.block_until_ready(fns[name]())
+            samples[name].append(time.perf_counter() - start)
+    return samples
+
+
 def time_interleaved(
     fns: dict[str, Callable[[], Any]], *, reps: int = 5, warmup: int = 1
 ) -> dict[str, float]:
-    """Median wall seconds of each zero-argument callable, timed round-robin.
+    """Median wall seconds of each zero-argument callable, timed round-robin
+    (:func:`interleaved_samples`).
 
     Args:
         fns: ``{name: fn}``; each ``fn()`` runs the work once (its result is blocked on).
@@ -78,16 +114,7 @@ def time_interleaved(
     Returns:
         ``{name: median seconds}``.
     """
-    _positive("reps", reps)
-    for _ in range(warmup):
-        for fn in fns.values():
-            jax.block_until_ready(fn())
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            jax.block_until_ready(fn())
-            samples[name].append(time.perf_counter() - start)
+    samples = interleaved_samples(fns, reps=reps, warmup=warmup)
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
@@ -150,5 +177,5 @@ def machine_record() -> dict:
     }
 
 
-__all__ = ["machine_record", "reference_matmul_seconds", "speedup", "time_fn", "time_interleaved",
-           "time_once"]
+__all__ = ["interleaved_samples", "machine_record", "reference_matmul_seconds", "speedup",
+           "time_fn", "time_interleaved", "time_once"]

@@ -104,4 +104,48 @@ def write_result(stem: str | os.PathLike, title: str, columns: Sequence[str], ro
     return payload
 
 
-__all__ = ["format_cell", "machine_line", "markdown_table", "run_command", "write_result"]
+class RunCache:
+    """Finished runs of a long reproduction, kept in one JSON file so a rerun resumes.
+
+    The file holds ``{"settings": ..., "runs": {key: result}}``; a cache whose settings differ
+    from ``settings`` (another protocol) is started afresh. :meth:`get` returns a stored run or
+    computes it and writes the file at once, so a stopped command keeps what it finished.
+
+    Example::
+
+        >>> import tempfile, pathlib
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "runs.json"
+        >>> RunCache(path, {"steps": 2}).get("lora/0", lambda: {"final": 1.5})
+        {'final': 1.5}
+        >>> RunCache(path, {"steps": 2}).get("lora/0", lambda: 1 / 0)  # reused, not recomputed
+        {'final': 1.5}
+        >>> RunCache(path, {"steps": 3}).runs
+        {}
+    """
+
+    def __init__(self, path: str | os.PathLike, settings: dict):
+        self.path = pathlib.Path(path)
+        saved = json.loads(self.path.read_text()) if self.path.exists() else {}
+        if saved.get("settings") != settings:
+            saved = {"settings": settings, "runs": {}}
+        self.payload = saved
+
+    @property
+    def runs(self) -> dict:
+        """``{key: result}`` of the stored runs."""
+        return self.payload["runs"]
+
+    def get(self, key: str, run, *, announce: bool = False):
+        """The stored result of ``key``, or ``run()`` (stored and written); ``announce`` prints
+        a line when a stored result is reused."""
+        if key not in self.runs:
+            self.runs[key] = run()
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(json.dumps(self.payload, default=float))
+        elif announce:
+            print(f"  {key}: reused from {self.path}")
+        return self.runs[key]
+
+
+__all__ = ["RunCache", "format_cell", "machine_line", "markdown_table", "run_command",
+           "write_result"]

@@ -21,7 +21,6 @@ run. Writes ``docs/results/llm_balora.json`` and the curves ``docs/img/llm_balor
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import time
 
@@ -33,7 +32,7 @@ from flax import nnx
 from lowrank_jax.core.step import make_step
 from lowrank_jax.data.continual_text import build_continual_text
 from lowrank_jax.hub import load_model
-from lowrank_jax.io.results import write_result
+from lowrank_jax.io.results import RunCache, write_result
 from lowrank_jax.nn import LoRARule, apply_lora, lora_layers, plan_ranks
 from lowrank_jax.optim.balora import balora
 from lowrank_jax.train.losses import adapter_loss, window_evaluator
@@ -95,20 +94,11 @@ def main():
                              "same settings")
     args = parser.parse_args()
     t0 = time.perf_counter()
-    cache_path = pathlib.Path(args.cache)
-    settings = {k: v for k, v in vars(args).items() if k not in ("lrs", "methods", "cache",
-                                                                 "no_csplora")}
-    cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
-    if cache.get("settings") != settings:
-        cache = {"settings": settings, "runs": {}}
+    cache = RunCache(args.cache, {k: v for k, v in vars(args).items()
+                                  if k not in ("lrs", "methods", "cache", "no_csplora")})
 
     def cached(method, lr, **kw):
-        key = f"{method}/{lr:g}"
-        if key not in cache["runs"]:
-            cache["runs"][key] = train_run(method, lr, task, args, **kw)
-            cache_path.parent.mkdir(parents=True, exist_ok=True)
-            cache_path.write_text(json.dumps(cache, default=float))
-        return cache["runs"][key]
+        return cache.get(f"{method}/{lr:g}", lambda: train_run(method, lr, task, args, **kw))
 
     model, tok = load_model("smollm2")
     task = build_continual_text(lambda text: tok.encode(text, add_bos=False), [args.domain],

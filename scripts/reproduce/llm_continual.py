@@ -25,8 +25,6 @@ Arms, all with the same rank, steps, batch and (Adam) learning rate:
 from __future__ import annotations
 
 import argparse
-import json
-import pathlib
 import time
 
 import jax
@@ -37,7 +35,7 @@ from flax import nnx
 
 from lowrank_jax.data.continual_text import build_continual_text
 from lowrank_jax.hub import load_model
-from lowrank_jax.io.results import write_result
+from lowrank_jax.io.results import RunCache, write_result
 from lowrank_jax.nn import LoRARule, apply_lora, lora_layers
 from lowrank_jax.nn.init import capture_layer_inputs
 from lowrank_jax.nn.lora import default_a_initializer
@@ -242,21 +240,12 @@ def main():
     del model
     methods = args.methods.split(",")
     runs = {m: [] for m in methods}
-    cache_path = pathlib.Path(args.cache)
-    settings = {k: v for k, v in vars(args).items() if k not in ("seeds", "methods", "cache")}
-    cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
-    if cache.get("settings") != settings:
-        cache = {"settings": settings, "runs": {}}
+    cache = RunCache(args.cache, {k: v for k, v in vars(args).items()
+                                  if k not in ("seeds", "methods", "cache")})
     for seed in range(args.seeds):
         for method in methods:
-            key = f"{method}/{seed}"
-            if key not in cache["runs"]:
-                cache["runs"][key] = run_method(method, tasks, seed, args, baseline)
-                cache_path.parent.mkdir(parents=True, exist_ok=True)
-                cache_path.write_text(json.dumps(cache, default=float))
-            else:
-                print(f"  {key}: reused from {cache_path}")
-            runs[method].append(cache["runs"][key])
+            runs[method].append(cache.get(f"{method}/{seed}", lambda: run_method(
+                method, tasks, seed, args, baseline), announce=True))
     columns = ["method", "ACC (next-token acc %)", "BWT (pts)", "FWT (pts)", "final NLL",
                "NLL forgetting (nats)", "seeds"]
     rows = []
