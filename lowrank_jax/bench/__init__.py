@@ -18,6 +18,7 @@ from lowrank_jax.bench.timing import (
     machine_record,
     reference_matmul_seconds,
     speedup,
+    time_compiled,
     time_fn,
     time_interleaved,
     time_once,
@@ -25,4 +26,4 @@ from lowrank_jax.bench.timing import (
 
 __all__ = ["BENCHMARKS", "check_record", "format_markdown", "format_table", "interleaved_samples",
            "machine_record", "reference_matmul_seconds", "run_suite", "select", "speedup",
-           "time_fn", "time_interleaved", "time_once"]
+           "time_compiled", "time_fn", "time_interleaved", "time_once"]

@@ -134,41 +134,6 @@ def plot_losses(metrics_path: pathlib.Path, out_png: pathlib.Path, entropy_bits:
     plt.close(fig)
 
 
-def plot_curves(curves: list[dict], path, *, xlabel: str, ylabel: str, title: str = "",
-                hline: tuple[float, str] | None = None, legend_fontsize=None,
-                figsize=(6.4, 4.0), dpi: int = 110) -> None:
-    """Draw curves on one axis and save the figure to ``path`` (parent folders created).
-
-    Args:
-        curves: one dict per line: ``x``, ``y`` and any ``matplotlib`` ``plot`` keywords
-            (``label``, ``color``, ``alpha``, ``lw``, ...).
-        path: the image file.
-        xlabel, ylabel, title: axis labels and title.
-        hline: ``(value, label)`` of a dashed grey reference line (e.g. a target loss).
-        legend_fontsize, figsize, dpi: figure options.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=figsize)
-    for curve in curves:
-        style = {k: v for k, v in curve.items() if k not in ("x", "y")}
-        ax.plot(curve["x"], curve["y"], **style)
-    if hline is not None:
-        ax.axhline(hline[0], color="gray", ls="--", lw=1, label=hline[1])
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.legend(fontsize=legend_fontsize)
-    fig.tight_layout()
-    fig.savefig(path, dpi=dpi)
-    plt.close(fig)
-
-
 @dataclasses.dataclass
 class TrainResult:
     state: TrainState

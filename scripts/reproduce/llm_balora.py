@@ -36,7 +36,7 @@ from lowrank_jax.io.results import RunCache, write_result
 from lowrank_jax.nn import LoRARule, apply_lora, lora_layers, plan_ranks
 from lowrank_jax.optim.balora import balora
 from lowrank_jax.train.losses import adapter_loss, window_evaluator
-from lowrank_jax.train.loop import plot_curves
+from lowrank_jax.analysis.report import plot_curves
 from lowrank_jax.train.sweep import best_runs, progress_target, steps_to_target
 
 PATTERN = r"self_attn/(q_proj|v_proj)$"

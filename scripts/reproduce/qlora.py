@@ -152,7 +152,7 @@ def table(rows) -> str:
 
 
 def plot(curves, path) -> None:
-    from lowrank_jax.train.loop import plot_curves
+    from lowrank_jax.analysis.report import plot_curves
     from lowrank_jax.train.sweep import moving_average
 
     lines = []

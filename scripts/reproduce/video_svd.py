@@ -36,6 +36,7 @@ from lowrank_jax.attention import subspace as vsvd
 from lowrank_jax.bench import speedup as timed_speedup
 from lowrank_jax.data.video import frame_psnr, frame_ssim, procedural_videos
 from lowrank_jax.models import video_dit
+from lowrank_jax.analysis.report import plot_curves
 
 IMG = os.path.join("docs", "img")
 RESULTS = os.path.join("docs", "results", "video_svd.json")
@@ -70,19 +71,16 @@ def spectrum_plot(model, noise, steps, img_dir):
         jnp.asarray(rng.standard_normal((cfg.tokens, cfg.head_dim)), jnp.float32),
         jnp.asarray(rng.standard_normal((cfg.tokens, cfg.head_dim)), jnp.float32)))
     ranks["random"] = [int(energy_rank(jnp.asarray(rand), e)) for e in (0.9, 0.99)]
-    fig, ax = plt.subplots(figsize=(6, 4))
     mid = steps // 2
-    for (step, layer, h), s in spectra.items():
-        if step == mid:
-            ax.semilogy(np.arange(1, len(s) + 1), s, marker=".", label=f"layer {layer} head {h}")
-    ax.semilogy(np.arange(1, len(rand) + 1), rand / rand[0], "k--", label="random Q, K")
-    ax.set_xlabel("index i")
-    ax.set_ylabel("σ_i / σ_1 of QKᵀ")
-    ax.set_title(f"Video DiT QKᵀ spectrum (N={cfg.tokens}, d={cfg.head_dim}, step {mid}/{steps})")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(os.path.join(img_dir, "video_svd_spectrum.png"), dpi=110)
-    plt.close(fig)
+    curves = [{"x": np.arange(1, len(s) + 1), "y": s, "marker": ".",
+               "label": f"layer {layer} head {h}"}
+              for (step, layer, h), s in spectra.items() if step == mid]
+    curves.append({"x": np.arange(1, len(rand) + 1), "y": rand / rand[0], "color": "k",
+                   "ls": "--", "label": "random Q, K"})
+    plot_curves(curves, os.path.join(img_dir, "video_svd_spectrum.png"), xlabel="index i",
+                ylabel="σ_i / σ_1 of QKᵀ", yscale="log", legend_fontsize=7, figsize=(6, 4),
+                title=f"Video DiT QKᵀ spectrum (N={cfg.tokens}, d={cfg.head_dim}, step "
+                f"{mid}/{steps})")
     return ranks, qkv_steps
 
 

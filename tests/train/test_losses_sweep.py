@@ -54,11 +54,3 @@ def test_sweep_readers():
     assert steps_to_target([(0, 4.0)], 3.0) is None
     np.testing.assert_allclose(moving_average([0, 2, 4, 6, 8], 3), [2.0, 4.0, 6.0])
 
-
-def test_plot_curves_writes_the_image(tmp_path):
-    from lowrank_jax.train.loop import plot_curves
-
-    path = tmp_path / "img" / "curves.png"
-    plot_curves([{"x": [0, 1], "y": [2.0, 1.0], "label": "a"}, {"x": [0, 1], "y": [2.0, 1.5]}],
-                path, xlabel="step", ylabel="loss", hline=(1.2, "target"))
-    assert path.stat().st_size > 1000 and path.read_bytes()[:4] == b"\x89PNG"
