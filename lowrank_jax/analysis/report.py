@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import pathlib
 import re
 
 import jax.numpy as jnp
@@ -181,6 +182,39 @@ def plot_spectra(spectra: dict, path: str, *, max_lines: int = 40) -> None:
     plt.close(fig)
 
 
+def plot_curves(curves: list[dict], path, *, xlabel: str, ylabel: str, title: str = "",
+                hline: tuple[float, str] | None = None, yscale: str = "linear",
+                legend_fontsize=None, figsize=(6.4, 4.0), dpi: int = 110) -> None:
+    """Draw curves on one axis and save the figure to ``path`` (parent folders created).
+
+    Args:
+        curves: one dict per line: ``x``, ``y`` and any ``matplotlib`` ``plot`` keywords
+            (``label``, ``color``, ``alpha``, ``lw``, ...).
+        path: the image file.
+        xlabel, ylabel, title: axis labels and title.
+        hline: ``(value, label)`` of a dashed grey reference line (e.g. a target loss).
+        yscale: ``"linear"`` or ``"log"``.
+        legend_fontsize, figsize, dpi: figure options.
+    """
+    plt = _plt()
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=figsize)
+    for curve in curves:
+        style = {k: v for k, v in curve.items() if k not in ("x", "y")}
+        ax.plot(curve["x"], curve["y"], **style)
+    if hline is not None:
+        ax.axhline(hline[0], color="gray", ls="--", lw=1, label=hline[1])
+    ax.set_yscale(yscale)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=legend_fontsize)
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+
+
 def plot_by_layer(table: dict, path: str, *, ylabel: str = "effective rank") -> None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -233,6 +267,6 @@ def write_json(obj, path: str) -> None:
 
 __all__ = [
     "PASSAGE", "analyze_params", "key_cka", "layer_keys", "named_matrices", "per_layer_table",
-    "plot_by_layer", "plot_heatmap", "plot_spectra", "spectrum", "unembedding_report",
-    "write_json",
+    "plot_by_layer", "plot_curves", "plot_heatmap", "plot_spectra", "spectrum",
+    "unembedding_report", "write_json",
 ]

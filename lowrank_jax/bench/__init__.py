@@ -13,7 +13,17 @@ from lowrank_jax.bench.suite import (
     run_suite,
     select,
 )
-from lowrank_jax.bench.timing import machine_record, time_fn, time_interleaved, time_once
+from lowrank_jax.bench.timing import (
+    interleaved_samples,
+    machine_record,
+    reference_matmul_seconds,
+    speedup,
+    time_compiled,
+    time_fn,
+    time_interleaved,
+    time_once,
+)
 
-__all__ = ["BENCHMARKS", "check_record", "format_markdown", "format_table", "machine_record",
-           "run_suite", "select", "time_fn", "time_interleaved", "time_once"]
+__all__ = ["BENCHMARKS", "check_record", "format_markdown", "format_table", "interleaved_samples",
+           "machine_record", "reference_matmul_seconds", "run_suite", "select", "speedup",
+           "time_compiled", "time_fn", "time_interleaved", "time_once"]

@@ -65,10 +65,62 @@ def time_once(fn: Callable, *args: Any) -> tuple[float, Any]:
     return time.perf_counter() - start, out
 
 
+def time_compiled(fn: Callable, *args: Any) -> tuple[Any, float]:
+    """``(result, seconds)`` of one run of ``jax.jit(fn)`` compiled ahead of time for ``args``
+    (compilation excluded; pass data as arguments, not closure constants, or XLA folds them).
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> out, seconds = time_compiled(lambda a: a * 2, jnp.ones(3))
+        >>> out.tolist(), seconds >= 0
+        ([2.0, 2.0, 2.0], True)
+    """
+    compiled = jax.jit(fn).lower(*args).compile()
+    seconds, out = time_once(compiled, *args)
+    return out, seconds
+
+
+def interleaved_samples(
+    fns: dict[str, Callable[[], Any]], *, reps: int = 5, warmup: int = 1, rotate: bool = False
+) -> dict[str, list[float]]:
+    """Wall seconds of every timed call of each zero-argument callable, timed round-robin.
+
+    Args:
+        fns: ``{name: fn}``; each ``fn()`` runs the work once (its result is blocked on).
+        reps: timed rounds (every candidate once per round).
+        warmup: untimed rounds first (compilation, caches).
+        rotate: start round ``r`` at candidate ``r mod len(fns)`` (no candidate always first).
+
+    Returns:
+        ``{name: [seconds of round 0, 1, ...]}``.
+
+    Example::
+
+        >>> samples = interleaved_samples({"a": lambda: 1, "b": lambda: 2}, reps=3, rotate=True)
+        >>> {k: len(v) for k, v in samples.items()}
+        {'a': 3, 'b': 3}
+    """
+    _positive("reps", reps)
+    for _ in range(warmup):
+        for fn in fns.values():
+            jax.block_until_ready(fn())
+    names = list(fns)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(reps):
+        shift = r % len(names) if rotate else 0
+        for name in names[shift:] + names[:shift]:
+            start = time.perf_counter()
+            jax.block_until_ready(fns[name]())
+            samples[name].append(time.perf_counter() - start)
+    return samples
+
+
 def time_interleaved(
     fns: dict[str, Callable[[], Any]], *, reps: int = 5, warmup: int = 1
 ) -> dict[str, float]:
-    """Median wall seconds of each zero-argument callable, timed round-robin.
+    """Median wall seconds of each zero-argument callable, timed round-robin
+    (:func:`interleaved_samples`).
 
     Args:
         fns: ``{name: fn}``; each ``fn()`` runs the work once (its result is blocked on).
@@ -78,17 +130,44 @@ def time_interleaved(
     Returns:
         ``{name: median seconds}``.
     """
-    _positive("reps", reps)
-    for _ in range(warmup):
-        for fn in fns.values():
-            jax.block_until_ready(fn())
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            jax.block_until_ready(fn())
-            samples[name].append(time.perf_counter() - start)
+    samples = interleaved_samples(fns, reps=reps, warmup=warmup)
     return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def speedup(baseline: Callable[[], Any], method: Callable[[], Any], *, reps: int = 5,
+            warmup: int = 1) -> float:
+    """``time(baseline) / time(method)``: medians of :func:`time_interleaved` (same rounds).
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> x = jnp.ones((64, 64))
+        >>> speedup(lambda: (x @ x) @ x, lambda: x @ x, reps=3) > 0
+        True
+    """
+    times = time_interleaved({"baseline": baseline, "method": method}, reps=reps, warmup=warmup)
+    return times["baseline"] / times["method"]
+
+
+def reference_matmul_seconds(flops: float, *, reps: int = 3) -> tuple[float, int]:
+    """Time of the same-run baseline of a benchmark: one jitted fp32 ``n×n @ n×n`` matmul with
+    ``2n³ ≈ flops`` (compare an op's time to it, not to an absolute clock).
+
+    Returns:
+        ``(median seconds, n)``.
+
+    Example::
+
+        >>> seconds, n = reference_matmul_seconds(2 * 16**3, reps=1)
+        >>> n, seconds > 0
+        (16, True)
+    """
+    import jax.numpy as jnp
+
+    n = int(round((flops / 2) ** (1 / 3)))
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+    return time_fn(jax.jit(lambda x, y: x @ y), a, b, reps=reps, warmup=1), n
 
 
 def machine_record() -> dict:
@@ -114,4 +193,5 @@ def machine_record() -> dict:
     }
 
 
-__all__ = ["machine_record", "time_fn", "time_interleaved", "time_once"]
+__all__ = ["interleaved_samples", "machine_record", "reference_matmul_seconds", "speedup",
+           "time_compiled", "time_fn", "time_interleaved", "time_once"]

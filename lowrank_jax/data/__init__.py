@@ -6,6 +6,7 @@ from lowrank_jax.data.corpus import (
     batch_at,
     corpus_bytes,
     corpus_text,
+    corpus_windows,
     eval_batches,
     nats_to_bits,
     train_val_split,
@@ -23,6 +24,6 @@ from lowrank_jax.data.selection import (
 )
 
 __all__ = ["STDLIB_MODULES", "Coreset", "LowRankFit", "batch_at", "corpus_bytes", "corpus_text",
-           "eval_batches", "kmeans_sensitivity_coreset", "lowrank_coreset", "lowrank_residuals",
-           "lowrank_residuals_chunked", "nats_to_bits", "train_val_split", "uniform_coreset",
-           "unigram_entropy_bits", "weighted_mean"]
+           "corpus_windows", "eval_batches", "kmeans_sensitivity_coreset", "lowrank_coreset",
+           "lowrank_residuals", "lowrank_residuals_chunked", "nats_to_bits", "train_val_split",
+           "uniform_coreset", "unigram_entropy_bits", "weighted_mean"]

@@ -184,9 +184,20 @@ def token_windows(ids: Sequence[int], length: int, max_windows: int | None = Non
 
 
 def build_task(name: str, documents: Sequence[Document], encode: Callable[[str], list[int]], *,
-               length: int = 64, max_chars: int = 200_000, max_train_windows: int | None = None,
-               max_heldout_windows: int | None = None, heldout_percent: int = 20) -> TextTask:
-    """Deduplicate, split, join (blank lines), cut to ``max_chars``, tokenize, window."""
+               length: int = 64, max_chars: int | None = 200_000,
+               max_train_windows: int | None = None, max_heldout_windows: int | None = None,
+               heldout_percent: int = 20) -> TextTask:
+    """Deduplicate, split, join (blank lines), cut to ``max_chars``, tokenize, window.
+
+    ``max_chars=None`` sizes the cut to the window caps: ``12 · length · max(caps) + 10,000``
+    characters (about 3 characters per token, with room to spare), so a few windows of a large
+    domain do not tokenize the whole of it.
+    """
+    if max_chars is None:
+        if max_train_windows is None or max_heldout_windows is None:
+            raise ValueError("build_task: max_chars=None needs max_train_windows and "
+                             "max_heldout_windows (the cut is sized to them).")
+        max_chars = 12 * length * max(max_train_windows, max_heldout_windows) + 10_000
     train, heldout = split_documents(deduplicate(documents), heldout_percent)
     if not train or not heldout:
         raise ValueError(f"task {name!r}: {len(train)} train and {len(heldout)} held-out "

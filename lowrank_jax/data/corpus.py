@@ -162,14 +162,51 @@ def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int, max_batches:
         yield window[:, :-1].astype(np.int32), window[:, 1:].astype(np.int32)
 
 
+def corpus_windows(encode, n: int, length: int, *, text: str | None = None) -> list[np.ndarray]:
+    """``n`` windows of ``length`` token ids from evenly spaced places of the corpus.
+
+    Window ``i`` encodes the text from character ``i·len(text)/n`` on (a span of ``6·length``
+    characters, doubled until it gives ``length`` ids) and keeps its first ``length`` ids.
+
+    Args:
+        encode: ``str -> list[int]`` (a tokenizer's ``encode``, or bytes).
+        n: number of windows; length: ids per window.
+        text: the source text (default :func:`corpus_text`).
+
+    Returns:
+        ``n`` int32 arrays of ``length`` ids.
+
+    Example::
+
+        >>> encode = lambda s: list(s.encode())
+        >>> [w.tolist() for w in corpus_windows(encode, 2, 3, text="abcdefgh")]
+        [[97, 98, 99], [101, 102, 103]]
+    """
+    text = corpus_text() if text is None else text
+    out = []
+    for i in range(n):
+        start = (i * len(text)) // n
+        chars = 6 * length
+        while True:
+            ids = encode(text[start: start + chars])
+            if len(ids) >= length or start + chars >= len(text):
+                break
+            chars *= 2
+        if len(ids) < length:
+            raise ValueError(f"text too short for window {i} of {length} tokens "
+                             f"({len(text)} characters for {n} windows); lower n or length.")
+        out.append(np.asarray(ids[:length], np.int32))
+    return out
+
+
 def nats_to_bits(nats: float) -> float:
     """A loss in nats (per byte) as bits: ``nats / ln 2``."""
     return nats / math.log(2.0)
 
 
 __all__ = ["STDLIB_MODULES", "batch_at", "collect_docstrings", "corpus_bytes", "corpus_text",
-           "eval_batches", "module_docstrings", "nats_to_bits", "train_val_split",
-           "unigram_entropy_bits"]
+           "eval_batches", "module_docstrings", "nats_to_bits", "corpus_windows",
+           "train_val_split", "unigram_entropy_bits"]
 
 
 if __name__ == "__main__":  # the fresh interpreter of corpus_text: python -I corpus.py MODULE...

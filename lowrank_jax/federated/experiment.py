@@ -185,6 +185,33 @@ def plot_accuracy(results: dict, path: str, title: str = "") -> None:
     plt.close(fig)
 
 
+def plot_tree(report: dict, labels, path, title: str) -> None:
+    """The client tree of :func:`lowrank_jax.federated.fedtreelora.tree_report` (dendrogram,
+    leaves named by group) beside FedTreeLoRA's chosen number of groups per layer."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from scipy.cluster.hierarchy import dendrogram
+
+    tree = np.asarray(report["tree"], np.float64)
+    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 2]})
+    dendrogram(tree, labels=[f"{d} #{i}" for i, d in enumerate(labels)], ax=ax0,
+               leaf_rotation=60, color_threshold=0)
+    ax0.set_ylabel("average B-cosine distance")
+    ax0.set_title(title, fontsize=9)
+    depths = list(report["depths"].values())
+    ax1.plot(range(len(depths)), depths, marker=".")
+    ax1.set_xlabel("adapted layer (shallow → deep)")
+    ax1.set_ylabel("groups k_l")
+    ax1.set_ylim(0, len(labels) + 0.5)
+    ax1.set_title("FedTreeLoRA groups per layer", fontsize=9)
+    fig.tight_layout()
+    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def save_results(results: dict, summary: dict, config: FederatedConfig) -> pathlib.Path:
     run_dir = pathlib.Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -160,3 +160,41 @@ def aggregate(adapters, weights, depths: Mapping[str, int], tree: np.ndarray) ->
     """FedTreeLoRA aggregation: layer ``l`` averaged within the groups of ``cut(tree, k_l)``."""
     labels = {layer: cut(tree, int(depths[layer])) for layer in adapters}
     return group_average(adapters, weights, labels)
+
+
+def tree_report(state: Mapping, labels: Sequence[str], layers: Sequence[str]) -> dict:
+    """How well the tree of a FedTreeLoRA run finds known client groups (e.g. data domains).
+
+    Args:
+        state: the strategy's server state (``tree`` ``[≥ N − 1, 4]``, ``depths`` per layer,
+            ``built``: the round the tree was built).
+        labels: each client's true group name.
+        layers: the adapted layer names, in the order of ``state["depths"]``.
+
+    Returns:
+        ``tree`` (the merges), ``cut_groups`` (the groups' names of the cut at the number of true
+        groups), ``cut_is_domains`` (that cut is exactly the true groups), ``pairs`` /
+        ``same_domain_pairs`` (first merges of two single clients, and how many join one group),
+        ``depths`` (``{layer: k_l}``) and ``built_round``.
+
+    Example::
+
+        >>> tree = np.array([[0, 1, 0.1, 2], [2, 3, 0.2, 2], [4, 5, 0.9, 4]])
+        >>> report = tree_report({"tree": tree, "depths": [2], "built": 1}, ["a", "a", "b", "b"],
+        ...                      ["q"])
+        >>> report["cut_groups"], report["cut_is_domains"], report["same_domain_pairs"]
+        ([['a'], ['b']], True, 2)
+    """
+    n = len(labels)
+    tree = np.asarray(state["tree"])[: n - 1]
+    domains = sorted(set(labels))
+    groups_of = cut(tree, len(domains))
+    groups = [sorted({labels[i] for i in np.flatnonzero(groups_of == g)})
+              for g in np.unique(groups_of)]
+    pure = all(len(g) == 1 for g in groups) and len(groups) == len(domains)
+    first_pairs = [(int(a), int(b)) for a, b, _, size in tree if size == 2]
+    same = sum(labels[a] == labels[b] for a, b in first_pairs)
+    return {"tree": tree.tolist(), "cut_groups": groups, "cut_is_domains": bool(pure),
+            "pairs": len(first_pairs), "same_domain_pairs": int(same),
+            "depths": {layer: int(k) for layer, k in zip(layers, state["depths"])},
+            "built_round": int(state["built"])}

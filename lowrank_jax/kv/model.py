@@ -52,6 +52,53 @@ class PrefillKV(KVProvider):
         return updates
 
 
+@jax.tree_util.register_static
+class AttentionInputsKV(KVProvider):
+    """Exact causal attention (the model's own implementation) that hands back every layer's
+    post-RoPE ``(q, k, v)``: the inputs an attention method (sparse, low-rank) would see.
+
+    ``model(tokens, cache=AttentionInputsKV())`` returns ``(logits, (q, k, v))`` with
+    ``q [layers, b, t, heads, head_dim]`` and ``k, v [layers, b, t, kv_heads, head_dim]``; see
+    :func:`attention_inputs`.
+    """
+
+    def __eq__(self, other):
+        return type(other) is type(self)
+
+    def __hash__(self):
+        return hash(type(self).__name__)
+
+    def attend(self, layer, layer_data, q, k, v, keys_pre_rope, attention):
+        return attention(q, k, v, causal=True), (q, k, v)
+
+    def advance(self, updates, length):
+        return updates
+
+
+@nnx.jit
+def _attention_inputs(model, tokens):
+    return model.hidden_states(tokens, cache=AttentionInputsKV())[1]
+
+
+def attention_inputs(model, tokens: Int[Array, "b t"]):
+    """Post-RoPE ``(q, k, v)`` of every layer for ``tokens`` (one jitted exact forward).
+
+    Returns:
+        ``q [layers, b, t, heads, head_dim]``, ``k, v [layers, b, t, kv_heads, head_dim]``.
+
+    Example::
+
+        >>> from flax import nnx
+        >>> from lowrank_jax.models import Llama, LlamaConfig
+        >>> cfg = LlamaConfig(vocab_size=16, d_model=8, n_layers=2, n_heads=2, n_kv_heads=1,
+        ...                   d_ff=16)
+        >>> q, k, v = attention_inputs(Llama(cfg, rngs=nnx.Rngs(0)), jnp.zeros((1, 5), jnp.int32))
+        >>> q.shape, k.shape
+        ((2, 1, 5, 2, 4), (2, 1, 5, 1, 4))
+    """
+    return _attention_inputs(model, jnp.asarray(tokens, jnp.int32))
+
+
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["keys", "values"],
                    meta_fields=[])
 @dataclasses.dataclass(frozen=True)
@@ -294,6 +341,6 @@ def xkv_generate(
 
 
 __all__ = [
-    "ContextKV", "PrefillKV", "XKVDecodeKV", "prefill_kv", "xkv_decode_step", "xkv_generate",
-    "xkv_prefill",
+    "AttentionInputsKV", "ContextKV", "PrefillKV", "XKVDecodeKV", "attention_inputs",
+    "prefill_kv", "xkv_decode_step", "xkv_generate", "xkv_prefill",
 ]

@@ -21,6 +21,7 @@ without it (see ``tests/models/test_loading.py``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any, Callable
 
@@ -228,6 +229,44 @@ def permute_rope_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
     )
 
 
+@contextlib.contextmanager
+def gguf_rope_order(model: Llama):
+    """Temporarily put llama.cpp's Q/K row order back into a loaded model (the wrong RoPE
+    pairing for our HF-style :func:`~lowrank_jax.models.llama.apply_rope`), to show what the
+    un-permutation of :func:`unpermute_rope_rows` is worth; the kernels are restored on exit.
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> cfg = LlamaConfig(vocab_size=8, d_model=8, n_layers=1, n_heads=1, n_kv_heads=1,
+        ...                   d_ff=8)
+        >>> model = Llama(cfg, rngs=nnx.Rngs(0))
+        >>> before = model.layers[0].self_attn.q_proj.kernel[...]
+        >>> with gguf_rope_order(model):
+        ...     moved = model.layers[0].self_attn.q_proj.kernel[...]
+        >>> bool(jnp.all(moved[:, 1] == before[:, 4])), bool(jnp.all(
+        ...     model.layers[0].self_attn.q_proj.kernel[...] == before))
+        (True, True)
+    """
+    import jax.numpy as jnp
+
+    from lowrank_jax.models.llama import projections
+
+    heads = {"q_proj": model.cfg.n_heads, "k_proj": model.cfg.n_kv_heads}
+    linears = [(linear, heads[name]) for _, name, _, linear in projections(model)
+               if name in heads]
+    originals = [linear.kernel[...] for linear, _ in linears]
+    try:
+        for linear, n_heads in linears:
+            kernel = np.asarray(linear.kernel[...])  # [in, out]: rows of W are its columns
+            linear.kernel[...] = jnp.asarray(permute_rope_rows(kernel.T, n_heads).T)
+        yield model
+    finally:
+        for (linear, _), kernel in zip(linears, originals):
+            linear.kernel[...] = kernel
+
+
 def hf_name(gguf_name: str) -> str | None:
     """HF name of a GGUF tensor (``blk.3.attn_q.weight`` → ``model.layers.3.self_attn.q_proj.
     weight``), or ``None`` for tensors the model does not use."""
@@ -309,6 +348,7 @@ __all__ = [
     "config_from_gguf",
     "dequantize_tensor",
     "gguf_metadata",
+    "gguf_rope_order",
     "hf_name",
     "hf_state_from_gguf",
     "load_gguf",

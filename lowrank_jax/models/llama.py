@@ -491,6 +491,31 @@ def replace_projections(
     return replaced
 
 
+def with_attention(model: Llama, attention: str | tuple[str, ...]) -> Llama:
+    """The same model (same parameter arrays) running another attention implementation.
+
+    ``attention`` is a name registered in :mod:`lowrank_jax.attention` or one per layer (e.g.
+    :func:`lowrank_jax.attention.register_sale_per_layer`). The copy gets its own
+    :class:`LlamaConfig`, so ``model`` is untouched and jitted runners never confuse the two.
+
+    Example::
+
+        >>> from flax import nnx
+        >>> m = Llama(LlamaConfig(vocab_size=16, d_model=8, n_layers=2, n_heads=2,
+        ...                       n_kv_heads=2, d_ff=16), rngs=nnx.Rngs(0))
+        >>> other = with_attention(m, ("reference", "flash"))
+        >>> other.layers[1].self_attn.cfg.attention_for(1), m.cfg.attention
+        ('flash', 'reference')
+    """
+    old = model.cfg
+    cfg = dataclasses.replace(old, attention=attention)
+    copy = nnx.clone(model)
+    for _, module in nnx.iter_modules(copy):
+        if getattr(module, "cfg", None) is old or getattr(module, "cfg", None) == old:
+            module.cfg = cfg
+    return copy
+
+
 def count_params(model: nnx.Module) -> int:
     """The number of trainable scalars (every ``nnx.Param`` leaf) of ``model``."""
     return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
@@ -499,4 +524,4 @@ def count_params(model: nnx.Module) -> int:
 __all__ = ["ATTENTION_PROJECTIONS", "CausalKV", "KVCache", "KVProvider", "Llama", "LlamaConfig",
            "PROJECTIONS", "RMSNorm", "ScannedLayers", "apply_rope", "as_provider", "count_params",
            "decoder_forward", "layer_norms", "lm_logits", "project", "projections",
-           "replace_projections", "run_layers"]
+           "replace_projections", "run_layers", "with_attention"]

@@ -237,6 +237,40 @@ def sample(model: VideoDiT, noise: Float[Array, "b f h w c"], *, steps: int = 16
     return jnp.clip(x, -1.0, 1.0)
 
 
+def sampling_qkv(model: VideoDiT, noise: Float[Array, "b f h w c"], *, steps: int = 16):
+    """Dense Euler sampling as :func:`sample`; yields every step's per-layer ``(q, k, v)``
+    (post-RoPE, ``[b, N, heads, head_dim]``): the attention inputs along a trajectory."""
+    forward = nnx.jit(lambda m, x, s: m(x, s, return_qkv=True))
+    grid = jnp.linspace(1.0, 0.0, steps + 1)
+    x = noise
+    for i in range(steps):
+        velocity, qkv = forward(model, x, jnp.full((x.shape[0],), grid[i]))
+        yield qkv
+        x = x + (grid[i + 1] - grid[i]) * velocity
+
+
+def calibrate_grams(model: VideoDiT, noise: Float[Array, "b f h w c"], *, steps: int = 16):
+    """Per-layer Gram statistics of Q/K/V over a dense sampling trajectory from ``noise``
+    (:func:`sampling_qkv` into :func:`lowrank_jax.attention.subspace.accumulate_grams`): what
+    :func:`~lowrank_jax.attention.subspace.fit_bases` fits the Video-SVD bases on.
+
+    Example::
+
+        >>> cfg = VideoDiTConfig(frames=2, height=4, width=4, dim=16, heads=2, layers=1)
+        >>> model = VideoDiT(cfg, rngs=nnx.Rngs(0))
+        >>> stats = calibrate_grams(model, jnp.zeros((1, 2, 4, 4, 3)), steps=2)
+        >>> len(stats), stats[0].gram_q.shape
+        (1, (2, 8, 8))
+    """
+    from lowrank_jax.attention import subspace
+
+    cfg = model.config
+    stats = [subspace.init_grams(cfg.heads, cfg.head_dim) for _ in range(cfg.layers)]
+    for qkv in sampling_qkv(model, noise, steps=steps):
+        stats = [subspace.accumulate_grams(s, *layer) for s, layer in zip(stats, qkv)]
+    return stats
+
+
 def train_video_dit(config: VideoDiTConfig, data_fn: Callable, *, steps: int = 2000,
                     batch: int = 32, learning_rate: float = 2e-3, seed: int = 0,
                     log_every: int = 0, model: VideoDiT | None = None):
@@ -315,6 +349,7 @@ def load_video_dit(path) -> VideoDiT:
     return model
 
 
-__all__ = ["DiTBlock", "VideoDiT", "VideoDiTConfig", "dense_attention", "flow_matching_loss",
-           "load_video_dit", "patchify", "rope_3d", "sample", "save_video_dit",
+__all__ = ["DiTBlock", "VideoDiT", "VideoDiTConfig", "calibrate_grams", "dense_attention",
+           "flow_matching_loss", "load_video_dit", "patchify", "rope_3d", "sample", "sampling_qkv",
+           "save_video_dit",
            "timestep_embedding", "train_video_dit", "unpatchify"]

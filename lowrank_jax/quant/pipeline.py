@@ -43,6 +43,7 @@ from lowrank_jax.quant.layers import (
     dense_weight,
     round_floats_to_storage,
 )
+from lowrank_jax.quant.rounding import hessian
 from lowrank_jax.quant.rtn import check_bits, check_group_size, rtn_quantize
 from lowrank_jax.quant.unisvq import UniSVQConfig, finetune_block, quantize_linear
 
@@ -285,6 +286,41 @@ def model_bits_per_weight(model: Llama) -> float:
     return bits / weights
 
 
+def calibration_hessians(model, tokens, paths, *, damp: float = 1e-2,
+                         batch_size: int = 8) -> dict[str, Array]:
+    """Damped input Hessians ``E[x xᵀ]`` of the modules at ``paths``, over ``tokens`` windows.
+
+    The model runs on ``tokens [n, t]`` ``batch_size`` windows at a time; the inputs of every
+    named module are captured (:func:`lowrank_jax.nn.capture.capture`) and reduced with
+    :func:`lowrank_jax.quant.rounding.hessian` (damping ``damp · mean(diag)``).
+
+    Args:
+        model: any NNX model called as ``model(tokens)``.
+        tokens: ``[n, t]`` token ids (e.g. :func:`calibration_tokens`).
+        paths: module paths such as ``"layers/0/self_attn/q_proj"`` (q, k and v share one input).
+        damp: relative diagonal damping; batch_size: windows per forward.
+
+    Returns:
+        ``{path: [in, in]}``.
+
+    Example::
+
+        >>> from flax import nnx
+        >>> from lowrank_jax.models.llama import Llama, LlamaConfig
+        >>> model = Llama(LlamaConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2,
+        ...                           n_kv_heads=2, d_ff=16), rngs=nnx.Rngs(0))
+        >>> h = calibration_hessians(model, np.zeros((3, 4), np.int32),
+        ...                          ["layers/0/mlp/down_proj"])["layers/0/mlp/down_proj"]
+        >>> h.shape, bool(jnp.allclose(h, h.T))
+        ((16, 16), True)
+    """
+    with capture(model, list(paths)) as recorder:
+        for i in range(0, len(tokens), batch_size):
+            model(jnp.asarray(tokens[i:i + batch_size]))
+    return {p: hessian(jnp.concatenate([x.reshape(-1, x.shape[-1]) for x in recorder.inputs[p]]),
+                       damp=damp) for p in paths}
+
+
 def calibration_tokens(tokenizer, text: str, n_seq: int, seq_len: int, seed: int = 0):
     """``[n_seq, seq_len]`` windows of the tokenized ``text`` at sorted random offsets."""
     if not text or not text.strip():
@@ -302,5 +338,6 @@ def calibration_tokens(tokenizer, text: str, n_seq: int, seq_len: int, seed: int
     return np.stack([ids[s:s + seq_len] for s in starts])
 
 
-__all__ = ["CALIBRATED", "FINETUNED", "METHOD_BITS", "METHODS", "UNISVQ_BITS", "calibration_tokens",
-           "model_bits_per_weight", "quantize_model"]
+__all__ = ["CALIBRATED", "FINETUNED", "METHOD_BITS", "METHODS", "UNISVQ_BITS",
+           "calibration_hessians", "calibration_tokens", "model_bits_per_weight",
+           "quantize_model"]

@@ -25,42 +25,11 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from tqdm.auto import tqdm
 
-from lowrank_jax.bench import time_fn, time_once
-
-
-def forward_flops(cfg, tokens: int) -> float:
-    """Matmul FLOPs of one forward pass over ``tokens`` tokens (projections, attention, head)."""
-    d, hd, ff = cfg.d_model, cfg.head_dim, cfg.d_ff
-    per_token_proj = d * (cfg.n_heads * hd) * 2 + d * (cfg.n_kv_heads * hd) * 2 + 3 * d * ff
-    proj = 2 * tokens * per_token_proj * cfg.n_layers
-    attention = 2 * 2 * cfg.n_heads * hd * tokens * tokens * cfg.n_layers  # QK^T and PV, full
-    head = 2 * tokens * d * cfg.vocab_size
-    return float(proj + attention + head)
-
-
-def reference_matmul_seconds(flops: float, repeats: int = 3) -> tuple[float, int]:
-    """Time of an ``n×n @ n×n`` fp32 matmul with ``2 n³ ≈ flops`` (the same-run baseline)."""
-    n = int(round((flops / 2) ** (1 / 3)))
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
-    matmul = jax.jit(lambda x, y: x @ y)
-    return time_fn(matmul, a, b, reps=repeats, warmup=1), n
-
-
-def swap_to_gguf_rope_order(model) -> None:
-    """Put llama.cpp's Q/K row permutation back (the wrong pairing for HF-style RoPE)."""
-    from lowrank_jax.models.gguf import permute_rope_rows
-    from lowrank_jax.models.llama import projections
-
-    heads = {"q_proj": model.cfg.n_heads, "k_proj": model.cfg.n_kv_heads}
-    for _, name, _, linear in projections(model):
-        if name in heads:
-            kernel = np.asarray(linear.kernel[...])
-            linear.kernel[...] = jnp.asarray(permute_rope_rows(kernel.T, heads[name]).T)
+from lowrank_jax.bench import reference_matmul_seconds, time_fn, time_once
+from lowrank_jax.models.flops import forward_flops
+from lowrank_jax.models.gguf import gguf_rope_order
 
 
 def main(argv=None) -> int:
@@ -74,7 +43,6 @@ def main(argv=None) -> int:
     from lowrank_jax.models.generate import english_eval_text, generate, perplexity
     from lowrank_jax.models.gguf import gguf_metadata, load_gguf, open_gguf
     from lowrank_jax.hub import resolve_model
-    from lowrank_jax.models.llama import projections
     from lowrank_jax.models.tokenizer import BPETokenizer
 
     os.makedirs(args.out, exist_ok=True)
@@ -127,12 +95,8 @@ def main(argv=None) -> int:
                    ppl_windows=full.n_windows)
     wrong_tokens = ids[:256]
     correct_short = perplexity(model, wrong_tokens, window=256, progress=False).perplexity
-    rope_linears = [lin for _, name, _, lin in projections(model) if name in ("q_proj", "k_proj")]
-    originals = [lin.kernel[...] for lin in rope_linears]
-    swap_to_gguf_rope_order(model)
-    wrong_short = perplexity(model, wrong_tokens, window=256, progress=False).perplexity
-    for lin, kernel in zip(rope_linears, originals):
-        lin.kernel[...] = kernel
+    with gguf_rope_order(model):
+        wrong_short = perplexity(model, wrong_tokens, window=256, progress=False).perplexity
     restored = perplexity(model, wrong_tokens, window=256, progress=False).perplexity
     results.update(ppl_256_correct=correct_short, ppl_256_gguf_row_order=wrong_short,
                    ppl_256_restored=restored)

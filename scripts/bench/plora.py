@@ -38,6 +38,7 @@ from lowrank_jax.models.llama import Llama, LlamaConfig
 from lowrank_jax.nn import LoRARule, apply_lora, lora_layers
 from lowrank_jax.nn.multi_lora import apply_multi_lora, multi_lora_layers
 from lowrank_jax.train.jobs import make_packed_step
+from lowrank_jax.train.losses import adapter_loss
 from lowrank_jax.train.multi_job import (
     CostModel,
     JobSpec,
@@ -67,10 +68,6 @@ def _base(seq_len: int, model: str = "tiny") -> Llama:
     return Llama(cfg, rngs=nnx.Rngs(0))
 
 
-def _xent(logits, targets):
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-
-
 def _time_steps(step, state, batches) -> tuple[float, object, list]:
     state, loss = step(*state, *batches[0])  # warm-up / compile
     jax.block_until_ready(loss)
@@ -96,16 +93,12 @@ def run_sequential(tokens, k_jobs, batch, seq_len, steps, bar, model_name="tiny"
                       for path, layer in lora_layers(model)})
         graph, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
         tx = optax.adamw(LRS[k], weight_decay=WEIGHT_DECAY)
-
-        def loss_fn(lora, x, y, graph=graph, rest=rest):
-            logits, _ = nnx.merge(graph, lora, rest)(x)
-            return jnp.mean(_xent(logits, y))
-
-        update = make_step(loss_fn, tx)
-        step = lambda lora, opt, x, y, update=update: (  # noqa: E731
-            lambda new, opt, loss: ((new, opt), loss))(*update(lora, opt, x, y))
-        batches = [tuple(map(jnp.asarray, batch_at(tokens, t, batch, seq_len, seed=k)))
-                   for t in range(steps + 1)]
+        update = make_step(adapter_loss(graph), tx)
+        step = lambda lora, opt, window, update=update, rest=rest: (  # noqa: E731
+            lambda new, opt, loss: ((new, opt), loss))(*update(lora, opt, rest, window))
+        batches = [(jnp.asarray(np.concatenate([x, y[:, -1:]], 1)),)  # [batch, seq_len + 1]
+                   for x, y in (batch_at(tokens, t, batch, seq_len, seed=k)
+                                for t in range(steps + 1))]
         dt, _, job_losses = _time_steps(step, (lora, tx.init(lora)), batches)
         seconds += dt
         losses.append([float(x) for x in job_losses])

@@ -31,11 +31,12 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from lowrank_jax.attention import reference_attention, register_attention  # noqa: E402
-from lowrank_jax.core.losses import cross_entropy  # noqa: E402
-from lowrank_jax.models.llama import apply_rope  # noqa: E402
-from pallas_kernels.sparse_attention import api as sale_api  # noqa: E402
-from pallas_kernels.sparse_attention import reference as sale_ref  # noqa: E402
+from lowrank_jax.attention import reference_attention, register_sale_per_layer
+from lowrank_jax.kv.model import attention_inputs
+from lowrank_jax.models.generate import perplexity
+from lowrank_jax.models.llama import with_attention
+from pallas_kernels.sparse_attention import api as sale_api
+from pallas_kernels.sparse_attention import reference as sale_ref
 
 
 def load(args):
@@ -60,63 +61,37 @@ def load(args):
             "random-weight Llama with SmolLM2's shape")
 
 
-def layer_qkv(layer, x, positions, cfg):
-    """Post-RoPE ``q [b,t,h,d]``, ``k, v [b,t,hk,d]`` of one decoder layer (as llama.py does)."""
-    attn = layer.self_attn
-    q, k, v = attn.qkv(layer.input_layernorm(x))
-    return apply_rope(q, positions, cfg.rope_theta), apply_rope(k, positions, cfg.rope_theta), v
-
-
-def nll(model, x, tokens):
-    return float(cross_entropy(model.logits_from_hidden(model.norm(x))[0, :-1], tokens[0, 1:]))
-
-
 def causal_density(mask, n, cfg) -> float:
     causal = sale_ref.causal_block_mask(n, cfg)
     mask = np.asarray(mask)
     return float(mask[..., causal].sum() / (causal.sum() * mask.shape[0] * mask.shape[1]))
 
 
-def run_setting(model, tokens, tau_per_layer, cfg, name, positions):
-    """Two streams: dense (per-layer inputs) and SALE everywhere; returns per-layer metrics."""
-    mcfg = model.cfg
+def run_setting(model, ids, qkv, tau_per_layer, cfg, name):
+    """Per-layer error and density of SALE on the dense model's attention inputs ``qkv``, and
+    the NLL of the model with SALE in every layer (the library's perplexity)."""
     sale_fn = jax.jit(lambda q, k, v, tau: sale_api.sale_prefill_attention(
         q, k, v, tau, cfg, implementation="xla", return_mask=True))
     dense_fn = jax.jit(lambda q, k, v: reference_attention(q, k, v, causal=True))
-    x_dense = model.embed_tokens(tokens).astype(jnp.float32)
-    x_sale = x_dense
     per_layer = []
-    n = tokens.shape[1]
-    for i, layer in enumerate(tqdm(model.layers, desc=name, leave=False)):
-        tau = jnp.asarray(tau_per_layer[i], jnp.float32)
-        q, k, v = layer_qkv(layer, x_dense, positions, mcfg)
+    for i in tqdm(range(model.cfg.n_layers), desc=name, leave=False):
+        q, k, v = (a[i] for a in qkv)
         ref = dense_fn(q, k, v)
-        out, mask = sale_fn(q, k, v, tau)
+        out, mask = sale_fn(q, k, v, jnp.asarray(tau_per_layer[i], jnp.float32))
         err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
-        per_layer.append({"layer": i, "rel_err": err, "density": causal_density(mask, n, cfg)})
-        # advance both streams through the real layer code, via the attention dispatcher
-        # (jitted prefill-only entries: the streams never use a KV cache)
-        register_attention("dense_bench", lambda q, k, v, **_: dense_fn(q, k, v))
-        register_attention("sale_bench", lambda q, k, v, tau=tau, **_: sale_fn(q, k, v, tau)[0])
-        mcfg.attention = "dense_bench"
-        x_dense, _ = layer(x_dense, positions)
-        mcfg.attention = "sale_bench"
-        x_sale, _ = layer(x_sale, positions)
-        mcfg.attention = "reference"
-    return per_layer, nll(model, x_dense, tokens), nll(model, x_sale, tokens)
+        per_layer.append({"layer": i, "rel_err": err,
+                          "density": causal_density(mask, len(ids), cfg)})
+    sale_model = with_attention(model, register_sale_per_layer(tau_per_layer, cfg,
+                                                               implementation="xla"))
+    return per_layer, perplexity(sale_model, ids, window=len(ids), progress=False).nll
 
 
-def calibrate(model, tokens, cfg, positions, err_budget):
+def calibrate(model, tokens, cfg, err_budget):
     """Per-layer, per-head τ (spec §6) on the dense model's attention inputs of ``tokens``."""
-    mcfg = model.cfg
-    x = model.embed_tokens(tokens).astype(jnp.float32)
-    taus = []
-    for layer in tqdm(model.layers, desc="calibrate", leave=False):
-        q, k, v = layer_qkv(layer, x, positions, mcfg)
-        heads_major = [jnp.transpose(a, (0, 2, 1, 3)) for a in (q, k, v)]
-        taus.append(sale_ref.calibrate_thresholds([heads_major], cfg, err=err_budget)[0])
-        x, _ = layer(x, positions)
-    return np.stack(taus)
+    qkv = attention_inputs(model, tokens)
+    return np.stack([sale_ref.calibrate_thresholds(
+        [[jnp.transpose(a[i], (0, 2, 1, 3)) for a in qkv]], cfg, err=err_budget)[0]
+        for i in tqdm(range(model.cfg.n_layers), desc="calibrate", leave=False)])
 
 
 def main(argv=None) -> int:
@@ -142,7 +117,6 @@ def main(argv=None) -> int:
         raise ValueError(f"--tokens={n} must exceed SALE's dense_below=1024 to be sparse.")
     cfg = sale_ref.SaleConfig()
     tokens = jnp.asarray(ids[None, :n])
-    positions = jnp.arange(n)[None, :]
     n_layers, n_heads = model.cfg.n_layers, model.cfg.n_heads
 
     settings = [(f"tau={t:g}", np.full((n_layers, n_heads), t, np.float32)) for t in taus]
@@ -151,15 +125,16 @@ def main(argv=None) -> int:
         calib_n = min(n, len(ids) - n)
         if calib_n > cfg.dense_below:
             calib_tokens = jnp.asarray(ids[None, n:n + calib_n])
-            calib = calibrate(model, calib_tokens, cfg, jnp.arange(calib_n)[None, :],
-                              args.err_budget)
+            calib = calibrate(model, calib_tokens, cfg, args.err_budget)
             settings.append((f"calibrated(err={args.err_budget:g})", calib))
         else:
             print("[bench] text too short for a separate calibration window; skipped")
 
     results = []
+    qkv = attention_inputs(model, tokens)
+    nll_dense = perplexity(model, ids[:n], window=n, progress=False).nll
     for name, tau in settings:
-        per_layer, nll_dense, nll_sale = run_setting(model, tokens, tau, cfg, name, positions)
+        per_layer, nll_sale = run_setting(model, ids[:n], qkv, tau, cfg, name)
         errs = np.array([r["rel_err"] for r in per_layer])
         dens = np.array([r["density"] for r in per_layer])
         results.append({

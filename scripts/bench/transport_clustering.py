@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 
 import numpy as np
 
@@ -53,26 +52,10 @@ def instance(n, seed=0):
     return x, y
 
 
-def timed(fn, *args):
-    """Compile ahead of time, then time one run (compile excluded)."""
-    import jax
-
-    compiled = jax.jit(fn).lower(*args).compile()
-    start = time.perf_counter()
-    out = compiled(*args)
-    jax_block(out)
-    return out, time.perf_counter() - start
-
-
-def jax_block(tree):
-    import jax
-
-    jax.tree.map(lambda v: v.block_until_ready() if hasattr(v, "block_until_ready") else v, tree)
-
-
 def main(argv=None) -> int:
     import jax
 
+    from lowrank_jax.bench import time_compiled as timed
     from lowrank_jax.ot import (
         full_rank_plan,
         lr_cost_factored,

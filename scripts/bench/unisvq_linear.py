@@ -24,31 +24,15 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lowrank_jax.bench import interleaved_samples
 from lowrank_jax.quant.kmeans_vq import kmeans_vq_weight
 from lowrank_jax.quant.layers import QuantizedLinear, VQLinear
 from lowrank_jax.quant.unisvq import UniSVQConfig, dequantize, quantize_linear
-
-
-def interleaved_times(paths: dict, repeats: int) -> dict[str, np.ndarray]:
-    """Seconds per call of every ``name: (fn, *args)``, ``repeats`` rounds, each round calling
-    every path once in a rotating order (after one compile call each)."""
-    names = list(paths)
-    for fn, *args in paths.values():
-        jax.block_until_ready(fn(*args))  # compile
-    times = {k: [] for k in names}
-    for r in range(repeats):
-        for k in names[r % len(names):] + names[: r % len(names)]:
-            fn, *args = paths[k]
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times[k].append(time.perf_counter() - start)
-    return {k: np.asarray(v) for k, v in times.items()}
 
 
 def main(argv=None) -> int:
@@ -83,7 +67,9 @@ def main(argv=None) -> int:
                 "fold3": (jax.jit(lambda x: fold3(x)), x),
                 "vq": (jax.jit(lambda x: vq(x)), x),
             }
-            times = interleaved_times(paths, args.repeats)
+            times = {k: np.asarray(v) for k, v in interleaved_samples(
+                {k: (lambda fn=fn, a=a: fn(*a)) for k, (fn, *a) in paths.items()},
+                reps=args.repeats, rotate=True).items()}
             us = {k: 1e6 * float(np.median(v)) for k, v in times.items()}
             q1, q3 = np.percentile(times["dense"], [25, 75])
             base = us["dense"]

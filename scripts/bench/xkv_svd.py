@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowrank_jax.kv import xkv  # noqa: E402
-from scripts._shared import corpus_windows, load_model_and_codec  # noqa: E402
+from lowrank_jax.data import corpus_windows  # noqa: E402
+from scripts._shared import load_model_and_codec  # noqa: E402
 
 
 def _relative_error(cache, keys, values, kind: str) -> float:

@@ -29,7 +29,8 @@ import numpy as np
 from tqdm import tqdm
 
 from lowrank_jax.kv import SVDCache, prefill_kv, xkv_perplexity_sweep
-from scripts._shared import corpus_windows, load_model_and_codec
+from lowrank_jax.data import corpus_windows
+from scripts._shared import load_model_and_codec
 
 # (label, method, options): the curve's rows; every ratio in --ratios is tried for each
 # (within a ratio the run goes in this order: the best combination first)

@@ -21,18 +21,23 @@ run. Writes ``docs/results/llm_balora.json`` and the curves ``docs/img/llm_balor
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import time
 
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 
 from lowrank_jax.core.step import make_step
-from lowrank_jax.nn import lora_layers, plan_ranks
+from lowrank_jax.data.continual_text import build_continual_text
+from lowrank_jax.hub import load_model
+from lowrank_jax.io.results import RunCache, write_result
+from lowrank_jax.nn import LoRARule, apply_lora, lora_layers, plan_ranks
 from lowrank_jax.optim.balora import balora
-from scripts.reproduce import llm_common as common
+from lowrank_jax.train.losses import adapter_loss, window_evaluator
+from lowrank_jax.analysis.report import plot_curves
+from lowrank_jax.train.sweep import best_runs, progress_target, steps_to_target
 
 PATTERN = r"self_attn/(q_proj|v_proj)$"
 
@@ -43,14 +48,14 @@ def make_tx(method: str, lr: float):
 
 
 def train_run(method, lr, task, args, ranks=None):
-    model, _ = common.load_smollm2()
+    model, _ = load_model("smollm2")
     init = "pissa" if method == "pissa" else "standard"
-    common.add_lora(model, PATTERN, args.rank, 0, init=init, ranks=ranks)
+    apply_lora(model, LoRARule(PATTERN, rank=args.rank, init=init), rngs=nnx.Rngs(0), ranks=ranks)
     n_params = sum(m.rank * (m.in_features + m.out_features) for _, m in lora_layers(model))
-    graphdef, lora, rest = common.split_lora(model)
-    evaluate = common.make_eval(graphdef)
+    graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
+    evaluate = window_evaluator(graphdef)
     tx = make_tx(method, lr)
-    step = make_step(common.make_loss(graphdef), tx)
+    step = make_step(adapter_loss(graphdef), tx)
     opt = tx.init(lora)
     rng = np.random.default_rng(args.data_seed)
     curve = [(0, evaluate(lora, rest, task.heldout)[0])]
@@ -68,13 +73,6 @@ def train_run(method, lr, task, args, ranks=None):
           f"({n_params} adapter params)", flush=True)
     return {"method": method, "lr": lr, "curve": curve, "train_losses": train_losses,
             "final": curve[-1][1], "params": n_params}
-
-
-def steps_to(curve, target):
-    for step, loss in curve:
-        if loss <= target:
-            return step
-    return None
 
 
 def main():
@@ -96,31 +94,19 @@ def main():
                              "same settings")
     args = parser.parse_args()
     t0 = time.perf_counter()
-    cache_path = pathlib.Path(args.cache)
-    settings = {k: v for k, v in vars(args).items() if k not in ("lrs", "methods", "cache",
-                                                                 "no_csplora")}
-    cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
-    if cache.get("settings") != settings:
-        cache = {"settings": settings, "runs": {}}
+    cache = RunCache(args.cache, {k: v for k, v in vars(args).items()
+                                  if k not in ("lrs", "methods", "cache", "no_csplora")})
 
     def cached(method, lr, **kw):
-        key = f"{method}/{lr:g}"
-        if key not in cache["runs"]:
-            cache["runs"][key] = train_run(method, lr, task, args, **kw)
-            cache_path.parent.mkdir(parents=True, exist_ok=True)
-            cache_path.write_text(json.dumps(cache, default=float))
-        return cache["runs"][key]
+        return cache.get(f"{method}/{lr:g}", lambda: train_run(method, lr, task, args, **kw))
 
-    model, tok = common.load_smollm2()
-    task = common.text_tasks(tok, [args.domain], length=args.length, train_windows=400,
-                             heldout_windows=args.heldout_windows)[0]
+    model, tok = load_model("smollm2")
+    task = build_continual_text(lambda text: tok.encode(text, add_bos=False), [args.domain],
+                                length=args.length, max_chars=None, max_train_windows=400,
+                                max_heldout_windows=args.heldout_windows)[0]
     lrs = [float(x) for x in args.lrs.split(",")]
     runs = [cached(m, lr) for m in args.methods.split(",") for lr in lrs]
-    best = {}
-    for run in runs:
-        if np.isfinite(run["final"]) and (run["method"] not in best
-                                          or run["final"] < best[run["method"]]["final"]):
-            best[run["method"]] = run
+    best = best_runs(runs)
     plan = None
     if not args.no_csplora and "lora" in best:
         batches = [(jnp.asarray(task.train[i:i + args.batch, :-1]),
@@ -135,7 +121,7 @@ def main():
     del model
     start = runs[0]["curve"][0][1]
     floor = min(r["final"] for r in best.values())
-    target = start - 0.8 * (start - floor)
+    target = progress_target(start, floor)
     columns = ["arm", "best lr", "steps to target", "final held-out NLL", "adapter params",
                "final NLL per lr"]
     rows = []
@@ -143,10 +129,10 @@ def main():
         per_lr = ", ".join(f"{r['lr']:.0e}: {r['final']:.3f}" for r in runs
                            if r["method"] == method)
         rows.append({"arm": method, "best lr": f"{run['lr']:.0e}",
-                     "steps to target": steps_to(run["curve"], target) or f">{args.steps}",
+                     "steps to target": steps_to_target(run["curve"], target) or f">{args.steps}",
                      "final held-out NLL": round(run["final"], 4),
                      "adapter params": run["params"], "final NLL per lr": per_lr})
-    st = {m: steps_to(r["curve"], target) or 10**9 for m, r in best.items()}
+    st = {m: steps_to_target(r["curve"], target) or 10**9 for m, r in best.items()}
     verdict = []
     if "balora" in st and "lora" in st:
         faster = st["balora"] < st["lora"]
@@ -162,8 +148,9 @@ def main():
                        f"final held-out NLL {best['csplora']['final']:.3f} vs "
                        f"{best['lora']['final']:.3f} ({gain:+.3f} nats gain).")
     plot(runs, best, target, pathlib.Path("docs/img/llm_balora.png"))
-    common.write_result(
-        "balora", f"BaLoRA / LoRA / PiSSA / CSPLoRA on a SmolLM2-135M fine-tune ({args.domain})",
+    write_result(
+        "docs/results/llm_balora",
+        f"BaLoRA / LoRA / PiSSA / CSPLoRA on a SmolLM2-135M fine-tune ({args.domain})",
         columns, rows, " ".join(verdict) + f" Target held-out NLL {target:.3f} (start "
         f"{start:.3f}); one data seed, adapter seed 0.",
         extra={"args": vars(args), "runs": runs, "plan": plan, "target": target,
@@ -176,28 +163,17 @@ def _fmt(steps):
 
 
 def plot(runs, best, target, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(6.4, 4))
     colors = {"lora": "C0", "balora": "C1", "pissa": "C2", "csplora": "C3"}
+    curves = []
     for run in runs:
         is_best = best.get(run["method"]) is run
         x, y = zip(*run["curve"])
-        ax.plot(x, y, color=colors.get(run["method"], "k"), alpha=1.0 if is_best else 0.25,
-                lw=2 if is_best else 1,
-                label=f"{run['method']} (lr {run['lr']:.0e})" if is_best else None)
-    ax.axhline(target, color="gray", ls="--", lw=1, label="target")
-    ax.set_xlabel("step")
-    ax.set_ylabel("held-out NLL (nats)")
-    ax.set_title("SmolLM2-135M, LoRA q/v rank 8 (faint: other lrs)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        curves.append({"x": x, "y": y, "color": colors.get(run["method"], "k"),
+                       "alpha": 1.0 if is_best else 0.25, "lw": 2 if is_best else 1,
+                       "label": f"{run['method']} (lr {run['lr']:.0e})" if is_best else None})
+    plot_curves(curves, path, xlabel="step", ylabel="held-out NLL (nats)",
+                title="SmolLM2-135M, LoRA q/v rank 8 (faint: other lrs)",
+                hline=(target, "target"), legend_fontsize=8)
 
 
 if __name__ == "__main__":

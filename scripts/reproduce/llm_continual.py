@@ -25,8 +25,6 @@ Arms, all with the same rank, steps, batch and (Adam) learning rate:
 from __future__ import annotations
 
 import argparse
-import json
-import pathlib
 import time
 
 import jax
@@ -35,8 +33,11 @@ import numpy as np
 import optax
 from flax import nnx
 
-from lowrank_jax.nn import lora_layers
-from lowrank_jax.nn.capture import capture
+from lowrank_jax.data.continual_text import build_continual_text
+from lowrank_jax.hub import load_model
+from lowrank_jax.io.results import RunCache, write_result
+from lowrank_jax.nn import LoRARule, apply_lora, lora_layers
+from lowrank_jax.nn.init import capture_layer_inputs
 from lowrank_jax.nn.lora import default_a_initializer
 from lowrank_jax.core.step import make_step
 from lowrank_jax.optim.janus import (
@@ -58,7 +59,7 @@ from lowrank_jax.optim.loda import (
     update_memory,
 )
 from lowrank_jax.train.continual import continual_metrics
-from scripts.reproduce import llm_common as common
+from lowrank_jax.train.losses import adapter_loss, window_evaluator
 
 PATTERN = r"self_attn/(q_proj|v_proj)$"
 METHODS = ("lora", "olora", "janus", "loda")
@@ -71,11 +72,8 @@ def q_path(path: str) -> str:
 
 def layer_inputs(model, paths, windows, batch=8):
     """``{path: [tokens, d]}`` inputs of the given projections over ``windows``."""
-    with capture(model, paths) as rec:
-        for i in range(0, len(windows), batch):
-            model(jnp.asarray(windows[i:i + batch, :-1]))
-    return {p: jnp.concatenate([x.reshape(-1, x.shape[-1]) for x in rec.inputs[p]])
-            for p in paths}
+    return capture_layer_inputs(model, lambda m: [m(jnp.asarray(windows[i:i + batch, :-1]))
+                                                  for i in range(0, len(windows), batch)], paths)
 
 
 def leaf_key(path) -> str:
@@ -83,12 +81,12 @@ def leaf_key(path) -> str:
 
 
 def run_method(method, tasks, seed, args, baseline):
-    model, _ = common.load_smollm2()
-    common.add_lora(model, PATTERN, args.rank, seed)
+    model, _ = load_model("smollm2")
+    apply_lora(model, LoRARule(PATTERN, rank=args.rank), rngs=nnx.Rngs(seed))
     layers = dict(lora_layers(model))
     q_paths = sorted({q_path(p) for p in layers})
-    graphdef, lora, rest = common.split_lora(model)
-    evaluate = common.make_eval(graphdef)
+    graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
+    evaluate = window_evaluator(graphdef)
     scale = next(iter(layers.values())).scaling
     d_in = next(iter(layers.values())).in_features
     rng = np.random.default_rng(seed)
@@ -112,7 +110,7 @@ def run_method(method, tasks, seed, args, baseline):
         tx = with_subspaces(janus(args.lr, scale))
     else:
         tx = optax.adam(args.lr)
-    step = make_step(common.make_loss(graphdef, extra_loss), tx)
+    step = make_step(adapter_loss(graphdef, extra_loss), tx)
 
     memories = {p: SubspaceMemory.empty(d_in) for p in q_paths}
     loda_memory = {p: CovStat(jnp.zeros((d_in, d_in)), jnp.int32(0)) for p in q_paths}
@@ -137,7 +135,7 @@ def run_method(method, tasks, seed, args, baseline):
                 sub = subs[q_path(p)]
                 layer.lora_a[...] = jnp.concatenate([sub.a_g.T, sub.a_i.T], 1)
                 layer.lora_b[...] = jnp.zeros_like(layer.lora_b[...])
-        graphdef, lora, rest = common.split_lora(model)
+        graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
         if method == "olora":
             a_keys = [leaf_key(p) for p, _ in jax.tree_util.tree_flatten_with_path(lora)[0]
                       if "lora_a" in leaf_key(p)]
@@ -175,7 +173,7 @@ def run_method(method, tasks, seed, args, baseline):
             for p in q_paths:
                 loda_memory[p] = update_memory(loda_memory[p], stats[p])
         if method == "olora":
-            graphdef, lora, rest = common.split_lora(model)
+            graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
             flat = {leaf_key(p): None for p, _ in jax.tree_util.tree_flatten_with_path(lora)[0]}
             for p, layer in layers.items():
                 layer.kernel[...] = layer.kernel[...] + layer.delta()
@@ -185,7 +183,7 @@ def run_method(method, tasks, seed, args, baseline):
                 key, sub_key = jax.random.split(key)
                 layer.lora_a[...] = default_a_initializer(sub_key, a.shape, a.dtype)
                 layer.lora_b[...] = jnp.zeros_like(layer.lora_b[...])
-        graphdef, lora, rest = common.split_lora(model)
+        graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
         for j, other in enumerate(tasks):
             nll[t, j], acc[t, j] = evaluate(lora, rest, other.heldout)
         print(f"  [{time.strftime('%H:%M:%S')}] {method} seed {seed} after {task.name}: "
@@ -227,35 +225,27 @@ def main():
                              "with the same settings, so a long command can be resumed")
     args = parser.parse_args()
     t0 = time.perf_counter()
-    model, tok = common.load_smollm2()
-    tasks = common.text_tasks(tok, args.domains.split(","), length=args.length,
-                              train_windows=400, heldout_windows=args.heldout_windows)
+    model, tok = load_model("smollm2")
+    tasks = build_continual_text(lambda text: tok.encode(text, add_bos=False),
+                                 args.domains.split(","), length=args.length, max_chars=None,
+                                 max_train_windows=400, max_heldout_windows=args.heldout_windows)
     for task in tasks:
         print(f"task {task.name}: train {task.train.shape} from {len(task.train_sources)} docs, "
               f"held-out {task.heldout.shape} from {len(task.heldout_sources)} docs")
-    graphdef, lora, rest = common.split_lora(model)
-    evaluate = common.make_eval(graphdef)
+    graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
+    evaluate = window_evaluator(graphdef)
     base = [evaluate(lora, rest, task.heldout) for task in tasks]
     baseline = {"nll": [b[0] for b in base], "acc": [b[1] for b in base]}
     print("base model:", baseline)
     del model
     methods = args.methods.split(",")
     runs = {m: [] for m in methods}
-    cache_path = pathlib.Path(args.cache)
-    settings = {k: v for k, v in vars(args).items() if k not in ("seeds", "methods", "cache")}
-    cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
-    if cache.get("settings") != settings:
-        cache = {"settings": settings, "runs": {}}
+    cache = RunCache(args.cache, {k: v for k, v in vars(args).items()
+                                  if k not in ("seeds", "methods", "cache")})
     for seed in range(args.seeds):
         for method in methods:
-            key = f"{method}/{seed}"
-            if key not in cache["runs"]:
-                cache["runs"][key] = run_method(method, tasks, seed, args, baseline)
-                cache_path.parent.mkdir(parents=True, exist_ok=True)
-                cache_path.write_text(json.dumps(cache, default=float))
-            else:
-                print(f"  {key}: reused from {cache_path}")
-            runs[method].append(cache["runs"][key])
+            runs[method].append(cache.get(f"{method}/{seed}", lambda: run_method(
+                method, tasks, seed, args, baseline), announce=True))
     columns = ["method", "ACC (next-token acc %)", "BWT (pts)", "FWT (pts)", "final NLL",
                "NLL forgetting (nats)", "seeds"]
     rows = []
@@ -271,8 +261,9 @@ def main():
     best_acc = max(methods, key=lambda m: np.mean([x["acc"] for x in runs[m]]))
     verdict = (f"Highest ACC: {best_acc}; least forgetting (BWT closest to/above 0): {best_bwt}. "
                "See the note for the claim-by-claim reading.")
-    common.write_result(
-        "continual", "Continual LoRA on SmolLM2-135M over 4 on-machine text domains", columns,
+    write_result(
+        "docs/results/llm_continual",
+        "Continual LoRA on SmolLM2-135M over 4 on-machine text domains", columns,
         rows, verdict, extra={"args": vars(args), "baseline": baseline, "runs": runs,
                               "tasks": [t.name for t in tasks],
                               "seconds": time.perf_counter() - t0})

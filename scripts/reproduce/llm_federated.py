@@ -32,10 +32,13 @@ import numpy as np
 from flax import nnx
 
 from lowrank_jax import federated as fed
+from lowrank_jax.federated.experiment import plot_tree
+from lowrank_jax.federated.fedtreelora import tree_report
 from lowrank_jax.data.continual_text import build_continual_text
+from lowrank_jax.hub import load_model
+from lowrank_jax.io.results import machine_line, run_command
 from lowrank_jax.models.presets import preset_model
 from lowrank_jax.nn import LoRARule, apply_lora
-from scripts.reproduce import llm_common as common
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PATTERN = r"self_attn/(q_proj|v_proj)$"
@@ -62,7 +65,7 @@ def strategies(args, n_domains):
 def load(args):
     """``(model with LoRA, encode, description)``."""
     if args.model == "smollm2":
-        model, tokenizer = common.load_smollm2()
+        model, tokenizer = load_model("smollm2")
         encode = lambda text: tokenizer.encode(text, add_bos=False)  # noqa: E731
         name = "SmolLM2-135M-Instruct"
     else:
@@ -106,52 +109,6 @@ def summarize(result, labels, domains):
         mask = np.array(labels) == d
         row[f"nll_{d}"] = float(np.mean(m["personal_loss"][mask]))
     return row
-
-
-def tree_report(result, labels):
-    """The tree FedTreeLoRA built, its per-layer depths, and whether its domain-count cut is the
-    domains."""
-    from lowrank_jax.federated import fedtreelora as tree_rules
-
-    state = result.state
-    n = len(labels)
-    tree = np.asarray(state["tree"])[: n - 1]
-    domains = sorted(set(labels))
-    cut = tree_rules.cut(tree, len(domains))
-    groups = [sorted({labels[i] for i in np.flatnonzero(cut == g)}) for g in np.unique(cut)]
-    pure = all(len(g) == 1 for g in groups) and len(groups) == len(domains)
-    # each client's first merge partner: the nearest client in the tree
-    first_pairs = [(int(a), int(b)) for a, b, _, size in tree if size == 2]
-    same = sum(labels[a] == labels[b] for a, b in first_pairs)
-    depths = {layer: int(k) for layer, k in zip(result.context.layers, state["depths"])}
-    return {"tree": tree.tolist(), "cut_groups": groups, "cut_is_domains": bool(pure),
-            "pairs": len(first_pairs), "same_domain_pairs": int(same), "depths": depths,
-            "built_round": int(state["built"])}
-
-
-def plot_tree(report, labels, path, title):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from scipy.cluster.hierarchy import dendrogram
-
-    tree = np.asarray(report["tree"], np.float64)
-    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 2]})
-    dendrogram(tree, labels=[f"{d} #{i}" for i, d in enumerate(labels)], ax=ax0,
-               leaf_rotation=60, color_threshold=0)
-    ax0.set_ylabel("average B-cosine distance")
-    ax0.set_title(title, fontsize=9)
-    depths = list(report["depths"].values())
-    ax1.plot(range(len(depths)), depths, marker=".")
-    ax1.set_xlabel("adapted layer (shallow → deep)")
-    ax1.set_ylabel("groups k_l")
-    ax1.set_ylim(0, len(labels) + 0.5)
-    ax1.set_title("FedTreeLoRA groups per layer", fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def verdict(rows, report, is_real):
@@ -259,7 +216,7 @@ def rewrite_note(args, parser):
         meta = {**meta, "command": " ".join(["python -m scripts.reproduce.llm_federated"]
                                             + flags),
                 "date": meta.get("date", written),
-                "machine": meta.get("machine", common.machine())}
+                "machine": meta.get("machine", machine_line())}
     labels = payload["labels"]
     domains = meta.get("domains") or list(dict.fromkeys(labels))
     rows = {k: v["row"] for k, v in payload["runs"].items()}
@@ -303,8 +260,8 @@ def main(argv=None):
     start = time.time()
     is_real = args.model == "smollm2"
     out, image = _outputs(args)
-    meta = {"command": common.command().strip(), "date": datetime.date.today().isoformat(),
-            "machine": common.machine()}
+    meta = {"command": run_command().strip(), "date": datetime.date.today().isoformat(),
+            "machine": machine_line()}
     model, encode, model_name, paths = load(args)
     clients, labels, tasks = make_clients(args, encode)
     domains = [t.name for t in tasks]
@@ -322,7 +279,7 @@ def main(argv=None):
                       "client_metrics": {k: np.asarray(v).tolist()
                                          for k, v in result.client_metrics.items()}}
         if name == "fedtreelora":
-            report = tree_report(result, labels)
+            report = tree_report(result.state, labels, result.context.layers)
             runs[name]["tree"] = report
             plot_tree(report, labels, image, f"FedTreeLoRA tree after round "
                       f"{report['built_round']} ({'SmolLM2-135M' if is_real else 'tiny model'})")

@@ -32,23 +32,24 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
-from lowrank_jax.core.losses import cross_entropy
 from lowrank_jax.data import corpus_text
+from lowrank_jax.hub import load_model
+from lowrank_jax.io.results import write_result
 from lowrank_jax.models.generate import english_eval_text
 from lowrank_jax.models.llama import PROJECTIONS, projections
-from lowrank_jax.nn.capture import capture
 from lowrank_jax.quant.kmeans_vq import kmeans_vq_weight, vq_dequantize
+from lowrank_jax.quant.pipeline import calibration_hessians, calibration_tokens
 from lowrank_jax.quant.unisvq import (
     UniSVQConfig,
     dequantize,
-    hessian,
     proxy_loss,
     quantize_linear,
     quantize_linear_grouped,
 )
+from lowrank_jax.train.losses import window_evaluator
 from pallas_kernels.lattice_matmul.reference import hadamard_block_size
-from scripts.reproduce import llm_common as common
 
 INPUT_OF = {"q_proj": "self_attn/q_proj", "k_proj": "self_attn/q_proj",
             "v_proj": "self_attn/q_proj", "o_proj": "self_attn/o_proj",
@@ -56,21 +57,6 @@ INPUT_OF = {"q_proj": "self_attn/q_proj", "k_proj": "self_attn/q_proj",
             "down_proj": "mlp/down_proj"}
 ARMS = ("unisvq2", "unisvq2+refit", "unisvq2-blocks", "unisvq2-g48", "unisvq2-g48+refit",
         "kmeans-vq2")
-
-
-def windows(tok, text, n, length, seed):
-    ids = np.asarray(tok.encode(text), np.int32)
-    starts = np.sort(np.random.default_rng(seed).choice(len(ids) - length, n, replace=False))
-    return np.stack([ids[s:s + length] for s in starts])
-
-
-def block_hessians(model, blocks, tokens, damp):
-    paths = [f"layers/{b}/{p}" for b in blocks for p in sorted(set(INPUT_OF.values()))]
-    with capture(model, paths) as rec:
-        for i in range(0, len(tokens), 8):
-            model(jnp.asarray(tokens[i:i + 8]))
-    return {p: hessian(jnp.concatenate([x.reshape(-1, x.shape[-1]) for x in rec.inputs[p]]),
-                       damp=damp) for p in paths}
 
 
 def quantize(arm, w, h, cfg, key):
@@ -90,15 +76,6 @@ def quantize(arm, w, h, cfg, key):
     return dequantize(q), q.bits_per_weight()
 
 
-def heldout_nll(model, tokens):
-    total = []
-    for i in range(0, len(tokens), 8):
-        t = jnp.asarray(tokens[i:i + 8])
-        logits, _ = model(t[:, :-1])
-        total.append(cross_entropy(logits, t[:, 1:]))
-    return float(np.mean(total))
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--blocks", default="0,10,20,29", help="decoder blocks to quantize")
@@ -112,12 +89,14 @@ def main():
     t0 = time.perf_counter()
     blocks = [int(b) for b in args.blocks.split(",")]
     arms = args.arms.split(",")
-    model, tok = common.load_smollm2()
-    calib = windows(tok, corpus_text(), args.calib_seqs, args.seq_len, 0)
-    heldout = windows(tok, english_eval_text(), args.eval_seqs, args.seq_len + 1, 1)
-    h_cal = block_hessians(model, blocks, calib, args.damp)
-    h_eval = block_hessians(model, blocks, heldout[:, :-1], args.damp)
-    fp_nll = heldout_nll(model, heldout)
+    model, tok = load_model("smollm2")
+    calib = calibration_tokens(tok, corpus_text(), args.calib_seqs, args.seq_len, 0)
+    heldout = calibration_tokens(tok, english_eval_text(), args.eval_seqs, args.seq_len + 1, 1)
+    paths = [f"layers/{b}/{p}" for b in blocks for p in sorted(set(INPUT_OF.values()))]
+    h_cal = calibration_hessians(model, calib, paths, damp=args.damp)
+    h_eval = calibration_hessians(model, heldout[:, :-1], paths, damp=args.damp)
+    evaluate = window_evaluator(nnx.graphdef(model), batch_size=8)
+    fp_nll = evaluate(nnx.state(model), heldout)[0]
     print(f"fp32 held-out NLL {fp_nll:.4f}; calibration {calib.shape}, held-out {heldout.shape}")
     cfg = UniSVQConfig(tune_iters=args.tune_iters)
     targets = [(i, name, lin) for i, name, _, lin in projections(model) if i in blocks]
@@ -137,7 +116,7 @@ def main():
             bits += bpw * w.size
             weights += w.size
             lin.kernel[...] = w_hat.T.astype(lin.kernel[...].dtype)
-        nll = heldout_nll(model, heldout)
+        nll = evaluate(nnx.state(model), heldout)[0]
         for i, name, lin in targets:
             lin.kernel[...] = originals[(i, name)]
         results[arm] = {"bits_per_weight": bits / weights, "err_cal": float(np.mean(err_cal)),
@@ -161,9 +140,9 @@ def main():
                      "NLL increase over fp32": round(r["nll_increase"], 4),
                      "gap vs k-means VQ-2": gap})
     verdict = _verdict(results)
-    common.write_result(
-        "unisvq", f"UniSVQ-2 per-group A/b vs per-matrix vs k-means VQ-2, SmolLM2-135M blocks "
-        f"{args.blocks} (no block fine-tuning)", columns, rows, verdict,
+    write_result(
+        "docs/results/llm_unisvq", "UniSVQ-2 per-group A/b vs per-matrix vs k-means VQ-2, "
+        f"SmolLM2-135M blocks {args.blocks} (no block fine-tuning)", columns, rows, verdict,
         extra={"args": vars(args), "fp_nll": fp_nll, "results": results, "blocks": blocks,
                "seconds": time.perf_counter() - t0})
 

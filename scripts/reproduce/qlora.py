@@ -152,22 +152,16 @@ def table(rows) -> str:
 
 
 def plot(curves, path) -> None:
-    import matplotlib
+    from lowrank_jax.analysis.report import plot_curves
+    from lowrank_jax.train.sweep import moving_average
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    lines = []
     for name, losses in curves.items():
-        smooth = np.convolve(losses, np.ones(5) / 5, mode="valid")
-        ax.plot(np.arange(len(smooth)) + 5, smooth, label=name)
-    ax.set_xlabel("step")
-    ax.set_ylabel("train loss (5-step mean)")
-    ax.set_title("LoRA r=8 on SmolLM2-135M: fp32 vs quantized bases")
-    ax.legend()
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=120)
+        smooth = moving_average(losses, 5)
+        lines.append({"x": np.arange(len(smooth)) + 5, "y": smooth, "label": name})
+    plot_curves(lines, path, xlabel="step", ylabel="train loss (5-step mean)",
+                title="LoRA r=8 on SmolLM2-135M: fp32 vs quantized bases", figsize=(6, 3.5),
+                dpi=120)
 
 
 if __name__ == "__main__":

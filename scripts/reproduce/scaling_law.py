@@ -46,7 +46,8 @@ from lowrank_jax.data import batch_at, corpus_bytes, eval_batches, train_val_spl
 from lowrank_jax.models import Llama, LlamaConfig  # noqa: E402
 from lowrank_jax.optim import spectron_with_adamw  # noqa: E402
 from lowrank_jax.train import lm_loss, make_eval_fn, make_step  # noqa: E402
-from scripts._shared import flops_per_token, lr_shape  # noqa: E402
+from lowrank_jax.models.flops import training_flops_per_token as flops_per_token  # noqa: E402
+from scripts._shared import lr_shape  # noqa: E402
 
 PAPER_A, PAPER_B = 0.479, 0.521
 

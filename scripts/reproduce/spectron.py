@@ -50,7 +50,8 @@ from lowrank_jax.data import batch_at, corpus_bytes, eval_batches, train_val_spl
 from lowrank_jax.models import Llama, LlamaConfig
 from lowrank_jax.optim import max_update_norm, spectron_with_adamw, weight_pairs
 from lowrank_jax.train import lm_loss, make_eval_fn, make_step
-from scripts._shared import flops_per_token, lr_shape
+from lowrank_jax.models.flops import training_flops_per_token as flops_per_token
+from scripts._shared import lr_shape
 
 
 def parse_args(argv=None):

@@ -172,7 +172,7 @@ def main(argv=None) -> int:
     from lowrank_jax.hub import load_model
     from lowrank_jax.models.llama import projections
     from lowrank_jax.quant.layers import QuantizedLinear, VQLinear, round_floats_to_storage
-    from lowrank_jax.quant.pipeline import FINETUNED, quantize_model
+    from lowrank_jax.quant.pipeline import FINETUNED, calibration_tokens, quantize_model
     from lowrank_jax.quant.unisvq import UniSVQConfig
 
     if args.quick:
@@ -187,13 +187,7 @@ def main(argv=None) -> int:
     n_layers = model.cfg.n_layers
     layers = list(range(min(args.layers, n_layers))) if args.layers else list(range(n_layers))
 
-    calib_ids = np.asarray(tok.encode(corpus_text()), np.int32)
-    need = args.calib_seqs * args.seq_len
-    if len(calib_ids) < need:
-        raise ValueError(f"corpus has {len(calib_ids)} tokens, need {need}; lower --calib-seqs.")
-    rng = np.random.default_rng(0)
-    starts = rng.choice(len(calib_ids) - args.seq_len, size=args.calib_seqs, replace=False)
-    calib = np.stack([calib_ids[s:s + args.seq_len] for s in np.sort(starts)])
+    calib = calibration_tokens(tok, corpus_text(), args.calib_seqs, args.seq_len, seed=0)
     try:
         from lowrank_jax.models.generate import english_eval_text
 

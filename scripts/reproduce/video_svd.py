@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -35,8 +33,10 @@ from flax import nnx
 
 from lowrank_jax.analysis.rank import energy_rank
 from lowrank_jax.attention import subspace as vsvd
+from lowrank_jax.bench import speedup as timed_speedup
 from lowrank_jax.data.video import frame_psnr, frame_ssim, procedural_videos
 from lowrank_jax.models import video_dit
+from lowrank_jax.analysis.report import plot_curves
 
 IMG = os.path.join("docs", "img")
 RESULTS = os.path.join("docs", "results", "video_svd.json")
@@ -54,29 +54,10 @@ def load_or_train(path: str, quick: bool):
     return model, "trained in-script"
 
 
-def sampling_qkv(model, noise, steps):
-    """Dense Euler sampling; yields every step's per-layer ``(q, k, v)``."""
-    forward = nnx.jit(lambda m, x, s: m(x, s, return_qkv=True))
-    grid = jnp.linspace(1.0, 0.0, steps + 1)
-    x = noise
-    for i in range(steps):
-        velocity, qkv = forward(model, x, jnp.full((x.shape[0],), grid[i]))
-        yield qkv
-        x = x + (grid[i + 1] - grid[i]) * velocity
-
-
-def calibrate(model, noise, steps):
-    cfg = model.config
-    stats = [vsvd.init_grams(cfg.heads, cfg.head_dim) for _ in range(cfg.layers)]
-    for qkv in sampling_qkv(model, noise, steps):
-        stats = [vsvd.accumulate_grams(s, *layer) for s, layer in zip(stats, qkv)]
-    return stats
-
-
 def spectrum_plot(model, noise, steps, img_dir):
     """σ_i/σ_1 of QKᵀ per layer/head (mid-trajectory, first clip) and a random baseline."""
     cfg = model.config
-    qkv_steps = list(sampling_qkv(model, noise, steps))
+    qkv_steps = list(video_dit.sampling_qkv(model, noise, steps=steps))
     spectra, ranks = {}, {}
     for step in (0, steps // 2, steps - 1):
         for layer, (q, k, _) in enumerate(qkv_steps[step]):
@@ -90,35 +71,22 @@ def spectrum_plot(model, noise, steps, img_dir):
         jnp.asarray(rng.standard_normal((cfg.tokens, cfg.head_dim)), jnp.float32),
         jnp.asarray(rng.standard_normal((cfg.tokens, cfg.head_dim)), jnp.float32)))
     ranks["random"] = [int(energy_rank(jnp.asarray(rand), e)) for e in (0.9, 0.99)]
-    fig, ax = plt.subplots(figsize=(6, 4))
     mid = steps // 2
-    for (step, layer, h), s in spectra.items():
-        if step == mid:
-            ax.semilogy(np.arange(1, len(s) + 1), s, marker=".", label=f"layer {layer} head {h}")
-    ax.semilogy(np.arange(1, len(rand) + 1), rand / rand[0], "k--", label="random Q, K")
-    ax.set_xlabel("index i")
-    ax.set_ylabel("σ_i / σ_1 of QKᵀ")
-    ax.set_title(f"Video DiT QKᵀ spectrum (N={cfg.tokens}, d={cfg.head_dim}, step {mid}/{steps})")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(os.path.join(img_dir, "video_svd_spectrum.png"), dpi=110)
-    plt.close(fig)
+    curves = [{"x": np.arange(1, len(s) + 1), "y": s, "marker": ".",
+               "label": f"layer {layer} head {h}"}
+              for (step, layer, h), s in spectra.items() if step == mid]
+    curves.append({"x": np.arange(1, len(rand) + 1), "y": rand / rand[0], "color": "k",
+                   "ls": "--", "label": "random Q, K"})
+    plot_curves(curves, os.path.join(img_dir, "video_svd_spectrum.png"), xlabel="index i",
+                ylabel="σ_i / σ_1 of QKᵀ", yscale="log", legend_fontsize=7, figsize=(6, 4),
+                title=f"Video DiT QKᵀ spectrum (N={cfg.tokens}, d={cfg.head_dim}, step "
+                f"{mid}/{steps})")
     return ranks, qkv_steps
 
 
 def speedup(dense_fn, fast_fn, args, reps):
-    """Median over interleaved rounds of ``time(dense) / time(fast)`` (shared-CPU robust)."""
-    jax.block_until_ready(dense_fn(*args))
-    jax.block_until_ready(fast_fn(*args))
-    ratios = []
-    for _ in range(reps):
-        times = []
-        for fn in (dense_fn, fast_fn):
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times.append(time.perf_counter() - start)
-        ratios.append(times[0] / times[1])
-    return statistics.median(ratios)
+    """``time(dense) / time(fast)``, interleaved rounds (shared-CPU robust)."""
+    return timed_speedup(lambda: dense_fn(*args), lambda: fast_fn(*args), reps=reps)
 
 
 def synthetic_timing(quick: bool) -> list[dict]:
@@ -186,7 +154,7 @@ def main(argv=None) -> None:
     calib_noise = jax.random.normal(jax.random.key(100), (clips, *shape))
     eval_noise = jax.random.normal(jax.random.key(200), (clips, *shape))
 
-    stats = calibrate(model, calib_noise, steps)
+    stats = video_dit.calibrate_grams(model, calib_noise, steps=steps)
     ranks, held_out = spectrum_plot(model, eval_noise, steps, img_dir)
     print("energy ranks (90%, 99%) of QKᵀ:", ranks)
 

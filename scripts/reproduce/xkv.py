@@ -28,7 +28,8 @@ import numpy as np
 from tqdm import tqdm
 
 from lowrank_jax.kv import xkv
-from scripts._shared import corpus_windows, load_model_and_codec
+from lowrank_jax.data import corpus_windows
+from scripts._shared import load_model_and_codec
 
 
 def main(argv=None) -> int:

@@ -84,3 +84,15 @@ def test_every_domain_reads_text_on_this_machine():
     assert set(DOMAINS) >= {"licences", "docstrings", "code", "markdown", "manpages"}
     with pytest.raises(ValueError, match="unknown domains"):
         build_continual_text(byte_encode, ["novels"])
+
+
+def test_max_chars_none_cuts_to_the_window_caps():
+    docs = [(f"doc{i}", f"{i:03d}" + "x" * 2000) for i in range(40)]
+    seen = []
+    encode = lambda text: seen.append(len(text)) or byte_encode(text)  # noqa: E731
+    task = build_task("toy", docs, encode, length=4, max_chars=None, max_train_windows=3,
+                      max_heldout_windows=2)
+    assert seen == [12 * 4 * 3 + 10_000] * 2  # both splits cut at 12·length·max(caps) + 10k
+    assert task.train.shape == (3, 4) and task.heldout.shape == (2, 4)
+    with pytest.raises(ValueError, match="max_chars=None"):
+        build_task("toy", docs, byte_encode, max_chars=None, max_train_windows=3)

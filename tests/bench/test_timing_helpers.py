@@ -1,0 +1,35 @@
+"""The timer's helpers: rotated interleaving, speed-up ratios, AOT-compiled timing."""
+
+import time
+
+import jax.numpy as jnp
+import pytest
+
+from lowrank_jax.bench import (
+    interleaved_samples,
+    reference_matmul_seconds,
+    speedup,
+    time_compiled,
+)
+
+
+def test_rotated_rounds_start_at_each_candidate_in_turn():
+    order = []
+    fns = {name: (lambda name=name: order.append(name)) for name in "abc"}
+    samples = interleaved_samples(fns, reps=3, warmup=0, rotate=True)
+    assert order == list("abc" "bca" "cab")
+    assert {k: len(v) for k, v in samples.items()} == {"a": 3, "b": 3, "c": 3}
+
+
+def test_speedup_of_a_faster_method_is_above_one():
+    slow, fast = (lambda: time.sleep(0.05)), (lambda: time.sleep(0.001))
+    assert speedup(slow, fast, reps=3, warmup=0) > 1.0
+
+
+def test_time_compiled_and_the_reference_matmul():
+    out, seconds = time_compiled(lambda a, b: a @ b, jnp.eye(3), jnp.full((3, 2), 2.0))
+    assert out.tolist() == [[2.0, 2.0]] * 3 and seconds >= 0
+    seconds, n = reference_matmul_seconds(2 * 20**3, reps=1)
+    assert n == 20 and seconds > 0
+    with pytest.raises(ValueError):
+        interleaved_samples({"a": lambda: None}, reps=0)
