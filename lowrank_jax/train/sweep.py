@@ -153,5 +153,51 @@ def count_within(grid, reference: float, tolerance: float) -> int:
     return int(np.sum(np.asarray(grid, float) <= reference * (1 + tolerance)))
 
 
-__all__ = ["best_cell", "count_within", "ema", "finite_or_inf", "loss_spike", "mean_std",
-           "parse_grid", "running_mean", "steps_to_target"]
+def fit_power_law(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, float]:
+    """Least-squares fit of ``log y = a · log x + c``: ``(a, c, standard error of a)``.
+
+    The standard error is NaN with two points (no degree of freedom left).
+
+    Example::
+
+        >>> a, c, err = fit_power_law([1.0, 10.0, 100.0], [2.0, 20.0, 200.0])
+        >>> round(a, 6), round(float(np.exp(c)), 6), round(err, 6)
+        (1.0, 2.0, 0.0)
+    """
+    lx, ly = np.log(np.asarray(xs, float)), np.log(np.asarray(ys, float))
+    design = np.stack([lx, np.ones_like(lx)], 1)
+    coef, *_ = np.linalg.lstsq(design, ly, rcond=None)
+    resid = ly - design @ coef
+    dof = len(lx) - 2
+    if dof > 0:
+        stderr = math.sqrt(float(resid @ resid) / dof / float(((lx - lx.mean()) ** 2).sum()))
+    else:
+        stderr = float("nan")
+    return float(coef[0]), float(coef[1]), stderr
+
+
+def isoflop_optimum(sizes: Sequence[float], losses: Sequence[float]) -> dict:
+    """The compute-optimal size of one isoFLOP curve: the vertex of ``loss ≈ q(log N)``.
+
+    A parabola is fitted to ``(log N, loss)``; with no minimum (``q`` opens downward) the best
+    measured size is returned instead. Returns ``{"quadratic": [a, b, c], "n_opt",
+    "vertex_inside_grid", "min_loss"}``.
+
+    Example::
+
+        >>> n = np.exp([0.0, 1.0, 2.0, 3.0])
+        >>> fit = isoflop_optimum(n, [(v - 1.5) ** 2 for v in np.log(n)])
+        >>> round(float(np.log(fit["n_opt"])), 6), fit["vertex_inside_grid"]
+        (1.5, True)
+    """
+    logn, loss = np.log(np.asarray(sizes, float)), np.asarray(losses, float)
+    qa, qb, qc = np.polyfit(logn, loss, 2)
+    interior = qa > 0 and logn.min() <= -qb / (2 * qa) <= logn.max()
+    n_opt = float(np.exp(-qb / (2 * qa))) if qa > 0 else float(np.asarray(sizes)[np.argmin(loss)])
+    return {"quadratic": [float(qa), float(qb), float(qc)], "n_opt": n_opt,
+            "vertex_inside_grid": bool(interior), "min_loss": float(loss.min())}
+
+
+__all__ = ["best_cell", "count_within", "ema", "finite_or_inf", "fit_power_law",
+           "isoflop_optimum", "loss_spike", "mean_std", "parse_grid", "running_mean",
+           "steps_to_target"]

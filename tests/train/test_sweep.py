@@ -10,6 +10,8 @@ from lowrank_jax.train.sweep import (
     count_within,
     ema,
     finite_or_inf,
+    fit_power_law,
+    isoflop_optimum,
     loss_spike,
     mean_std,
     parse_grid,
@@ -51,3 +53,15 @@ def test_best_cell_skips_diverged_and_counts_near_cells():
     assert best_cell(grid) == (1, 0)
     assert count_within(grid, 1.0, 0.01) == 2 and count_within(grid, 1.0, 0.6) == 3
     assert finite_or_inf(float("nan")) == math.inf and finite_or_inf(2.0) == 2.0
+
+
+def test_power_law_and_isoflop_fits():
+    xs = [1e2, 1e3, 1e4, 1e5]
+    a, c, err = fit_power_law(xs, [3.0 * x**0.5 for x in xs])
+    np.testing.assert_allclose([a, np.exp(c), err], [0.5, 3.0, 0.0], atol=1e-9)
+    assert math.isnan(fit_power_law([1.0, 2.0], [1.0, 4.0])[2])  # two points: no error bar
+    sizes = np.exp([1.0, 2.0, 3.0])
+    fit = isoflop_optimum(sizes, [1.0, 2.0, 1.5])  # opens downward: best measured size
+    assert fit["n_opt"] == sizes[0] and not fit["vertex_inside_grid"]
+    fit = isoflop_optimum(sizes, [3.0, 2.0, 1.5])  # vertex beyond the grid
+    assert fit["quadratic"][0] > 0 and not fit["vertex_inside_grid"] and fit["min_loss"] == 1.5
