@@ -215,8 +215,9 @@ def plot_curves(panels, path: str, *, suptitle: str | None = None, figsize=None,
 
     Each panel is a dict with ``curves`` and optional axes settings: ``xlabel``, ``ylabel``,
     ``title``, ``xscale`` / ``yscale`` (``"linear"``, ``"log"`` or ``"log2"``), ``ylim``,
-    ``hlines`` (``(y, label, style)`` reference lines, ``label`` may be ``None``), ``legend``
-    (font size, or ``None`` for no legend; default 7) and ``grid`` (bool). Each curve is a dict
+    ``hlines`` / ``vlines`` (``(y, label, style)`` / ``(x, label, style)`` reference lines,
+    ``label`` may be ``None``), ``legend`` (font size, or ``None`` for no legend; default 7) and
+    ``grid`` (bool). Each curve is a dict
     with ``y`` and optional ``x`` (default ``0, 1, ...``), ``label``, ``style`` (a matplotlib
     format string such as ``"o-"``, ``"--"``, or ``"o"`` for points only), ``color``, ``alpha``,
     ``lw``, ``band`` (``(low, high)``: a shaded region) and ``annotate`` (one text per point).
@@ -247,6 +248,8 @@ def plot_curves(panels, path: str, *, suptitle: str | None = None, figsize=None,
                 ax.annotate(text, (xi, yi), fontsize=6)
         for y, label, style in panel.get("hlines", ()):
             ax.axhline(y, color="gray", ls=style, lw=0.9, label=label)
+        for x, label, style in panel.get("vlines", ()):
+            ax.axvline(x, color="gray", ls=style, lw=0.9, label=label)
         for axis, scale in (("x", panel.get("xscale")), ("y", panel.get("yscale"))):
             if scale:
                 set_scale = ax.set_xscale if axis == "x" else ax.set_yscale

@@ -13,7 +13,8 @@ def test_plot_curves_panels_bands_and_log_axes(tmp_path):
                               "label": "a"},
                              {"x": [1, 2, 4], "y": [1.0, 2.0, 3.0], "style": "o",
                               "annotate": ["p", "q", "r"]}],
-                  "hlines": [(1.5, None, ":")], "xscale": "log2", "ylim": (0, 4)},
+                  "hlines": [(1.5, None, ":")], "vlines": [(2, "x=2", "--")], "xscale": "log2",
+                  "ylim": (0, 4)},
                  {"curves": [{"y": [1e-3, 1e-1]}], "yscale": "log", "legend": None,
                   "grid": True}], str(path), suptitle="two panels", figsize=(6, 3), dpi=50)
     height, width = matplotlib.image.imread(path).shape[:2]
