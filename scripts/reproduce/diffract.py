@@ -4,7 +4,7 @@ and rewinding the least-important attention heads to the base costs little, comp
 run with rewinding the most important heads and random heads. Also interpolates two CPT runs
 (domain connectivity).
 
-Domains (all shipped with Python, no download):
+Domains (all shipped with Python, no download; ``lowrank_jax.data.corpus.domain_bytes``):
   A  "docs": docstrings of the standard library (lowrank_jax.data.corpus_text), pretraining;
   B  "code": Python source of a fixed list of standard-library modules, CPT domain;
   C  "reference": the language-reference prose of pydoc_data.topics, a second CPT domain.
@@ -16,8 +16,6 @@ Domains (all shipped with Python, no download):
 from __future__ import annotations
 
 import argparse
-import importlib
-import inspect
 import os
 import time
 
@@ -29,37 +27,11 @@ from tqdm import tqdm
 from lowrank_jax.analysis import head_scores, interpolate, loss_barrier, rewind_heads, select_heads
 from lowrank_jax.analysis.report import named_matrices, plot_curves, write_json
 from lowrank_jax.analysis.spectra import compare_matrices
-from lowrank_jax.data import batch_at, corpus_text, train_val_split
+from lowrank_jax.data import batch_at, train_val_split
+from lowrank_jax.data.corpus import domain_bytes
 from lowrank_jax.models.llama import Llama, LlamaConfig
 from lowrank_jax.core.step import make_step
 from lowrank_jax.train.loop import lm_loss, make_eval_fn, train_steps
-
-CODE_MODULES = ("json.decoder", "json.encoder", "csv", "heapq", "bisect", "textwrap", "shlex",
-                "fractions", "statistics", "string", "glob", "fnmatch", "copy", "colorsys",
-                "base64", "difflib", "calendar", "pprint", "queue", "sched")
-
-
-def domain_bytes(name: str) -> np.ndarray:
-    if name == "docs":
-        text = corpus_text()
-    elif name == "code":
-        parts = []
-        for mod in CODE_MODULES:
-            try:
-                parts.append(inspect.getsource(importlib.import_module(mod)))
-            except (ImportError, OSError, TypeError):
-                continue
-        text = "\n\n".join(parts)
-    elif name == "reference":
-        try:
-            from pydoc_data.topics import topics
-        except ImportError as err:  # stripped-down Pythons lack pydoc_data
-            raise SystemExit("domain 'reference' needs pydoc_data (part of CPython)") from err
-        text = "\n\n".join(topics[k] for k in sorted(topics))
-    else:
-        raise ValueError(name)
-    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).copy()
-
 
 def train(params, loss_fn, tokens, *, steps, lr, batch, seq, seed, desc, warmup=20):
     schedule = optax.warmup_cosine_decay_schedule(0.0, lr, min(warmup, steps // 4 + 1), steps,
