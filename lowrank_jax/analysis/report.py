@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import pathlib
 import re
 
 import jax.numpy as jnp
@@ -209,24 +210,26 @@ def plot_heatmap(matrix, path: str, *, title: str, xlabel: str, ylabel: str,
     plt.close(fig)
 
 
-def plot_curves(panels, path: str, *, suptitle: str | None = None, figsize=None,
+def plot_panels(panels, path, *, suptitle: str | None = None, figsize=None,
                 dpi: int = 120) -> None:
-    """Line plots side by side, one panel per entry of ``panels``, saved as a PNG.
+    """Curves on side-by-side axes, one per entry of ``panels``; the figure saved to ``path``
+    (parent folders created).
 
     Each panel is a dict with ``curves`` and optional axes settings: ``xlabel``, ``ylabel``,
     ``title``, ``xscale`` / ``yscale`` (``"linear"``, ``"log"`` or ``"log2"``), ``ylim``,
-    ``hlines`` / ``vlines`` (``(y, label, style)`` / ``(x, label, style)`` reference lines,
-    ``label`` may be ``None``), ``legend`` (font size, or ``None`` for no legend; default 7) and
-    ``grid`` (bool). Each curve is a dict
-    with ``y`` and optional ``x`` (default ``0, 1, ...``), ``label``, ``style`` (a matplotlib
-    format string such as ``"o-"``, ``"--"``, or ``"o"`` for points only), ``color``, ``alpha``,
-    ``lw``, ``band`` (``(low, high)``: a shaded region) and ``annotate`` (one text per point).
+    ``hlines`` / ``vlines`` (``(y, label, style)`` / ``(x, label, style)`` grey reference
+    lines, ``label`` may be ``None``), ``legend`` (``False``: none), ``legend_fontsize``
+    (default 7) and ``grid`` (bool). Each curve is a dict with ``y``, optional ``x`` (default
+    ``0, 1, ...``), ``style`` (a matplotlib format string such as ``"o-"``, ``"--"``, or ``"o"``
+    for points only), ``band`` (``(low, high)``: a shaded region), ``annotate`` (one text per
+    point), and any ``matplotlib`` ``plot`` keywords (``label``, ``color``, ``alpha``, ``lw``,
+    ``ms``, ...).
 
     Example::
 
         >>> import os, tempfile
         >>> path = os.path.join(tempfile.mkdtemp(), "loss.png")
-        >>> plot_curves([{"curves": [{"y": [3.0, 2.0, 1.5], "label": "train"}],
+        >>> plot_panels([{"curves": [{"y": [3.0, 2.0, 1.5], "label": "train"}],
         ...               "xlabel": "step", "hlines": [(1.0, "target", "--")]}], path)
         >>> os.path.getsize(path) > 0
         True
@@ -239,35 +242,60 @@ def plot_curves(panels, path: str, *, suptitle: str | None = None, figsize=None,
         for curve in panel["curves"]:
             y = np.asarray(curve["y"], float)
             x = np.arange(len(y)) if curve.get("x") is None else np.asarray(curve["x"])
-            style = {k: curve[k] for k in ("color", "alpha", "lw", "ms") if k in curve}
-            line = ax.plot(x, y, curve.get("style", "-"), label=curve.get("label"), **style)[0]
+            keywords = {k: v for k, v in curve.items()
+                        if k not in ("x", "y", "style", "band", "annotate")}
+            line = ax.plot(x, y, curve.get("style", "-"), **keywords)[0]
             if curve.get("band") is not None:
                 low, high = curve["band"]
                 ax.fill_between(x, low, high, color=line.get_color(), alpha=0.2)
             for text, xi, yi in zip(curve.get("annotate") or (), x, y):
                 ax.annotate(text, (xi, yi), fontsize=6)
         for y, label, style in panel.get("hlines", ()):
-            ax.axhline(y, color="gray", ls=style, lw=0.9, label=label)
+            ax.axhline(y, color="gray", ls=style, lw=1, label=label)
         for x, label, style in panel.get("vlines", ()):
-            ax.axvline(x, color="gray", ls=style, lw=0.9, label=label)
-        for axis, scale in (("x", panel.get("xscale")), ("y", panel.get("yscale"))):
-            if scale:
-                set_scale = ax.set_xscale if axis == "x" else ax.set_yscale
-                set_scale("log", base=2) if scale == "log2" else set_scale(scale)
+            ax.axvline(x, color="gray", ls=style, lw=1, label=label)
+        for set_scale, scale in ((ax.set_xscale, panel.get("xscale")),
+                                 (ax.set_yscale, panel.get("yscale"))):
+            if scale == "log2":
+                set_scale("log", base=2)
+            elif scale:
+                set_scale(scale)
         ax.set(xlabel=panel.get("xlabel", ""), ylabel=panel.get("ylabel", ""),
                title=panel.get("title", ""))
         if panel.get("ylim") is not None:
             ax.set_ylim(*panel["ylim"])
         if panel.get("grid"):
             ax.grid(alpha=0.3)
-        if panel.get("legend", 7) is not None:
-            ax.legend(fontsize=panel.get("legend", 7))
+        if panel.get("legend", True):
+            ax.legend(fontsize=panel.get("legend_fontsize", 7))
     if suptitle:
         fig.suptitle(suptitle, fontsize=10)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
+
+
+def plot_curves(curves: list[dict], path, *, xlabel: str, ylabel: str, title: str = "",
+                hline: tuple[float, str] | None = None, yscale: str = "linear",
+                legend_fontsize=None, figsize=(6.4, 4.0), dpi: int = 110) -> None:
+    """Draw curves on one axis and save the figure to ``path`` (parent folders created).
+
+    One panel of :func:`plot_panels`.
+
+    Args:
+        curves: one dict per line: ``x``, ``y`` and any ``matplotlib`` ``plot`` keywords
+            (``label``, ``color``, ``alpha``, ``lw``, ...).
+        path: the image file.
+        xlabel, ylabel, title: axis labels and title.
+        hline: ``(value, label)`` of a dashed grey reference line (e.g. a target loss).
+        yscale: ``"linear"`` or ``"log"``.
+        legend_fontsize, figsize, dpi: figure options.
+    """
+    plot_panels([{"curves": curves, "xlabel": xlabel, "ylabel": ylabel, "title": title,
+                  "hlines": [] if hline is None else [(hline[0], hline[1], "--")],
+                  "yscale": yscale, "legend_fontsize": legend_fontsize}],
+                path, figsize=figsize, dpi=dpi)
 
 
 def plot_grid_heatmaps(grids: dict, path: str, *, xticks, yticks, xlabel: str, ylabel: str,
@@ -332,7 +360,7 @@ def write_json(obj, path: str) -> None:
 
 __all__ = [
     "PASSAGE", "analyze_params", "key_cka", "layer_keys", "named_matrices", "per_layer_table",
-    "plot_by_layer", "plot_curves", "plot_grid_heatmaps", "plot_heatmap", "plot_spectra",
-    "spectrum", "unembedding_report",
+    "plot_by_layer", "plot_curves", "plot_grid_heatmaps", "plot_heatmap", "plot_panels",
+    "plot_spectra", "spectrum", "unembedding_report",
     "write_json",
 ]

@@ -1,15 +1,17 @@
-"""Comparing the runs of a sweep: value grids, smoothed loss curves, steps to a target, the best
-cell of a grid and how many cells come close to it (host-side NumPy, no JAX).
+"""Reading a sweep of training runs: best run per arm, steps to a target, smoothed curves,
+value grids, the best cell of a grid and how many cells come close to it (host-side NumPy).
 
-A sweep trains one run per cell of a hyperparameter grid (a learning rate, a scale, ...) and
-ranks the cells by a score of each run's loss curve, usually the last value of the curve
-smoothed by an exponential moving average
+A run is a ``dict`` (as a reproduction stores it in JSON), e.g. ``{"method": "lora",
+"lr": 1e-3, "curve": [(step, held-out loss), ...], "final": 2.1}``; an arm's runs differ by
+one setting (the learning rate) and the arm is reported at its best run. A 2-D sweep (learning
+rate × scale) scores each cell, usually by the last value of the run's loss curve smoothed by an
+exponential moving average
 
 .. math::
    \\bar\\ell_0 = \\ell_0, \\qquad
-   \\bar\\ell_t = \\beta\\,\\bar\\ell_{t-1} + (1-\\beta)\\,\\ell_t .
+   \\bar\\ell_t = \\beta\\,\\bar\\ell_{t-1} + (1-\\beta)\\,\\ell_t ;
 
-A method is *robust* to the grid when many cells end within a tolerance of its best one
+a method is *robust* to the grid when many cells end within a tolerance of its best one
 (:func:`count_within`), and *fast* when its curve reaches a target loss in few steps
 (:func:`steps_to_target`).
 """
@@ -20,6 +22,64 @@ import math
 from collections.abc import Iterable, Sequence
 
 import numpy as np
+
+
+def best_runs(runs: Iterable[dict], *, arm: str = "method", score: str = "final") -> dict:
+    """``{arm: run}`` with the lowest finite ``run[score]`` of each arm (the first on ties).
+
+    Runs whose score is NaN or infinite (diverged) are never chosen; an arm with only such runs
+    is left out.
+
+    Example::
+
+        >>> runs = [{"method": "a", "lr": 1, "final": 2.0}, {"method": "a", "lr": 2, "final": 1.5},
+        ...         {"method": "b", "lr": 1, "final": float("nan")}]
+        >>> {k: v["lr"] for k, v in best_runs(runs).items()}
+        {'a': 2}
+    """
+    best: dict = {}
+    for run in runs:
+        value = run[score]
+        if math.isfinite(value) and (run[arm] not in best or value < best[run[arm]][score]):
+            best[run[arm]] = run
+    return best
+
+
+def progress_target(start: float, best: float, fraction: float = 0.8) -> float:
+    """The loss ``fraction`` of the way from ``start`` down to ``best``.
+
+    Example::
+
+        >>> progress_target(3.0, 2.0)
+        2.2
+    """
+    return start - fraction * (start - best)
+
+
+def steps_to_target(curve: Sequence[tuple[int, float]], target: float) -> int | None:
+    """The first step of ``curve`` (``[(step, loss), ...]``) whose loss is ``<= target``, else
+    ``None``.
+
+    Example::
+
+        >>> steps_to_target([(0, 3.0), (5, 2.5), (10, 2.1)], 2.2), steps_to_target([(0, 3.0)], 1)
+        (10, None)
+    """
+    for step, loss in curve:
+        if loss <= target:
+            return step
+    return None
+
+
+def moving_average(values: Sequence[float], window: int) -> np.ndarray:
+    """Means of every ``window`` consecutive values (``len(values) - window + 1`` of them).
+
+    Example::
+
+        >>> moving_average([1.0, 2.0, 3.0, 4.0], 2).tolist()
+        [1.5, 2.5, 3.5]
+    """
+    return np.convolve(np.asarray(values, np.float64), np.ones(window) / window, mode="valid")
 
 
 def parse_grid(text: str) -> list[float]:
@@ -62,18 +122,6 @@ def ema(values: Iterable[float], beta: float = 0.9) -> list[float]:
     return out
 
 
-def running_mean(values: Sequence[float], window: int) -> np.ndarray:
-    """Means of every ``window`` consecutive values (``len(values) - window + 1`` of them).
-
-    Example::
-
-        >>> running_mean([1.0, 2.0, 3.0, 4.0], 2).tolist()
-        [1.5, 2.5, 3.5]
-    """
-    window = max(1, int(window))
-    return np.convolve(np.asarray(values, float), np.ones(window) / window, mode="valid")
-
-
 def mean_std(values: Iterable[float | None]) -> tuple[float, float]:
     """Mean and (population) standard deviation of the finite values; NaNs when there are none.
 
@@ -89,21 +137,6 @@ def mean_std(values: Iterable[float | None]) -> tuple[float, float]:
     if not kept:
         return float("nan"), float("nan")
     return float(np.mean(kept)), float(np.std(kept))
-
-
-def steps_to_target(curve: Iterable[float], target: float) -> int | None:
-    """Steps until ``curve`` first reaches ``target`` (``curve[i] <= target`` after ``i + 1``
-    steps), or ``None`` when it never does.
-
-    Example::
-
-        >>> steps_to_target([3.0, 2.0, 1.0], 2.0), steps_to_target([3.0], 1.0)
-        (2, None)
-    """
-    for i, v in enumerate(curve):
-        if v <= target:
-            return i + 1
-    return None
 
 
 def loss_spike(losses: Sequence[float], after: int) -> float:
@@ -198,6 +231,6 @@ def isoflop_optimum(sizes: Sequence[float], losses: Sequence[float]) -> dict:
             "vertex_inside_grid": bool(interior), "min_loss": float(loss.min())}
 
 
-__all__ = ["best_cell", "count_within", "ema", "finite_or_inf", "fit_power_law",
-           "isoflop_optimum", "loss_spike", "mean_std", "parse_grid", "running_mean",
-           "steps_to_target"]
+__all__ = ["best_cell", "best_runs", "count_within", "ema", "finite_or_inf", "fit_power_law",
+           "isoflop_optimum", "loss_spike", "mean_std", "moving_average", "parse_grid",
+           "progress_target", "steps_to_target"]

@@ -48,6 +48,7 @@ from lowrank_jax.train.sweep import (
     finite_or_inf,
     mean_std,
     parse_grid,
+    progress_target,
     steps_to_target,
 )
 
@@ -86,7 +87,7 @@ def main(argv=None) -> int:
     from flax import nnx
     from tqdm import tqdm
 
-    from lowrank_jax.analysis.report import plot_curves, plot_grid_heatmaps, write_json
+    from lowrank_jax.analysis.report import plot_panels, plot_grid_heatmaps, write_json
     from lowrank_jax.core.losses import cross_entropy
     from lowrank_jax.core.step import make_step, scan_steps, trainable
     from lowrank_jax.data import batch_at, corpus_bytes, eval_batches
@@ -199,14 +200,15 @@ def main(argv=None) -> int:
         [(m, seed) for m in methods for seed in range(args.seeds)], desc="seeds at best cells")]
     initial = float(np.mean([r["losses"][0] for r in chosen]))
     best_final = min(np.mean([r["final"] for r in chosen if r["method"] == m]) for m in methods)
-    target = initial - args.target_fraction * (initial - best_final)
+    target = progress_target(initial, best_final, args.target_fraction)
 
     overall_best = min(float(np.min(g)) for g in all_grids.values())
     tolerances = (0.005, 0.01, 0.02)
     rows = []
     for m in methods:
         rs = [r for r in chosen if r["method"] == m]
-        reached = [steps_to_target(ema(r["losses"]), target) for r in rs]
+        reached = [steps_to_target(list(enumerate(ema(r["losses"]), start=1)), target)
+                   for r in rs]
         g = all_grids[m]
         row = {"method": m, "lr": best_cell_of[m][0], "a_scaling": best_cell_of[m][1],
                "s": best_cell_of[m][1] ** 2, "seeds": len(rs),
@@ -286,7 +288,7 @@ def main(argv=None) -> int:
         lr, a = best_cell_of[m]
         curves.append({"y": smooth.mean(0), "band": (smooth.min(0), smooth.max(0)),
                        "label": f"{m} (lr {lr:.2g}, s {a * a:.3g})"})
-    plot_curves([{"curves": curves, "hlines": [(target, "target", "--")], "legend": 10,
+    plot_panels([{"curves": curves, "hlines": [(target, "target", "--")], "legend_fontsize": 10,
                   "xlabel": "fine-tuning step", "ylabel": "smoothed train loss (nats/byte)"}],
                 os.path.join(args.out, "loss.png"), figsize=(6, 4))
     plot_grid_heatmaps({m: g for m, g in all_grids.items() if m not in FIXED_SCALE},

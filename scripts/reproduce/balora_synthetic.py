@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from lowrank_jax.analysis.report import plot_curves
+from lowrank_jax.analysis.report import plot_panels
 from lowrank_jax.optim.balora_synthetic import run_study
 
 
@@ -90,7 +90,7 @@ def main(argv=None) -> int:
         excess.append({"y": q[1], "band": (q[0], q[2]), "color": color, "style": ls,
                        "label": f"{name} (median lr {np.median(r['lr']):.3g})"})
         gaps.append({"y": np.maximum(g[1], 1e-8), "color": color, "style": ls, "label": name})
-    plot_curves([{"curves": excess, "yscale": "log", "xlabel": "step",
+    plot_panels([{"curves": excess, "yscale": "log", "xlabel": "step",
                   "ylabel": "loss − L*  (median, IQR band)",
                   "title": f"n=m=20, r={args.rank}, {args.seeds} seeds"},
                  {"curves": gaps, "yscale": "log", "xlabel": "step",

@@ -27,7 +27,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from lowrank_jax import editing as ed
-from lowrank_jax.analysis.report import plot_curves
+from lowrank_jax.analysis.report import plot_panels
 from lowrank_jax.curvature import kfac
 from lowrank_jax.optim import crispedit as ce
 
@@ -135,9 +135,9 @@ def main(argv=None) -> int:
         json.dump({"args": vars(args), "layers": paths, "base": base, "rows": rows,
                    "factor_seconds": factor_seconds, "total_seconds": total,
                    "table": table}, f, indent=2)
-    plot_curves([{"curves": [{"x": [r["loss_change_pct"]], "y": [r["edit_success"]], "style": "o",
+    plot_panels([{"curves": [{"x": [r["loss_change_pct"]], "y": [r["edit_success"]], "style": "o",
                               "ms": 8, "annotate": [r["method"]]} for r in rows],
-                  "vlines": [(1.0, None, "--")], "legend": None,
+                  "vlines": [(1.0, None, "--")], "legend": False,
                   "xlabel": "held-text loss change (%)", "ylabel": "edit success",
                   "title": f"SmolLM2-135M, {len(edits)} edits"}],
                 os.path.join(args.out, "crispedit.png"), figsize=(6, 4))

@@ -25,7 +25,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from lowrank_jax.analysis import head_scores, interpolate, loss_barrier, rewind_heads, select_heads
-from lowrank_jax.analysis.report import named_matrices, plot_curves, write_json
+from lowrank_jax.analysis.report import named_matrices, plot_panels, write_json
 from lowrank_jax.analysis.spectra import compare_matrices
 from lowrank_jax.data import batch_at, train_val_split
 from lowrank_jax.data.corpus import domain_bytes
@@ -182,7 +182,7 @@ def main(argv=None) -> int:
 
     short = [n.replace("layers/", "L").replace("/kernel", "").replace("self_attn/", "")
              .replace("mlp/", "") for n in per_matrix]
-    plot_curves([
+    plot_panels([
         {"curves": [{"x": rel_update, "y": shares, "style": "o", "label": "CPT update",
                      "annotate": short},
                     {"x": rel_update, "y": shares_rand, "style": "x", "color": "gray",

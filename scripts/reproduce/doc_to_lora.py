@@ -66,7 +66,7 @@ from lowrank_jax.hyper.needles import (
     tokenize,
 )
 from lowrank_jax.hub import load_model
-from lowrank_jax.analysis.report import plot_curves
+from lowrank_jax.analysis.report import plot_panels
 
 def plot_curve(curve, floor, out_png, title):
     steps = [r["step"] for r in curve]
@@ -77,11 +77,11 @@ def plot_curve(curve, floor, out_png, title):
                                           ("seen_digits", "s--", "seen digit acc."))]
     kl = [{"x": steps, "y": [r["kl_mean"] for r in curve],
            "label": "train top-16 KL (mean since previous eval)"}]
-    plot_curves([{"curves": accuracy, "hlines": [(0.1, "digit chance (0.1)", ":")],
+    plot_panels([{"curves": accuracy, "hlines": [(0.1, "digit chance (0.1)", ":")],
                   "xlabel": "step", "ylabel": "accuracy (no document in the prompt)",
-                  "ylim": (-0.02, 1.02), "legend": 8, "grid": True},
+                  "ylim": (-0.02, 1.02), "legend_fontsize": 8, "grid": True},
                  {"curves": kl, "hlines": [(floor, f"teacher floor ({floor:.2f})", "--")],
-                  "xlabel": "step", "ylabel": "top-16 KL", "legend": 8, "grid": True}],
+                  "xlabel": "step", "ylabel": "top-16 KL", "legend_fontsize": 8, "grid": True}],
                 str(out_png), suptitle=title, figsize=(11, 4), dpi=110)
 
 

@@ -27,7 +27,7 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from lowrank_jax.analysis.report import plot_curves
+from lowrank_jax.analysis.report import plot_panels
 from lowrank_jax.kv import SVDCache, prefill_kv, xkv_perplexity_sweep
 from lowrank_jax.kv.evaluate import parse_setting, summarize_sweep
 from scripts._shared import corpus_windows, load_model_and_codec
@@ -191,7 +191,7 @@ def _plot(rows, path):
         if pts:
             curves.append({"x": [p[0] for p in pts], "y": [p[1] for p in pts], "style": "o-",
                            "label": label})
-    plot_curves([{"curves": curves, "hlines": hlines, "xscale": "log2",
+    plot_panels([{"curves": curves, "hlines": hlines, "xscale": "log2",
                   "xlabel": "KV-cache compression (exact fp16 bytes / stored bytes, all counted)",
                   "ylabel": "perplexity (held-out windows)"}], path, figsize=(6.5, 4))
 

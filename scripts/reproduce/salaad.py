@@ -37,7 +37,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from lowrank_jax.analysis.report import plot_curves
+from lowrank_jax.analysis.report import plot_panels
 from lowrank_jax.data import corpus_bytes, train_val_split
 from lowrank_jax.models import Llama, LlamaConfig
 from lowrank_jax.models.llama import count_params
@@ -200,7 +200,7 @@ def plot(rows, path: Path) -> None:
             ("trained separately (same total compute)", "^:", lambda m: m.startswith("separate"))):
         x, y = zip(*sorted((r["params"], r["val_loss"]) for r in rows if select(r["model"])))
         curves.append({"x": x, "y": y, "style": style, "label": label})
-    plot_curves([{"curves": curves, "xlabel": "parameters", "legend": 10, "grid": True,
+    plot_panels([{"curves": curves, "xlabel": "parameters", "legend_fontsize": 10, "grid": True,
                   "ylabel": "validation loss (nats / byte)"}], str(path), figsize=(6, 4))
 
 

@@ -47,7 +47,7 @@ from lowrank_jax.optim import spectron_with_adamw  # noqa: E402
 from lowrank_jax.train import lm_loss, make_eval_fn, make_step  # noqa: E402
 from lowrank_jax.train.loop import evaluate
 from lowrank_jax.train.sweep import fit_power_law, isoflop_optimum
-from lowrank_jax.analysis.report import plot_curves
+from lowrank_jax.analysis.report import plot_panels
 from scripts._shared import flops_per_token, lr_shape  # noqa: E402
 
 PAPER_A, PAPER_B = 0.479, 0.521
@@ -176,8 +176,8 @@ def plot(records, fits, path: Path) -> None:
         curves += [{"x": n, "y": [r["val_loss"] for r in rows], "style": "o", "color": f"C{k}",
                     "label": f"C={f['budget']:.1e}"},
                    {"x": grid, "y": np.polyval(f["quadratic"], np.log(grid)), "color": f"C{k}"}]
-    plot_curves([{"curves": curves, "xscale": "log", "xlabel": "matmul parameters N",
-                  "ylabel": "val loss (nats)", "legend": 8,
+    plot_panels([{"curves": curves, "xscale": "log", "xlabel": "matmul parameters N",
+                  "ylabel": "val loss (nats)", "legend_fontsize": 8,
                   "title": "IsoFLOP curves, factorized Llama + Spectron"}], str(path),
                 figsize=(6, 4.5))
 

@@ -46,13 +46,13 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
-from lowrank_jax.analysis.report import plot_curves
+from lowrank_jax.analysis.report import plot_panels
 from lowrank_jax.data import batch_at, corpus_bytes, train_val_split
 from lowrank_jax.models import Llama, LlamaConfig
 from lowrank_jax.optim import max_update_norm, spectron_with_adamw, weight_pairs
 from lowrank_jax.train import lm_loss, make_eval_fn, make_step
 from lowrank_jax.train.loop import evaluate as lm_evaluate
-from lowrank_jax.train.sweep import loss_spike, running_mean
+from lowrank_jax.train.sweep import loss_spike, moving_average
 from scripts._shared import flops_per_token, lr_shape
 
 
@@ -255,13 +255,13 @@ def plot(results, path: Path) -> None:
     styles = {"adamw": "--", "spectron": "-", "dense": ":"}
     loss_curves, update_curves = [], []
     for r in results:
-        smooth = running_mean(r["losses"], max(1, len(r["losses"]) // 50))
+        smooth = moving_average(r["losses"], max(1, len(r["losses"]) // 50))
         loss_curves.append({"x": np.arange(len(smooth)) * r["flops"] / max(1, r["steps"]),
                             "y": smooth, "style": styles[r["kind"]], "label": r["name"]})
         update_curves.append({"y": r["delta_w"], "style": styles[r["kind"]], "label": r["name"]})
-    plot_curves([{"curves": loss_curves, "xlabel": "training FLOPs", "ylim": (0.8, 6.0),
+    plot_panels([{"curves": loss_curves, "xlabel": "training FLOPs", "ylim": (0.8, 6.0),
                   "ylabel": "train loss (nats, smoothed)", "title": "Loss at matched compute"},
-                 {"curves": update_curves, "xlabel": "step", "yscale": "log", "legend": None,
+                 {"curves": update_curves, "xlabel": "step", "yscale": "log", "legend": False,
                   "ylabel": "max over layers ‖ΔW‖₂",
                   "title": "Per-step spectral norm of the weight update"}],
                 str(path), figsize=(12, 4.5))

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from lowrank_jax.analysis.report import plot_curves
+from lowrank_jax.analysis.report import plot_panels
 from lowrank_jax.kv import xkv
 from scripts._shared import corpus_windows, load_model_and_codec
 
@@ -145,7 +145,7 @@ def _plot(rows, path):
         label = f"{method} (G={group})" + (f" + {sink} sink" if sink else ", paper")
         curves.append({"x": [p[0] for p in pts], "y": [p[1] for p in pts],
                        "style": marker + ("-" if sink else "--"), "label": label})
-    plot_curves([{"curves": curves, "hlines": [(exact, "exact cache", "--")], "xscale": "log2",
+    plot_panels([{"curves": curves, "hlines": [(exact, "exact cache", "--")], "xscale": "log2",
                   "xlabel": "KV-cache compression ratio", "ylabel": "perplexity"}], path,
                 figsize=(6, 4))
 

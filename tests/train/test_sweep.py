@@ -15,7 +15,6 @@ from lowrank_jax.train.sweep import (
     loss_spike,
     mean_std,
     parse_grid,
-    running_mean,
     steps_to_target,
 )
 
@@ -33,16 +32,14 @@ def test_ema_matches_the_recursion_and_keeps_nan():
     assert math.isnan(ema([1.0, float("nan"), 1.0])[-1])
 
 
-def test_running_mean_and_mean_std():
-    np.testing.assert_allclose(running_mean([0.0, 2.0, 4.0, 6.0], 3), [2.0, 4.0])
-    np.testing.assert_allclose(running_mean([1.0, 3.0], 1), [1.0, 3.0])
+def test_mean_std_of_the_finite_values():
     assert mean_std([2.0, 4.0, math.inf]) == (3.0, 1.0)
     assert all(math.isnan(v) for v in mean_std([None, float("nan")]))
 
 
-def test_steps_to_target_and_spike():
-    assert steps_to_target([5.0, 4.0, 3.0, 2.0], 3.0) == 3
-    assert steps_to_target([5.0, 4.0], 1.0) is None
+def test_steps_to_target_of_an_ema_curve_and_spike():
+    curve = list(enumerate(ema([5.0, 1.0, 1.0, 1.0], beta=0.5), start=1))  # 5, 3, 2, 1.5
+    assert steps_to_target(curve, 2.0) == 3 and steps_to_target(curve, 1.0) is None
     # rise above the running minimum, counted from step 2 on: 3.5 - 1.0
     assert loss_spike([4.0, 1.0, 3.5, 0.5], after=2) == 2.5
     assert math.isnan(loss_spike([1.0], after=1))
