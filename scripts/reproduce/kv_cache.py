@@ -28,8 +28,8 @@ import numpy as np
 from tqdm import tqdm
 
 from lowrank_jax.analysis.report import plot_panels
-from lowrank_jax.kv import SVDCache, prefill_kv, xkv_perplexity_sweep
 from lowrank_jax.kv.evaluate import parse_setting, summarize_sweep
+from lowrank_jax.kv import SVDCache, prefill_kv, xkv_perplexity_sweep
 from scripts._shared import corpus_windows, load_model_and_codec
 
 # (label, method, options): the curve's rows; every ratio in --ratios is tried for each

@@ -42,12 +42,12 @@ from flax import nnx
 from tqdm import tqdm
 
 from lowrank_jax.data import batch_at, corpus_bytes, train_val_split  # noqa: E402
-from lowrank_jax.models import Llama, LlamaConfig  # noqa: E402
-from lowrank_jax.optim import spectron_with_adamw  # noqa: E402
-from lowrank_jax.train import lm_loss, make_eval_fn, make_step  # noqa: E402
 from lowrank_jax.train.loop import evaluate
 from lowrank_jax.train.sweep import fit_power_law, isoflop_optimum
 from lowrank_jax.analysis.report import plot_panels
+from lowrank_jax.models import Llama, LlamaConfig  # noqa: E402
+from lowrank_jax.optim import spectron_with_adamw  # noqa: E402
+from lowrank_jax.train import lm_loss, make_eval_fn, make_step  # noqa: E402
 from scripts._shared import flops_per_token, lr_shape  # noqa: E402
 
 PAPER_A, PAPER_B = 0.479, 0.521

@@ -48,11 +48,11 @@ from tqdm import tqdm
 
 from lowrank_jax.analysis.report import plot_panels
 from lowrank_jax.data import batch_at, corpus_bytes, train_val_split
+from lowrank_jax.train.loop import evaluate as lm_evaluate
+from lowrank_jax.train.sweep import loss_spike, moving_average
 from lowrank_jax.models import Llama, LlamaConfig
 from lowrank_jax.optim import max_update_norm, spectron_with_adamw, weight_pairs
 from lowrank_jax.train import lm_loss, make_eval_fn, make_step
-from lowrank_jax.train.loop import evaluate as lm_evaluate
-from lowrank_jax.train.sweep import loss_spike, moving_average
 from scripts._shared import flops_per_token, lr_shape
 
 
