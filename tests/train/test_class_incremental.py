@@ -2,6 +2,7 @@
 benchmark at tiny size (Janus keeps the first layer's change off past inputs, plain LoRA doesn't).
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -26,11 +27,11 @@ def test_logits_mask_unseen_classes_and_start_at_the_frozen_model():
     params = ci.init_params(0)
     x = jnp.asarray(ci.make_stream(0, n_per_class=2)[0][0][0])
     seen = np.arange(ci.TASKS * ci.CLASSES_PER_TASK) < ci.CLASSES_PER_TASK
-    logits = ci.logits_fn(params, x, seen)
+    logits = jax.jit(ci.logits_fn)(params, x, seen)
     assert np.all(np.asarray(logits)[:, ~seen] == -1e9)
     assert np.all(np.abs(np.asarray(logits)[:, seen]) <= ci.TEMP + 1e-4)  # cosines times TEMP
     frozen = np.asarray(x) @ np.asarray(params["l1"]["kernel"])  # lora_b = 0: W only
-    np.testing.assert_allclose(ci.layer(params["l1"], x), frozen, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(jax.jit(ci.layer)(params["l1"], x), frozen, rtol=1e-5, atol=1e-5)
 
 
 def test_lora_run_fills_the_lower_triangle_and_reports_its_summary():
