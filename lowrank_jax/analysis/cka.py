@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float
 
 
@@ -210,7 +211,28 @@ def cka_matrix(reps: list, *, unbiased: bool = False) -> Float[Array, "L L"]:
     return jnp.array(out)
 
 
+def layer_distance_means(matrix, *, far: int = 5) -> tuple[float, float]:
+    """Mean similarity of adjacent layers and of layers at least ``far`` apart in a ``[L, L]``
+    similarity matrix (e.g. :func:`cka_matrix`): ``(mean_i M[i, i+1], mean_{|i-j|>=far} M[i, j])``.
+
+    Cross-layer redundancy (what cross-layer KV compression builds on) shows as a high first
+    value; the second says how far it reaches.
+
+    Example::
+
+        >>> import numpy as np
+        >>> m = np.array([[1.0, 0.8, 0.2], [0.8, 1.0, 0.6], [0.2, 0.6, 1.0]])
+        >>> [round(v, 6) for v in layer_distance_means(m, far=2)]
+        [0.7, 0.2]
+    """
+    m = np.asarray(matrix)
+    n = len(m)
+    adjacent = float(np.mean(np.diag(m, 1)))
+    distant = float(np.mean([m[i, j] for i in range(n) for j in range(n) if abs(i - j) >= far]))
+    return adjacent, distant
+
+
 __all__ = [
-    "cka_matrix", "hsic_biased", "hsic_unbiased", "kernel_cka", "linear_cka", "minibatch_cka",
-    "rbf_cka", "rbf_gram",
+    "cka_matrix", "hsic_biased", "hsic_unbiased", "kernel_cka", "layer_distance_means",
+    "linear_cka", "minibatch_cka", "rbf_cka", "rbf_gram",
 ]

@@ -182,39 +182,6 @@ def plot_spectra(spectra: dict, path: str, *, max_lines: int = 40) -> None:
     plt.close(fig)
 
 
-def plot_curves(curves: list[dict], path, *, xlabel: str, ylabel: str, title: str = "",
-                hline: tuple[float, str] | None = None, yscale: str = "linear",
-                legend_fontsize=None, figsize=(6.4, 4.0), dpi: int = 110) -> None:
-    """Draw curves on one axis and save the figure to ``path`` (parent folders created).
-
-    Args:
-        curves: one dict per line: ``x``, ``y`` and any ``matplotlib`` ``plot`` keywords
-            (``label``, ``color``, ``alpha``, ``lw``, ...).
-        path: the image file.
-        xlabel, ylabel, title: axis labels and title.
-        hline: ``(value, label)`` of a dashed grey reference line (e.g. a target loss).
-        yscale: ``"linear"`` or ``"log"``.
-        legend_fontsize, figsize, dpi: figure options.
-    """
-    plt = _plt()
-    path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=figsize)
-    for curve in curves:
-        style = {k: v for k, v in curve.items() if k not in ("x", "y")}
-        ax.plot(curve["x"], curve["y"], **style)
-    if hline is not None:
-        ax.axhline(hline[0], color="gray", ls="--", lw=1, label=hline[1])
-    ax.set_yscale(yscale)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.legend(fontsize=legend_fontsize)
-    fig.tight_layout()
-    fig.savefig(path, dpi=dpi)
-    plt.close(fig)
-
-
 def plot_by_layer(table: dict, path: str, *, ylabel: str = "effective rank") -> None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -243,6 +210,132 @@ def plot_heatmap(matrix, path: str, *, title: str, xlabel: str, ylabel: str,
     plt.close(fig)
 
 
+def plot_panels(panels, path, *, suptitle: str | None = None, figsize=None,
+                dpi: int = 120) -> None:
+    """Curves on side-by-side axes, one per entry of ``panels``; the figure saved to ``path``
+    (parent folders created).
+
+    Each panel is a dict with ``curves`` and optional axes settings: ``xlabel``, ``ylabel``,
+    ``title``, ``xscale`` / ``yscale`` (``"linear"``, ``"log"`` or ``"log2"``), ``ylim``,
+    ``hlines`` / ``vlines`` (``(y, label, style)`` / ``(x, label, style)`` grey reference
+    lines, ``label`` may be ``None``), ``legend`` (``False``: none), ``legend_fontsize``
+    (default 7) and ``grid`` (bool). Each curve is a dict with ``y``, optional ``x`` (default
+    ``0, 1, ...``), ``style`` (a matplotlib format string such as ``"o-"``, ``"--"``, or ``"o"``
+    for points only), ``band`` (``(low, high)``: a shaded region), ``annotate`` (one text per
+    point), and any ``matplotlib`` ``plot`` keywords (``label``, ``color``, ``alpha``, ``lw``,
+    ``ms``, ...).
+
+    Example::
+
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "loss.png")
+        >>> plot_panels([{"curves": [{"y": [3.0, 2.0, 1.5], "label": "train"}],
+        ...               "xlabel": "step", "hlines": [(1.0, "target", "--")]}], path)
+        >>> os.path.getsize(path) > 0
+        True
+    """
+    plt = _plt()
+    panels = list(panels)
+    fig, axes = plt.subplots(1, len(panels), figsize=figsize or (5.5 * len(panels) + 0.5, 4.2),
+                             squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        for curve in panel["curves"]:
+            y = np.asarray(curve["y"], float)
+            x = np.arange(len(y)) if curve.get("x") is None else np.asarray(curve["x"])
+            keywords = {k: v for k, v in curve.items()
+                        if k not in ("x", "y", "style", "band", "annotate")}
+            line = ax.plot(x, y, curve.get("style", "-"), **keywords)[0]
+            if curve.get("band") is not None:
+                low, high = curve["band"]
+                ax.fill_between(x, low, high, color=line.get_color(), alpha=0.2)
+            for text, xi, yi in zip(curve.get("annotate") or (), x, y):
+                ax.annotate(text, (xi, yi), fontsize=6)
+        for y, label, style in panel.get("hlines", ()):
+            ax.axhline(y, color="gray", ls=style, lw=1, label=label)
+        for x, label, style in panel.get("vlines", ()):
+            ax.axvline(x, color="gray", ls=style, lw=1, label=label)
+        for set_scale, scale in ((ax.set_xscale, panel.get("xscale")),
+                                 (ax.set_yscale, panel.get("yscale"))):
+            if scale == "log2":
+                set_scale("log", base=2)
+            elif scale:
+                set_scale(scale)
+        ax.set(xlabel=panel.get("xlabel", ""), ylabel=panel.get("ylabel", ""),
+               title=panel.get("title", ""))
+        if panel.get("ylim") is not None:
+            ax.set_ylim(*panel["ylim"])
+        if panel.get("grid"):
+            ax.grid(alpha=0.3)
+        if panel.get("legend", True):
+            ax.legend(fontsize=panel.get("legend_fontsize", 7))
+    if suptitle:
+        fig.suptitle(suptitle, fontsize=10)
+    fig.tight_layout()
+    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+
+
+def plot_curves(curves: list[dict], path, *, xlabel: str, ylabel: str, title: str = "",
+                hline: tuple[float, str] | None = None, yscale: str = "linear",
+                legend_fontsize=None, figsize=(6.4, 4.0), dpi: int = 110) -> None:
+    """Draw curves on one axis and save the figure to ``path`` (parent folders created).
+
+    One panel of :func:`plot_panels`.
+
+    Args:
+        curves: one dict per line: ``x``, ``y`` and any ``matplotlib`` ``plot`` keywords
+            (``label``, ``color``, ``alpha``, ``lw``, ...).
+        path: the image file.
+        xlabel, ylabel, title: axis labels and title.
+        hline: ``(value, label)`` of a dashed grey reference line (e.g. a target loss).
+        yscale: ``"linear"`` or ``"log"``.
+        legend_fontsize, figsize, dpi: figure options.
+    """
+    plot_panels([{"curves": curves, "xlabel": xlabel, "ylabel": ylabel, "title": title,
+                  "hlines": [] if hline is None else [(hline[0], hline[1], "--")],
+                  "yscale": yscale, "legend_fontsize": legend_fontsize}],
+                path, figsize=figsize, dpi=dpi)
+
+
+def plot_grid_heatmaps(grids: dict, path: str, *, xticks, yticks, xlabel: str, ylabel: str,
+                       colorbar: str, vmax: float | None = None, near: float = 0.01) -> None:
+    """One heatmap panel per entry of ``grids`` (a sweep's scores, lower is better), on one
+    colour scale; ★ marks each panel's best cell and ○ the cells within ``near`` of it.
+
+    ``grids[name]`` is ``[len(yticks), len(xticks)]``; NaN / inf cells (diverged runs) are gray.
+    ``vmax`` caps the colour scale (e.g. at the initial loss).
+    """
+    plt = _plt()
+    grids = {name: np.asarray(g, float) for name, g in grids.items()}
+    finite = np.concatenate([g[np.isfinite(g)] for g in grids.values()])
+    low, high = float(finite.min()), float(finite.max())
+    cmap = plt.get_cmap("viridis").copy()
+    cmap.set_bad("lightgray")
+    fig, axes = plt.subplots(1, len(grids), figsize=(3.9 * len(grids) + 1.0, 4.0), squeeze=False,
+                             sharey=True, layout="constrained")
+    for k, (ax, (name, g)) in enumerate(zip(axes[0], grids.items())):
+        g = np.where(np.isfinite(g), g, np.nan)
+        image = ax.imshow(np.ma.masked_invalid(g), origin="lower", aspect="auto", cmap=cmap,
+                          vmin=low, vmax=high if vmax is None else min(high, vmax))
+        ax.set_xticks(range(len(xticks)), list(xticks), rotation=90, fontsize=7)
+        ax.set_yticks(range(len(yticks)), list(yticks), fontsize=7)
+        ax.set_xlabel(xlabel)
+        if k == 0:
+            ax.set_ylabel(ylabel)
+        best = np.nanmin(g)
+        i, j = np.unravel_index(np.nanargmin(g), g.shape)
+        close = g <= best * (1 + near)
+        rows, cols = np.nonzero(close)
+        ax.plot(cols, rows, ls="", marker="o", mfc="none", mec="white", ms=7)
+        ax.plot(j, i, marker="*", color="red", ms=10)
+        ax.set_title(f"{name}: best {best:.3f}\n○ {int(close.sum())} cells within "
+                     f"{100 * near:g}% of it", fontsize=9)
+    fig.colorbar(image, ax=axes[0].tolist(), shrink=0.9, label=colorbar)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def _clean(obj):
     if isinstance(obj, dict):
         return {str(k): _clean(v) for k, v in obj.items()}
@@ -267,6 +360,7 @@ def write_json(obj, path: str) -> None:
 
 __all__ = [
     "PASSAGE", "analyze_params", "key_cka", "layer_keys", "named_matrices", "per_layer_table",
-    "plot_by_layer", "plot_curves", "plot_heatmap", "plot_spectra", "spectrum",
-    "unembedding_report", "write_json",
+    "plot_by_layer", "plot_curves", "plot_grid_heatmaps", "plot_heatmap", "plot_panels",
+    "plot_spectra", "spectrum", "unembedding_report",
+    "write_json",
 ]

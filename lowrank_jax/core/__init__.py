@@ -12,9 +12,10 @@ from lowrank_jax.core.losses import (
     top_logprobs,
     windowed_perplexity,
 )
-from lowrank_jax.core.step import make_step, trainable
+from lowrank_jax.core.step import make_step, scan_steps, trainable
 
 __all__ = [
-    "PerplexityResult", "cross_entropy", "ids_logprob", "make_step", "sliding_windows",
-    "token_logprob", "token_nll", "top_logprobs", "trainable", "windowed_perplexity",
+    "PerplexityResult", "cross_entropy", "ids_logprob", "make_step", "scan_steps",
+    "sliding_windows", "token_logprob", "token_nll", "top_logprobs", "trainable",
+    "windowed_perplexity",
 ]

@@ -130,4 +130,31 @@ def make_step(
                    out_shardings=(param_sh, opt_sh, None), donate_argnums=donated)
 
 
-__all__ = ["make_step", "trainable"]
+def scan_steps(step: Callable, params, opt_state, batches: tuple, *args):
+    """Run ``step`` once per batch inside one ``lax.scan``: ``(params, opt_state, values)``.
+
+    ``step`` is a traceable step (``make_step(..., jit=False)``); ``batches`` a tuple of arrays
+    whose leading axis is the step; step ``t`` is ``step(params, opt_state, *batch_t, *args)``,
+    so ``args`` (a traced learning-rate scale, frozen weights) are the same at every step.
+    ``values`` stacks what each step returned. Jit the caller to compile the whole run once.
+
+    Example::
+
+        >>> import jax.numpy as jnp, optax
+        >>> tx = optax.sgd(0.5)
+        >>> step = make_step(lambda w, x: jnp.sum((w - x) ** 2), tx, jit=False)
+        >>> w, _, losses = scan_steps(step, jnp.zeros(1), tx.init(jnp.zeros(1)),
+        ...                           (jnp.ones((3, 1)),))
+        >>> float(w[0]), losses.tolist()
+        (1.0, [1.0, 0.0, 0.0])
+    """
+
+    def body(carry, batch):
+        new_params, new_state, value = step(*carry, *batch, *args)
+        return (new_params, new_state), value
+
+    (params, opt_state), values = jax.lax.scan(body, (params, opt_state), tuple(batches))
+    return params, opt_state, values
+
+
+__all__ = ["make_step", "scan_steps", "trainable"]

@@ -114,6 +114,52 @@ def corpus_bytes(modules: tuple[str, ...] = STDLIB_MODULES) -> np.ndarray:
     return tokens
 
 
+#: Standard-library modules whose Python source makes the ``"code"`` domain of
+#: :func:`domain_bytes`, in order.
+CODE_MODULES = ("json.decoder", "json.encoder", "csv", "heapq", "bisect", "textwrap", "shlex",
+                "fractions", "statistics", "string", "glob", "fnmatch", "copy", "colorsys",
+                "base64", "difflib", "calendar", "pprint", "queue", "sched")
+DOMAINS = ("docs", "code", "reference")
+
+
+def domain_bytes(name: str) -> np.ndarray:
+    """The UTF-8 bytes of one text domain that ships with Python (no download).
+
+    ``"docs"``: the corpus (:func:`corpus_text`, docstrings); ``"code"``: the Python source of
+    :data:`CODE_MODULES`; ``"reference"``: the language-reference prose of
+    ``pydoc_data.topics``. Three domains of one language for continued-pretraining studies.
+
+    Raises:
+        ValueError: an unknown domain.
+        ImportError: ``"reference"`` on a Python without ``pydoc_data``.
+
+    Example::
+
+        >>> code = domain_bytes("code")
+        >>> code.dtype, b"def " in code.tobytes()
+        (dtype('uint8'), True)
+    """
+    if name == "docs":
+        text = corpus_text()
+    elif name == "code":
+        parts = []
+        for module in CODE_MODULES:
+            try:
+                parts.append(inspect.getsource(importlib.import_module(module)))
+            except (ImportError, OSError, TypeError):
+                continue
+        text = "\n\n".join(parts)
+    elif name == "reference":
+        try:
+            from pydoc_data.topics import topics
+        except ImportError as err:  # stripped-down Pythons lack pydoc_data
+            raise ImportError("domain 'reference' needs pydoc_data (part of CPython)") from err
+        text = "\n\n".join(topics[k] for k in sorted(topics))
+    else:
+        raise ValueError(f"unknown domain {name!r}; choose one of {DOMAINS}.")
+    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).copy()
+
+
 def train_val_split(tokens: np.ndarray, val_fraction: float = 0.1):
     """Deterministic split: the last ``val_fraction`` of the stream is validation."""
     if not 0.0 < val_fraction < 1.0:
@@ -205,7 +251,7 @@ def nats_to_bits(nats: float) -> float:
 
 
 __all__ = ["STDLIB_MODULES", "batch_at", "collect_docstrings", "corpus_bytes", "corpus_text",
-           "eval_batches", "module_docstrings", "nats_to_bits", "corpus_windows",
+           "domain_bytes", "eval_batches", "module_docstrings", "nats_to_bits", "corpus_windows",
            "train_val_split", "unigram_entropy_bits"]
 
 

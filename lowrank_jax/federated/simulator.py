@@ -33,7 +33,7 @@ import optax
 from flax import nnx
 
 from lowrank_jax.core.losses import token_nll
-from lowrank_jax.core.step import make_step
+from lowrank_jax.core.step import make_step, scan_steps
 from lowrank_jax.federated.fedhera import rank_costs
 from lowrank_jax.nn import lora_layers
 
@@ -246,12 +246,7 @@ def make_local_train(adapter_model: AdapterModel, optimizer: optax.GradientTrans
         masking = optax.stateless(lambda updates, _: apply_mask(updates, masks))
         tx = optax.chain(masking, optimizer, masking)
         step = make_step(loss_fn, tx, jit=False)  # scanned here, vmapped over clients above
-
-        def body(carry, batch):
-            params, opt_state, loss = step(*carry, *batch)
-            return (params, opt_state), loss
-
-        (params, _), losses = jax.lax.scan(body, (adapters, tx.init(adapters)), (xs, ys))
+        params, _, losses = scan_steps(step, adapters, tx.init(adapters), (xs, ys))
         return params, losses.mean()
 
     return local_train

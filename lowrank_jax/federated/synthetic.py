@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 from flax import nnx
 
-from lowrank_jax.federated.simulator import Client
+from lowrank_jax.federated.simulator import Client, simulate
 from lowrank_jax.nn import LoRARule, apply_lora
 
 
@@ -97,3 +97,30 @@ def make_deep_linear_clients(model: DeepLinear, *, groups: int = 4, per_group: i
                                   download_rank=model.layers[0].rank))
             group_of.append(g)
     return clients, np.array(group_of)
+
+
+def deep_linear_study(strategies: dict, *, seeds=(0,), rounds: int = 30, local_steps: int = 5,
+                      learning_rate: float = 1e-2, last: int = 5, progress: bool = False) -> dict:
+    """Every strategy on the synthetic study, per seed: held-out MSE and the chosen depths.
+
+    For each seed, one :func:`deep_linear_model` and its :func:`make_deep_linear_clients`;
+    every strategy of ``strategies`` (``{name: strategy}``) trains on them with
+    :func:`lowrank_jax.federated.simulate` (``loss="mse"``).
+
+    Returns:
+        ``{name: {"mse": [per seed], "depths": [per seed, when the strategy reports them]}}``;
+        ``mse`` is the personalised held-out loss averaged over the ``last`` rounds.
+    """
+    results: dict = {name: {"mse": [], "depths": []} for name in strategies}
+    for seed in seeds:
+        model = deep_linear_model(seed=seed)
+        clients, _ = make_deep_linear_clients(model, seed=seed)
+        for name, strategy in strategies.items():
+            run = simulate(model, clients, strategy, rounds=rounds, local_steps=local_steps,
+                           learning_rate=learning_rate, loss="mse", seed=seed, progress=progress,
+                           description=f"{name[:24]} seed {seed}")
+            results[name]["mse"].append(float(np.mean([h["personal_loss"]
+                                                       for h in run.history[-last:]])))
+            if "depths" in run.state:
+                results[name]["depths"].append([int(d) for d in run.state["depths"]])
+    return results

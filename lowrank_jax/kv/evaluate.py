@@ -11,6 +11,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from lowrank_jax.core.losses import cross_entropy
@@ -344,8 +345,71 @@ def generate_text_with_kv(model, tokenizer, prompt: str, factory: KVCacheFactory
     return tokenizer.decode(out)
 
 
+def parse_setting(text: str) -> dict:
+    """A sweep setting written ``method:ratio[:key=value,...]`` as ``dict(method=, ratio=, ...)``.
+
+    Values become ``int``, ``float`` or ``bool`` (``True`` / ``False``) when they read as one.
+
+    Example::
+
+        >>> parse_setting("xkv_quant:8:factor_bits=4,hadamard=True")
+        {'method': 'xkv_quant', 'ratio': 8.0, 'factor_bits': 4, 'hadamard': True}
+    """
+    parts = text.split(":")
+    setting = dict(method=parts[0], ratio=float(parts[1]))
+    if len(parts) > 2 and parts[2]:
+        for item in parts[2].split(","):
+            key, value = item.split("=")
+            for cast in (int, float):
+                try:
+                    value = cast(value)
+                    break
+                except ValueError:
+                    continue
+            if value in ("True", "False"):
+                value = value == "True"
+            setting[key] = value
+    return setting
+
+
+def summarize_sweep(labelled: Sequence[tuple[str, dict]], records: Sequence[dict]) -> list[dict]:
+    """One row per ``(label, setting)`` from the per-window records of a sweep.
+
+    ``records`` are :func:`xkv_perplexity_sweep` records with ``label`` and ``window`` added (or
+    ``{"label", "target_ratio", "window", "method", "unreachable": reason}`` for a setting that
+    cannot reach its ratio). A row has the perplexity ``exp(mean NLL)`` over its windows, the
+    smallest compression ratio reached, the mean key / value errors, the per-window perplexities
+    and ``vs_exact``: its perplexity over the exact cache's on the same windows, minus 1 (the
+    exact row, method ``"none"``, must come first for it; ``None`` otherwise).
+    """
+    rows = []
+    exact = None
+    for label, setting in labelled:
+        sel = [r for r in records if r["label"] == label and r["target_ratio"] == setting["ratio"]]
+        if any("unreachable" in r for r in sel):
+            rows.append(dict(label=label, method=setting["method"], target=setting["ratio"],
+                             unreachable=sel[0]["unreachable"]))
+            continue
+        ppl = math.exp(float(np.mean([r["nll"] for r in sel])))
+        if setting["method"] == "none":
+            exact = {r["window"]: r["nll"] for r in sel}
+        # the exact cache on the same windows (an interrupted row may have fewer)
+        base = None if exact is None else math.exp(float(np.mean([exact[r["window"]]
+                                                                   for r in sel])))
+        rows.append(dict(
+            label=label, method=setting["method"], target=setting["ratio"],
+            actual=float(np.min([r["compression_ratio"] for r in sel])), perplexity=ppl,
+            vs_exact=None if base is None else ppl / base - 1.0,
+            key_error=float(np.mean([r["key_error"] for r in sel])),
+            value_error=float(np.mean([r["value_error"] for r in sel])),
+            windows=[r["perplexity"] for r in sel], ranks=sel[0].get("ranks"),
+            options=sel[0].get("options")))
+    return rows
+
+
 __all__ = [
     "KVCacheFactory", "XKVCacheFactory", "generate_text_with_kv", "kv_cache_factory",
-    "xkv_cache_factory", "xkv_perplexity", "xkv_perplexity_sweep",
+    "parse_setting", "summarize_sweep", "xkv_cache_factory", "xkv_perplexity",
+    "xkv_perplexity_sweep",
     "xkv_windowed_perplexity",
 ]

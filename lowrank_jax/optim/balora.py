@@ -16,6 +16,7 @@ from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jaxtyping import Array, Float
 
@@ -147,6 +148,24 @@ def find_lora_pairs(tree: Any) -> list[tuple[int, int, str]]:
     _, order, _ = flatten_by_path(tree)
     index = {p: i for i, p in enumerate(order)}
     return [(index[pa], index[pb], path_str(pa[:-1]) or "(root)") for pa, pb in lora_pairs(tree)]
+
+
+def relative_balancing_gap(tree: Any) -> float:
+    """Mean over the LoRA pairs of ``tree`` of ``‖AᵀA − B Bᵀ‖_F / ‖A B‖_F`` (host-side).
+
+    0 when every adapter is balanced; scale-free, so runs at different adapter scales compare.
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> relative_balancing_gap({"q": {"lora_a": jnp.eye(3, 2), "lora_b": jnp.eye(2, 4)}})
+        0.0
+    """
+    leaves = jax.tree.leaves(tree)
+    gaps = [float(balancing_gap(leaves[ia], leaves[ib])
+                  / (jnp.linalg.norm(leaves[ia] @ leaves[ib]) + 1e-30))
+            for ia, ib, _ in find_lora_pairs(tree)]
+    return float(np.mean(gaps))
 
 
 def _balance_any(left, right, **kwargs):
@@ -314,4 +333,4 @@ def balora(
 
 
 __all__ = ["BaLoRAState", "balance_lora_params", "balance_pair", "balancing_gap", "balora",
-           "find_lora_pairs", "scale_by_balora"]
+           "find_lora_pairs", "relative_balancing_gap", "scale_by_balora"]

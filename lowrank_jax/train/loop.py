@@ -109,6 +109,39 @@ def evaluate(eval_fn, params, tokens, batch_size, seq_len, max_batches) -> float
     return float(np.mean(losses))
 
 
+def train_steps(step: Callable, params, opt_state, tokens, *, steps: int, batch_size: int,
+                seq_len: int, seed: int, desc: str | None = None):
+    """``steps`` updates of ``step`` on the corpus batches ``batch_at(tokens, t, batch_size,
+    seq_len, seed)``, ``t = 0 .. steps - 1``: ``(params, opt_state, losses)``.
+
+    ``step(params, opt_state, inputs, targets) -> (params, opt_state, loss)`` is a step of
+    :func:`lowrank_jax.core.step.make_step` (e.g. on :func:`lm_loss`); ``losses`` are its
+    per-step values as floats. ``desc`` shows a progress bar with the running loss.
+
+    Example::
+
+        >>> import jax.numpy as jnp, optax
+        >>> tokens = jnp.arange(64) % 4
+        >>> loss = lambda w, x, y: jnp.mean((w * x - y) ** 2)
+        >>> tx = optax.sgd(0.01)
+        >>> w, _, losses = train_steps(make_step(loss, tx), jnp.float32(0.0), tx.init(0.0),
+        ...                            tokens, steps=3, batch_size=2, seq_len=8, seed=0)
+        >>> len(losses), losses[-1] < losses[0]
+        (3, True)
+    """
+    from tqdm.auto import tqdm
+
+    losses = []
+    bar = tqdm(range(steps), desc=desc, leave=False, disable=desc is None)
+    for t in bar:
+        x, y = batch_at(tokens, t, batch_size, seq_len, seed=seed)
+        params, opt_state, loss = step(params, opt_state, x, y)
+        losses.append(float(loss))
+        if t % 20 == 0:
+            bar.set_postfix(loss=f"{np.mean(losses[-20:]):.3f}")
+    return params, opt_state, losses
+
+
 def plot_losses(metrics_path: pathlib.Path, out_png: pathlib.Path, entropy_bits: float) -> None:
     import matplotlib
 

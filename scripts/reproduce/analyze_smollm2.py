@@ -24,6 +24,7 @@ import numpy as np
 from tqdm import tqdm
 
 from lowrank_jax.analysis import report
+from lowrank_jax.analysis.cka import layer_distance_means
 from lowrank_jax.analysis.rank import effective_rank, stable_rank
 
 
@@ -83,18 +84,12 @@ def main(argv=None) -> int:
                 "stable_rank": float(stable_rank(jnp.asarray(s))), "shape": list(np.shape(w))}
     results["random_init_layer0"] = base_rank
 
-    def adjacent(m):
-        return float(np.mean(np.diag(m, 1)))
-
-    def far(m):
-        n = len(m)
-        return float(np.mean([m[i, j] for i in range(n) for j in range(n) if abs(i - j) >= 5]))
-
+    (adjacent, far), (adjacent_random, far_random) = (layer_distance_means(m, far=5)
+                                                      for m in (cka, cka_random))
     results["key_cka"] = {"trained": cka, "random_init": cka_random, "tokens": len(ids),
                           "estimator": "unbiased linear CKA, keys post-RoPE, rows = positions",
-                          "adjacent_mean": adjacent(cka),
-                          "adjacent_mean_random": adjacent(cka_random),
-                          "far_mean": far(cka), "far_mean_random": far(cka_random)}
+                          "adjacent_mean": adjacent, "adjacent_mean_random": adjacent_random,
+                          "far_mean": far, "far_mean_random": far_random}
     table = report.per_layer_table(results, "effective_rank")
     results["effective_rank_by_layer"] = table
     results["seconds"] = time.time() - start

@@ -35,30 +35,28 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
 import os
 import time
 
 import numpy as np
 
+from lowrank_jax.train.sweep import (
+    best_cell,
+    count_within,
+    ema,
+    finite_or_inf,
+    mean_std,
+    parse_grid,
+    progress_target,
+    steps_to_target,
+)
+
 # method -> BaLoRA projection mode (None: plain AdamW on the factors). PiSSA has no free scale
 # (its factors are the kernel's top-r singular triplets at s = 1), so it sweeps the learning rate
 # only, at A_scaling = 1, and is left out of the (lr, scale) heatmap and robustness counts.
 METHODS = {"lora": None, "balora": "svd", "balora-procrustes": "procrustes", "pissa": None}
 FIXED_SCALE = {"pissa": 1.0}
-
-
-def parse_grid(text: str) -> list[float]:
-    """``"1e-3,1e-2"`` or ``"logspace:A:B:N"`` (N values from 10^A to 10^B)."""
-    if text.startswith("logspace:"):
-        try:
-            _, lo, hi, n = text.split(":")
-            return [float(v) for v in np.logspace(float(lo), float(hi), int(n))]
-        except ValueError as err:
-            raise ValueError(f"grid {text!r}: write logspace:LOW_EXP:HIGH_EXP:COUNT, e.g. "
-                             "logspace:-5:-2:10") from err
-    return [float(v) for v in text.split(",")]
 
 
 def parse_args(argv=None):
@@ -81,70 +79,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def smooth(values, beta=0.9):
-    """EMA of a loss curve (NaN stays NaN)."""
-    out, avg = [], None
-    for v in values:
-        avg = v if avg is None else beta * avg + (1 - beta) * v
-        out.append(avg)
-    return out
-
-
-def mean_std(xs):
-    xs = [x for x in xs if x is not None and math.isfinite(x)]
-    if not xs:
-        return float("nan"), float("nan")
-    return float(np.mean(xs)), float(np.std(xs))
-
-
-def _leaf_name(path) -> str:
-    """Last meaningful key of a state path (``.../lora_a/value`` -> ``lora_a``)."""
-    names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
-    while names and names[-1] in ("value", "raw_value"):
-        names.pop()
-    return names[-1] if names else ""
-
-
-def plot_heatmaps(grid: dict, lrs, a_scalings, initial: float, path: str) -> None:
-    """One panel per method: final loss over (lr, scale); ★ best cell, ○ cells within 1% of it.
-
-    ``grid[method]`` is ``[len(a_scalings), len(lrs)]``; diverged cells (inf/NaN) are gray.
-    Re-plot a finished run with ``plot_heatmaps(**from results.json)``.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    grid = {m: np.asarray(g, float) for m, g in grid.items()}
-    finite = np.concatenate([g[np.isfinite(g)] for g in grid.values()])
-    vmin, vmax = float(finite.min()), float(min(finite.max(), initial + 0.05))
-    cmap = plt.get_cmap("viridis").copy()
-    cmap.set_bad("lightgray")
-    fig, axes = plt.subplots(1, len(grid), figsize=(3.9 * len(grid) + 1.0, 4.0), squeeze=False,
-                             sharey=True, layout="constrained")
-    for k, (ax, (m, g)) in enumerate(zip(axes[0], grid.items())):
-        g = np.where(np.isfinite(g), g, np.nan)
-        im = ax.imshow(np.ma.masked_invalid(g), origin="lower", aspect="auto", cmap=cmap,
-                       vmin=vmin, vmax=vmax)
-        ax.set_xticks(range(len(lrs)), [f"{v:.0e}" for v in lrs], rotation=90, fontsize=7)
-        ax.set_yticks(range(len(a_scalings)), [f"{a * a:.0e}" for a in a_scalings], fontsize=7)
-        ax.set_xlabel("learning rate")
-        if k == 0:
-            ax.set_ylabel("scale s = alpha / rank = A_scaling²")
-        best = np.nanmin(g)
-        i, j = np.unravel_index(np.nanargmin(g), g.shape)
-        near = g <= best * 1.01
-        ii, jj = np.nonzero(near)
-        ax.plot(jj, ii, ls="", marker="o", mfc="none", mec="white", ms=7)
-        ax.plot(j, i, marker="*", color="red", ms=10)
-        ax.set_title(f"{m}: best {best:.3f}\n○ {int(near.sum())} cells within 1% of it",
-                     fontsize=9)
-    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.9, label="final smoothed train loss")
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     import jax
@@ -153,12 +87,13 @@ def main(argv=None) -> int:
     from flax import nnx
     from tqdm import tqdm
 
-    from lowrank_jax.core.step import make_step, trainable
+    from lowrank_jax.analysis.report import plot_panels, plot_grid_heatmaps, write_json
+    from lowrank_jax.core.losses import cross_entropy
+    from lowrank_jax.core.step import make_step, scan_steps, trainable
     from lowrank_jax.data import batch_at, corpus_bytes, eval_batches
     from lowrank_jax.models.presets import preset_model
     from lowrank_jax.nn import LoRALinear, LoRARule, apply_lora, peft_lora_state
-    from lowrank_jax.optim.balora import balancing_gap, balora, find_lora_pairs
-    from lowrank_jax.core.losses import cross_entropy
+    from lowrank_jax.optim.balora import balora, relative_balancing_gap
 
     if args.quick:
         args.pretrain_steps, args.steps, args.seeds = 100, 40, 2
@@ -206,26 +141,17 @@ def main(argv=None) -> int:
     def peft_init(seed: int):
         return peft_lora_state(lora_template, jax.random.key(seed))
 
-    def scaled(lora, scale):
-        return jax.tree_util.tree_map_with_path(
-            lambda p, v: v * scale if _leaf_name(p) == "lora_a" else v, lora)
-
-    def loss_fn(lora, scale, x, y, base):
-        logits, _ = nnx.merge(graphdef, scaled(lora, scale), base)(x)
-        return cross_entropy(logits, y)
+    def loss_fn(lora, x, y, scale, base):
+        lora = jax.tree_util.tree_map_with_path(  # s multiplies every lora_a
+            lambda p, v: v * scale if any(getattr(k, "key", None) == "lora_a" for k in p) else v,
+            lora)
+        return cross_entropy(nnx.merge(graphdef, lora, base)(x)[0], y)
 
     def train(lora0, lr, scale, xs, ys, base, *, mode):
         tx = optax.adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01)
-        if mode is not None:
-            tx = balora(tx, mode=mode)
-        state0 = tx.init(lora0)
-        update = make_step(loss_fn, tx, jit=False)
-
-        def step(carry, batch):
-            lora, state, loss = update(*carry, scale, *batch, base)
-            return (lora, state), loss
-
-        (lora, _), losses = jax.lax.scan(step, (lora0, state0), (xs, ys))
+        tx = tx if mode is None else balora(tx, mode=mode)
+        lora, _, losses = scan_steps(make_step(loss_fn, tx, jit=False), lora0, tx.init(lora0),
+                                     (xs, ys), scale, base)
         return lora, losses
 
     train_fns = {m: jax.jit(functools.partial(train, mode=METHODS[m])) for m in methods}
@@ -237,14 +163,7 @@ def main(argv=None) -> int:
 
     @jax.jit
     def validation(lora, scale, base):
-        return jnp.mean(jax.vmap(lambda x, y: loss_fn(lora, scale, x, y, base))(val_x, val_y))
-
-    def relative_gap(lora):
-        leaves = jax.tree.leaves(lora)
-        gaps = [float(balancing_gap(leaves[ia], leaves[ib])
-                      / (jnp.linalg.norm(leaves[ia] @ leaves[ib]) + 1e-30))
-                for ia, ib, _ in find_lora_pairs(lora)]
-        return float(np.mean(gaps))
+        return jnp.mean(jax.vmap(lambda x, y: loss_fn(lora, x, y, scale, base))(val_x, val_y))
 
     def run(method, seed, lr, a_scaling):
         scale = jnp.float32(a_scaling**2)
@@ -256,78 +175,55 @@ def main(argv=None) -> int:
         losses = [float(v) for v in np.asarray(losses)]
         finite = all(math.isfinite(v) for v in losses)
         return {"method": method, "seed": seed, "lr": lr, "a_scaling": a_scaling,
-                "s": a_scaling**2, "losses": losses, "final": smooth(losses)[-1],
+                "s": a_scaling**2, "losses": losses, "final": ema(losses)[-1],
                 "val_loss": float(validation(lora, scale, base)) if finite else float("nan"),
-                "relative_balancing_gap": relative_gap(lora) if finite else float("nan"),
-                "seconds": seconds}
+                "relative_balancing_gap": relative_balancing_gap(lora) if finite
+                else float("nan"), "seconds": seconds}
 
     base_val = float(validation(peft_init(0), jnp.float32(1.0), rest))  # B = 0: base model
     print(f"pretrained {args.pretrain_steps} steps in {pretrain_seconds:.0f} s: "
           f"train loss {pre_loss:.3f}, shifted-slice val loss {base_val:.3f} nats/byte")
 
     # --- 2-D sweep, seed 0 --------------------------------------------------------------------
-    sweep = []
-    cells = {m: [(lr, a) for a in ([FIXED_SCALE[m]] if m in FIXED_SCALE else a_scalings)
-                 for lr in lrs] for m in methods}
-    with tqdm(total=sum(map(len, cells.values())), desc="sweep (lr × scale)") as bar:
-        for method in methods:
-            for lr, a in cells[method]:
-                sweep.append(run(method, 0, lr, a))
-                bar.update(1)
-
-    def score(r):
-        return r["final"] if math.isfinite(r["final"]) else math.inf
-
     scales_of = {m: [FIXED_SCALE[m]] if m in FIXED_SCALE else a_scalings for m in methods}
-    all_grids = {m: np.array([[score(r) for r in sweep if r["method"] == m and r["a_scaling"] == a]
+    cells = {m: [(lr, a) for a in scales_of[m] for lr in lrs] for m in methods}
+    sweep = [run(m, 0, lr, a) for m, lr, a in tqdm(
+        [(m, lr, a) for m in methods for lr, a in cells[m]], desc="sweep (lr × scale)")]
+    all_grids = {m: np.array([[finite_or_inf(r["final"]) for r in sweep
+                               if r["method"] == m and r["a_scaling"] == a]
                               for a in scales_of[m]]) for m in methods}  # [scales, lrs]
-    best_cell = {}
-    for m in methods:
-        i, j = np.unravel_index(np.argmin(all_grids[m]), all_grids[m].shape)
-        best_cell[m] = (lrs[j], scales_of[m][i])
-    grid = {m: g for m, g in all_grids.items() if m not in FIXED_SCALE}  # the 2-D sweeps
+    best = {m: best_cell(g) for m, g in all_grids.items()}
+    best_cell_of = {m: (lrs[j], scales_of[m][i]) for m, (i, j) in best.items()}
 
     # --- seeds at each method's best cell -----------------------------------------------------
-    chosen = []
-    with tqdm(total=len(methods) * args.seeds, desc="seeds at best cells") as bar:
-        for m in methods:
-            for seed in range(args.seeds):
-                chosen.append(run(m, seed, *best_cell[m]))
-                bar.update(1)
+    chosen = [run(m, seed, *best_cell_of[m]) for m, seed in tqdm(
+        [(m, seed) for m in methods for seed in range(args.seeds)], desc="seeds at best cells")]
     initial = float(np.mean([r["losses"][0] for r in chosen]))
     best_final = min(np.mean([r["final"] for r in chosen if r["method"] == m]) for m in methods)
-    target = initial - args.target_fraction * (initial - best_final)
-
-    def steps_to_target(r):
-        for i, v in enumerate(smooth(r["losses"])):
-            if v <= target:
-                return i + 1
-        return None
+    target = progress_target(initial, best_final, args.target_fraction)
 
     overall_best = min(float(np.min(g)) for g in all_grids.values())
     tolerances = (0.005, 0.01, 0.02)
     rows = []
     for m in methods:
         rs = [r for r in chosen if r["method"] == m]
-        reached = [steps_to_target(r) for r in rs]
+        reached = [steps_to_target(list(enumerate(ema(r["losses"]), start=1)), target)
+                   for r in rs]
         g = all_grids[m]
+        row = {"method": m, "lr": best_cell_of[m][0], "a_scaling": best_cell_of[m][1],
+               "s": best_cell_of[m][1] ** 2, "seeds": len(rs),
+               "reached": sum(x is not None for x in reached), "steps_to_target": reached}
+        for key, values in (("steps_to_target", reached),
+                            ("final_train_loss", [r["final"] for r in rs]),
+                            ("val_loss", [r["val_loss"] for r in rs])):
+            row[f"{key}_mean"], row[f"{key}_std"] = mean_std(values)
         rows.append({
-            "method": m, "lr": best_cell[m][0], "a_scaling": best_cell[m][1],
-            "s": best_cell[m][1] ** 2, "seeds": len(rs),
-            "reached": sum(x is not None for x in reached),
-            "steps_to_target": reached,
-            "steps_to_target_mean": mean_std(reached)[0],
-            "steps_to_target_std": mean_std(reached)[1],
-            "final_train_loss_mean": mean_std([r["final"] for r in rs])[0],
-            "final_train_loss_std": mean_std([r["final"] for r in rs])[1],
-            "val_loss_mean": mean_std([r["val_loss"] for r in rs])[0],
-            "val_loss_std": mean_std([r["val_loss"] for r in rs])[1],
+            **row,
             "relative_balancing_gap": float(np.mean([r["relative_balancing_gap"] for r in rs])),
             "seconds_per_run": float(np.mean([r["seconds"] for r in rs])),
             "cells": int(g.size), "diverged_cells": int(np.sum(~np.isfinite(g))),
-            "within_own_best": {f"{t:g}": int(np.sum(g <= np.min(g) * (1 + t)))
-                                for t in tolerances},
-            "within_overall_best": {f"{t:g}": int(np.sum(g <= overall_best * (1 + t)))
+            "within_own_best": {f"{t:g}": count_within(g, np.min(g), t) for t in tolerances},
+            "within_overall_best": {f"{t:g}": count_within(g, overall_best, t)
                                     for t in tolerances},
         })
 
@@ -381,36 +277,26 @@ def main(argv=None) -> int:
     print()
     print(grids)
     print(f"wall time {wall:.0f} s (pretraining {pretrain_seconds:.0f} s)")
-    result = {"args": vars(args), "lrs": lrs, "a_scalings": a_scalings, "target": target,
-              "initial": initial, "pretrain_val_loss": base_val, "overall_best": overall_best,
-              "rows": rows, "grid_final_loss": {m: g.tolist() for m, g in all_grids.items()},
-              "sweep": sweep, "chosen": chosen, "table": table, "robustness": robust,
-              "grids": grids, "wall_seconds": wall}
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(result, f, indent=2, default=lambda x: None if x != x else x)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is missing (pip install matplotlib): no plot written")
-        return 0
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for m, color in zip(methods, ("C1", "C0", "C2", "C3")):
-        curves = np.array([smooth(r["losses"]) for r in chosen if r["method"] == m])
-        lr, a = best_cell[m]
-        ax.plot(curves.mean(0), color=color, label=f"{m} (lr {lr:.2g}, s {a * a:.3g})")
-        ax.fill_between(range(curves.shape[1]), curves.min(0), curves.max(0), color=color,
-                        alpha=0.2)
-    ax.axhline(target, color="k", ls="--", lw=0.8, label="target")
-    ax.set_xlabel("fine-tuning step")
-    ax.set_ylabel("smoothed train loss (nats/byte)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(os.path.join(args.out, "loss.png"), dpi=120)
-
-    plot_heatmaps(grid, lrs, a_scalings, initial, os.path.join(args.out, "heatmap.png"))
+    write_json({"args": vars(args), "lrs": lrs, "a_scalings": a_scalings, "target": target,
+                "initial": initial, "pretrain_val_loss": base_val, "overall_best": overall_best,
+                "rows": rows, "grid_final_loss": all_grids, "sweep": sweep, "chosen": chosen,
+                "table": table, "robustness": robust, "grids": grids, "wall_seconds": wall},
+               os.path.join(args.out, "results.json"))
+    curves = []
+    for m in methods:
+        smooth = np.array([ema(r["losses"]) for r in chosen if r["method"] == m])
+        lr, a = best_cell_of[m]
+        curves.append({"y": smooth.mean(0), "band": (smooth.min(0), smooth.max(0)),
+                       "label": f"{m} (lr {lr:.2g}, s {a * a:.3g})"})
+    plot_panels([{"curves": curves, "hlines": [(target, "target", "--")], "legend_fontsize": 10,
+                  "xlabel": "fine-tuning step", "ylabel": "smoothed train loss (nats/byte)"}],
+                os.path.join(args.out, "loss.png"), figsize=(6, 4))
+    plot_grid_heatmaps({m: g for m, g in all_grids.items() if m not in FIXED_SCALE},
+                       os.path.join(args.out, "heatmap.png"),
+                       xticks=[f"{v:.0e}" for v in lrs],
+                       yticks=[f"{a * a:.0e}" for a in a_scalings],
+                       xlabel="learning rate", ylabel="scale s = alpha / rank = A_scaling²",
+                       colorbar="final smoothed train loss", vmax=initial + 0.05)
     print(f"wrote {args.out}/results.json, loss.png and heatmap.png")
     return 0
 

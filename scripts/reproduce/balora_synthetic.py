@@ -22,9 +22,8 @@ import time
 
 import numpy as np
 
-from lowrank_jax.optim.balora_synthetic import (
-    run_study,
-)
+from lowrank_jax.analysis.report import plot_panels
+from lowrank_jax.optim.balora_synthetic import run_study
 
 
 def parse_args(argv=None):
@@ -82,34 +81,21 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump({"args": vars(args), "l_star": res["l_star"].tolist(), "methods": summary,
                    "table": table, "seconds": total}, f, indent=2)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is missing (pip install matplotlib): no plot written")
-        return 0
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.4))
     styles = {"LoRA": ("C1", "-"), "BaLoRA": ("C0", "-"), "BaLoRA-procrustes": ("C2", "--")}
-    x = np.arange(steps + 1)
+    excess, gaps = [], []
     for name, r in res["methods"].items():
         color, ls = styles.get(name, ("C3", ":"))
         q = np.quantile(r["excess"], [0.25, 0.5, 0.75], axis=0)
-        ax1.semilogy(x, q[1], color=color, ls=ls,
-                     label=f"{name} (median lr {np.median(r['lr']):.3g})")
-        ax1.fill_between(x, q[0], q[2], color=color, alpha=0.2)
         g = np.quantile(r["gap"], [0.25, 0.5, 0.75], axis=0)
-        ax2.semilogy(x, np.maximum(g[1], 1e-8), color=color, ls=ls, label=name)
-    ax1.set_xlabel("step")
-    ax1.set_ylabel("loss − L*  (median, IQR band)")
-    ax1.set_title(f"n=m=20, r={args.rank}, {args.seeds} seeds", fontsize=9)
-    ax1.legend(fontsize=7)
-    ax2.set_xlabel("step")
-    ax2.set_ylabel("‖LᵀL − RRᵀ‖_F (median, floor 1e-8)")
-    ax2.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(os.path.join(args.out, "synthetic.png"), dpi=120)
+        excess.append({"y": q[1], "band": (q[0], q[2]), "color": color, "style": ls,
+                       "label": f"{name} (median lr {np.median(r['lr']):.3g})"})
+        gaps.append({"y": np.maximum(g[1], 1e-8), "color": color, "style": ls, "label": name})
+    plot_panels([{"curves": excess, "yscale": "log", "xlabel": "step",
+                  "ylabel": "loss − L*  (median, IQR band)",
+                  "title": f"n=m=20, r={args.rank}, {args.seeds} seeds"},
+                 {"curves": gaps, "yscale": "log", "xlabel": "step",
+                  "ylabel": "‖LᵀL − RRᵀ‖_F (median, floor 1e-8)"}],
+                os.path.join(args.out, "synthetic.png"), figsize=(9, 3.4))
     print(f"wrote {args.out}/results.json and synthetic.png")
     return 0
 

@@ -27,6 +27,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from lowrank_jax import editing as ed
+from lowrank_jax.analysis.report import plot_panels
 from lowrank_jax.curvature import kfac
 from lowrank_jax.optim import crispedit as ce
 
@@ -134,24 +135,12 @@ def main(argv=None) -> int:
         json.dump({"args": vars(args), "layers": paths, "base": base, "rows": rows,
                    "factor_seconds": factor_seconds, "total_seconds": total,
                    "table": table}, f, indent=2)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for r in rows:
-            ax.scatter(r["loss_change_pct"], r["edit_success"], s=60)
-            ax.annotate(r["method"], (r["loss_change_pct"], r["edit_success"]), fontsize=8)
-        ax.axvline(1.0, ls="--", c="gray", lw=0.8)
-        ax.set_xlabel("held-text loss change (%)")
-        ax.set_ylabel("edit success")
-        ax.set_title(f"SmolLM2-135M, {len(edits)} edits")
-        fig.tight_layout()
-        fig.savefig(os.path.join(args.out, "crispedit.png"), dpi=120)
-    except ImportError:
-        pass
+    plot_panels([{"curves": [{"x": [r["loss_change_pct"]], "y": [r["edit_success"]], "style": "o",
+                              "ms": 8, "annotate": [r["method"]]} for r in rows],
+                  "vlines": [(1.0, None, "--")], "legend": False,
+                  "xlabel": "held-text loss change (%)", "ylabel": "edit success",
+                  "title": f"SmolLM2-135M, {len(edits)} edits"}],
+                os.path.join(args.out, "crispedit.png"), figsize=(6, 4))
     print(f"wrote {args.out}/results.json")
     return 0
 

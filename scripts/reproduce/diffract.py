@@ -4,7 +4,7 @@ and rewinding the least-important attention heads to the base costs little, comp
 run with rewinding the most important heads and random heads. Also interpolates two CPT runs
 (domain connectivity).
 
-Domains (all shipped with Python, no download):
+Domains (all shipped with Python, no download; ``lowrank_jax.data.corpus.domain_bytes``):
   A  "docs": docstrings of the standard library (lowrank_jax.data.corpus_text), pretraining;
   B  "code": Python source of a fixed list of standard-library modules, CPT domain;
   C  "reference": the language-reference prose of pydoc_data.topics, a second CPT domain.
@@ -16,91 +16,31 @@ Domains (all shipped with Python, no download):
 from __future__ import annotations
 
 import argparse
-import importlib
-import inspect
 import os
 import time
 
-import jax
 import numpy as np
 import optax
 from flax import nnx
 from tqdm import tqdm
 
 from lowrank_jax.analysis import head_scores, interpolate, loss_barrier, rewind_heads, select_heads
-from lowrank_jax.analysis.report import named_matrices, write_json
+from lowrank_jax.analysis.report import named_matrices, plot_panels, write_json
 from lowrank_jax.analysis.spectra import compare_matrices
-from lowrank_jax.data import batch_at, corpus_text, train_val_split
+from lowrank_jax.data import batch_at, train_val_split
+from lowrank_jax.data.corpus import domain_bytes
 from lowrank_jax.models.llama import Llama, LlamaConfig
 from lowrank_jax.core.step import make_step
-
-CODE_MODULES = ("json.decoder", "json.encoder", "csv", "heapq", "bisect", "textwrap", "shlex",
-                "fractions", "statistics", "string", "glob", "fnmatch", "copy", "colorsys",
-                "base64", "difflib", "calendar", "pprint", "queue", "sched")
-
-
-def domain_bytes(name: str) -> np.ndarray:
-    if name == "docs":
-        text = corpus_text()
-    elif name == "code":
-        parts = []
-        for mod in CODE_MODULES:
-            try:
-                parts.append(inspect.getsource(importlib.import_module(mod)))
-            except (ImportError, OSError, TypeError):
-                continue
-        text = "\n\n".join(parts)
-    elif name == "reference":
-        try:
-            from pydoc_data.topics import topics
-        except ImportError as err:  # stripped-down Pythons lack pydoc_data
-            raise SystemExit("domain 'reference' needs pydoc_data (part of CPython)") from err
-        text = "\n\n".join(topics[k] for k in sorted(topics))
-    else:
-        raise ValueError(name)
-    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).copy()
-
-
-def make_fns(model: Llama):
-    graphdef, state = nnx.split(model)
-
-    def apply(params, tokens):
-        s = jax.tree.map(lambda x: x, state)
-        nnx.replace_by_pure_dict(s, params)
-        return nnx.merge(graphdef, s)(tokens)[0]
-
-    def loss_fn(params, inputs, targets):
-        logits = apply(params, inputs)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-
-    return jax.jit(loss_fn), nnx.to_pure_dict(state), loss_fn
-
+from lowrank_jax.train.loop import lm_loss, make_eval_fn, train_steps
 
 def train(params, loss_fn, tokens, *, steps, lr, batch, seq, seed, desc, warmup=20):
     schedule = optax.warmup_cosine_decay_schedule(0.0, lr, min(warmup, steps // 4 + 1), steps,
                                                   lr * 0.1)
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
-    opt_state = opt.init(params)
-
-    step = make_step(loss_fn, opt)
-
-    losses = []
-    bar = tqdm(range(steps), desc=desc, leave=False)
-    for i in bar:
-        x, y = batch_at(tokens, i, batch, seq, seed=seed)
-        params, opt_state, loss = step(params, opt_state, x, y)
-        losses.append(float(loss))
-        if i % 20 == 0:
-            bar.set_postfix(loss=f"{np.mean(losses[-20:]):.3f}")
+    params, _, losses = train_steps(make_step(loss_fn, opt), params, opt.init(params), tokens,
+                                    steps=steps, batch_size=batch, seq_len=seq, seed=seed,
+                                    desc=desc)
     return params, losses
-
-
-def evaluate(eval_loss, params, batches) -> float:
-    return float(np.mean([float(eval_loss(params, x, y)) for x, y in batches]))
-
-
-def fixed_batches(tokens, n_batches, batch, seq, seed=123):
-    return [batch_at(tokens, i, batch, seq, seed=seed) for i in range(n_batches)]
 
 
 def main(argv=None) -> int:
@@ -119,14 +59,16 @@ def main(argv=None) -> int:
 
     cfg = LlamaConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=8, n_kv_heads=8,
                       head_dim=8, d_ff=192, max_seq_len=seq)
-    model = Llama(cfg, rngs=nnx.Rngs(args.seed))
-    eval_loss, params0, loss_fn = make_fns(model)
+    graphdef, state = nnx.split(Llama(cfg, rngs=nnx.Rngs(args.seed)))
+    params0, loss_fn, eval_loss = nnx.to_pure_dict(state), lm_loss(graphdef), make_eval_fn(graphdef)
 
     data = {d: train_val_split(domain_bytes(d), 0.1) for d in ("docs", "code", "reference")}
-    val = {d: fixed_batches(v, n_eval, batch, seq) for d, (_, v) in data.items()}
+    val = {d: [batch_at(v, i, batch, seq, seed=123) for i in range(n_eval)]
+           for d, (_, v) in data.items()}
 
     def eval_all(p):
-        return {d: evaluate(eval_loss, p, b) for d, b in val.items()}
+        return {d: float(np.mean([float(eval_loss(p, x, y)) for x, y in b]))
+                for d, b in val.items()}
 
     base, _ = train(params0, loss_fn, data["docs"][0], steps=pre_steps, lr=3e-3, batch=batch,
                     seq=seq, seed=args.seed, desc="pretrain on docs (A)")
@@ -238,38 +180,25 @@ def main(argv=None) -> int:
               f"docs {p['docs']:.3f}")
     print("barrier:", {k: round(v, 4) for k, v in barrier.items()})
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.3))
-    axes[0].scatter(rel_update, shares, s=18, label="CPT update")
-    axes[0].scatter(rel_update, shares_rand, s=12, marker="x", color="gray",
-                    label="random update, same norm")
-    axes[0].legend(fontsize=7)
-    for name, x, y in zip(per_matrix, rel_update, shares):
-        axes[0].annotate(name.replace("layers/", "L").replace("/kernel", "")
-                         .replace("self_attn/", "").replace("mlp/", ""), (x, y), fontsize=6)
-    axes[0].set_xlabel("relative update ‖ΔW‖/‖W0‖")
-    axes[0].set_ylabel("spectral share S")
-    axes[0].set_ylim(0, 1)
-    axes[0].set_title("CPT mostly rotates (S ≪ 1)")
-    for label, row in rewind.items():
-        axes[1].plot(fractions, [x["code"] for x in row], marker="o", label=label)
-    axes[1].axhline(losses["base"]["code"], color="gray", ls=":", label="base (no CPT)")
-    axes[1].set_xlabel("fraction of heads rewound to base")
-    axes[1].set_ylabel("code (B) loss, nats/byte")
-    axes[1].legend(fontsize=7)
-    axes[1].set_title("rewinding heads")
-    for d in val:
-        axes[2].plot(alphas, [p[d] for p in path], marker="o", label=d)
-    axes[2].set_xlabel("α (0 = CPT code, 1 = CPT reference)")
-    axes[2].set_ylabel("loss, nats/byte")
-    axes[2].legend(fontsize=7)
-    axes[2].set_title("interpolation between CPT runs")
-    fig.tight_layout()
-    fig.savefig(os.path.join(args.out, "diffract.png"), dpi=110)
+    short = [n.replace("layers/", "L").replace("/kernel", "").replace("self_attn/", "")
+             .replace("mlp/", "") for n in per_matrix]
+    plot_panels([
+        {"curves": [{"x": rel_update, "y": shares, "style": "o", "label": "CPT update",
+                     "annotate": short},
+                    {"x": rel_update, "y": shares_rand, "style": "x", "color": "gray",
+                     "label": "random update, same norm"}],
+         "xlabel": "relative update ‖ΔW‖/‖W0‖", "ylabel": "spectral share S", "ylim": (0, 1),
+         "title": "CPT mostly rotates (S ≪ 1)"},
+        {"curves": [{"x": fractions, "y": [x["code"] for x in row], "style": "o-",
+                     "label": label} for label, row in rewind.items()],
+         "hlines": [(losses["base"]["code"], "base (no CPT)", ":")],
+         "xlabel": "fraction of heads rewound to base", "ylabel": "code (B) loss, nats/byte",
+         "title": "rewinding heads"},
+        {"curves": [{"x": alphas, "y": [p[d] for p in path], "style": "o-", "label": d}
+                    for d in val],
+         "xlabel": "α (0 = CPT code, 1 = CPT reference)", "ylabel": "loss, nats/byte",
+         "title": "interpolation between CPT runs"},
+    ], os.path.join(args.out, "diffract.png"), figsize=(15, 4.3), dpi=110)
     print(f"\nwrote {args.out}/results.json and diffract.png in {time.time() - start:.0f}s")
     return 0
 

@@ -66,38 +66,23 @@ from lowrank_jax.hyper.needles import (
     tokenize,
 )
 from lowrank_jax.hub import load_model
+from lowrank_jax.analysis.report import plot_panels
 
 def plot_curve(curve, floor, out_png, title):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     steps = [r["step"] for r in curve]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for key, style, label in (("heldout_acc", "o-", "held-out exact"),
-                              ("heldout_digits", "s-", "held-out digit acc."),
-                              ("seen_acc", "o--", "seen exact"),
-                              ("seen_digits", "s--", "seen digit acc.")):
-        ax1.plot(steps, [r[key] for r in curve], style, ms=3, label=label)
-    ax1.axhline(0.1, color="gray", ls=":", label="digit chance (0.1)")
-    ax1.set_xlabel("step")
-    ax1.set_ylabel("accuracy (no document in the prompt)")
-    ax1.set_ylim(-0.02, 1.02)
-    ax1.legend(fontsize=8)
-    ax1.grid(alpha=0.3)
-    ax2.plot(steps, [r["kl_mean"] for r in curve], "-", label="train top-16 KL (mean since "
-             "previous eval)")
-    ax2.axhline(floor, color="gray", ls="--", label=f"teacher floor ({floor:.2f})")
-    ax2.set_xlabel("step")
-    ax2.set_ylabel("top-16 KL")
-    ax2.legend(fontsize=8)
-    ax2.grid(alpha=0.3)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    Path(out_png).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=110)
-    plt.close(fig)
+    accuracy = [{"x": steps, "y": [r[key] for r in curve], "style": style, "ms": 3, "label": label}
+                for key, style, label in (("heldout_acc", "o-", "held-out exact"),
+                                          ("heldout_digits", "s-", "held-out digit acc."),
+                                          ("seen_acc", "o--", "seen exact"),
+                                          ("seen_digits", "s--", "seen digit acc."))]
+    kl = [{"x": steps, "y": [r["kl_mean"] for r in curve],
+           "label": "train top-16 KL (mean since previous eval)"}]
+    plot_panels([{"curves": accuracy, "hlines": [(0.1, "digit chance (0.1)", ":")],
+                  "xlabel": "step", "ylabel": "accuracy (no document in the prompt)",
+                  "ylim": (-0.02, 1.02), "legend_fontsize": 8, "grid": True},
+                 {"curves": kl, "hlines": [(floor, f"teacher floor ({floor:.2f})", "--")],
+                  "xlabel": "step", "ylabel": "top-16 KL", "legend_fontsize": 8, "grid": True}],
+                str(out_png), suptitle=title, figsize=(11, 4), dpi=110)
 
 
 def main(argv=None):

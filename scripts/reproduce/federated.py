@@ -77,18 +77,7 @@ def run_synthetic(quick: bool, progress: bool) -> dict:
         "local": fed.LocalOnly(),
     }
     start = time.time()
-    results: dict = {name: {"mse": [], "depths": []} for name in methods}
-    for seed in seeds:
-        model = synthetic.deep_linear_model(seed=seed)
-        clients, _ = synthetic.make_deep_linear_clients(model, seed=seed)
-        for name, strategy in methods.items():
-            r = fed.simulate(model, clients, strategy, rounds=rounds, local_steps=5,
-                             learning_rate=1e-2, loss="mse", seed=seed, progress=progress,
-                             description=f"{name[:24]} seed {seed}")
-            results[name]["mse"].append(float(np.mean([h["personal_loss"]
-                                                       for h in r.history[-5:]])))
-            if "depths" in r.state:
-                results[name]["depths"].append([int(d) for d in r.state["depths"]])
+    results = synthetic.deep_linear_study(methods, seeds=seeds, rounds=rounds, progress=progress)
     print(f"\n## synthetic deep linear (8 layers, 16 clients in 4 groups): {len(seeds)} seed(s), "
           f"{rounds} rounds, {time.time() - start:.0f} s\n")
     print("| strategy | personalised held-out MSE (last 5) | k_l per layer (last build) |")

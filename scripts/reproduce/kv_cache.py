@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import time
 
 import numpy as np
 from tqdm import tqdm
 
+from lowrank_jax.analysis.report import plot_panels
+from lowrank_jax.kv.evaluate import parse_setting, summarize_sweep
 from lowrank_jax.kv import SVDCache, prefill_kv, xkv_perplexity_sweep
 from lowrank_jax.data import corpus_windows
 from scripts._shared import load_model_and_codec
@@ -48,25 +49,6 @@ CURVE = [
 
 # the run's order: the goal's ratios first, so that an interrupted run has the rows that matter
 _PRIORITY = {8.0: 0, 16.0: 1, 4.0: 2, 2.0: 3}
-
-
-def _parse_setting(text: str) -> tuple[str, dict]:
-    """``method:ratio[:key=value,...]`` → ``(label, setting dict)``."""
-    parts = text.split(":")
-    setting = dict(method=parts[0], ratio=float(parts[1]))
-    if len(parts) > 2 and parts[2]:
-        for item in parts[2].split(","):
-            key, value = item.split("=")
-            for cast in (int, float):
-                try:
-                    value = cast(value)
-                    break
-                except ValueError:
-                    continue
-            if value in ("True", "False"):
-                value = value == "True"
-            setting[key] = value
-    return text, setting
 
 
 def main(argv=None) -> int:
@@ -106,7 +88,7 @@ def main(argv=None) -> int:
         windows = corpus_windows(encode, 8, length)[1::2][: args.windows]
     labelled = [] if args.skip_exact else [("exact cache", dict(method="none", ratio=None))]
     if args.settings:
-        labelled += [_parse_setting(s) for s in args.settings]
+        labelled += [(s, parse_setting(s)) for s in args.settings]
     else:
         labelled += sorted(((label, dict(method=m, ratio=r, **opts))
                             for label, m, opts in CURVE for r in args.ratios
@@ -147,7 +129,7 @@ def main(argv=None) -> int:
             print(_line(label, records[-1]), flush=True)
             with open(os.path.join(args.out, "records.json"), "w") as f:
                 json.dump(records, f, indent=1, default=str)
-    rows = _summarize(labelled, records)
+    rows = summarize_sweep(labelled, records)
     print("\n| method | target | actual | ppl | vs exact | K err | V err | per-window ppl |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -170,7 +152,7 @@ def _summarize_only(out: str) -> int:
         key = (r["label"], r["target_ratio"])
         if key not in [(lab, st["ratio"]) for lab, st in labelled]:
             labelled.append((r["label"], dict(method=r["method"], ratio=r["target_ratio"])))
-    rows = _summarize(labelled, records)
+    rows = summarize_sweep(labelled, records)
     print("| method | target | actual | ppl | vs exact | K err | V err | per-window ppl |")
     print("|---|---|---|---|---|---|---|---|")
     for r in sorted(rows, key=lambda r: (r["target"] or 0, r["label"])):
@@ -188,32 +170,6 @@ def _line(label, rec) -> str:
             f"ranks {rec.get('rank_k')}/{rec.get('rank_v')}")
 
 
-def _summarize(labelled, records) -> list[dict]:
-    rows = []
-    exact = None
-    for label, setting in labelled:
-        sel = [r for r in records if r["label"] == label and r["target_ratio"] == setting["ratio"]]
-        if any("unreachable" in r for r in sel):
-            rows.append(dict(label=label, method=setting["method"], target=setting["ratio"],
-                             unreachable=sel[0]["unreachable"]))
-            continue
-        ppl = math.exp(float(np.mean([r["nll"] for r in sel])))
-        if setting["method"] == "none":
-            exact = {r["window"]: r["nll"] for r in sel}
-        # the exact cache on the same windows (an interrupted row may have fewer)
-        base = None if exact is None else math.exp(float(np.mean([exact[r["window"]]
-                                                                   for r in sel])))
-        rows.append(dict(
-            label=label, method=setting["method"], target=setting["ratio"],
-            actual=float(np.min([r["compression_ratio"] for r in sel])), perplexity=ppl,
-            vs_exact=None if base is None else ppl / base - 1.0,
-            key_error=float(np.mean([r["key_error"] for r in sel])),
-            value_error=float(np.mean([r["value_error"] for r in sel])),
-            windows=[r["perplexity"] for r in sel], ranks=sel[0].get("ranks"),
-            options=sel[0].get("options")))
-    return rows
-
-
 def _row(r) -> str:
     target = "–" if r["target"] is None else f"{r['target']:g}×"
     if "unreachable" in r:
@@ -225,29 +181,20 @@ def _row(r) -> str:
 
 
 def _plot(rows, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    exact = [r for r in rows if r["method"] == "none"]
-    if exact:
-        ax.axhline(exact[0]["perplexity"], color="k", ls="--", label="exact cache (fp16)")
-        for frac, ls in ((1.03, ":"), (1.10, "-.")):
-            ax.axhline(exact[0]["perplexity"] * frac, color="grey", ls=ls, lw=0.8,
-                       label=f"exact +{round(100 * (frac - 1))} %")
+    exact = [r["perplexity"] for r in rows if r["method"] == "none"]
+    hlines = [] if not exact else [(exact[0], "exact cache (fp16)", "--"),
+                                   (exact[0] * 1.03, "exact +3 %", ":"),
+                                   (exact[0] * 1.10, "exact +10 %", "-.")]
+    curves = []
     for label in dict.fromkeys(r["label"] for r in rows if r["method"] != "none"):
-        pts = [(r["actual"], r["perplexity"]) for r in rows
-               if r["label"] == label and "unreachable" not in r]
+        pts = sorted((r["actual"], r["perplexity"]) for r in rows
+                     if r["label"] == label and "unreachable" not in r)
         if pts:
-            ax.plot(*zip(*sorted(pts)), marker="o", label=label)
-    ax.set_xlabel("KV-cache compression (exact fp16 bytes / stored bytes, all counted)")
-    ax.set_ylabel("perplexity (held-out windows)")
-    ax.set_xscale("log", base=2)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+            curves.append({"x": [p[0] for p in pts], "y": [p[1] for p in pts], "style": "o-",
+                           "label": label})
+    plot_panels([{"curves": curves, "hlines": hlines, "xscale": "log2",
+                  "xlabel": "KV-cache compression (exact fp16 bytes / stored bytes, all counted)",
+                  "ylabel": "perplexity (held-out windows)"}], path, figsize=(6.5, 4))
 
 
 if __name__ == "__main__":

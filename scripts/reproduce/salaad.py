@@ -37,8 +37,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-from lowrank_jax.data import batch_at, corpus_bytes, train_val_split
+from lowrank_jax.analysis.report import plot_panels
+from lowrank_jax.data import corpus_bytes, train_val_split
 from lowrank_jax.models import Llama, LlamaConfig
+from lowrank_jax.models.llama import count_params
 from lowrank_jax.optim import (
     SalaadConfig,
     apply_surrogate,
@@ -50,7 +52,7 @@ from lowrank_jax.optim import (
 )
 from lowrank_jax.core.step import make_step
 from lowrank_jax.train.loop import evaluate as lm_evaluate
-from lowrank_jax.train.loop import lm_loss, make_eval_fn
+from lowrank_jax.train.loop import lm_loss, make_eval_fn, train_steps
 
 BUDGETS = (0.3, 0.5, 0.7, 1.0)
 
@@ -79,11 +81,9 @@ def model_config(projection="dense", rank_ratio=0.25) -> LlamaConfig:
 
 
 def train(tx, graphdef, params, tokens, args, steps):
-    step = make_step(lm_loss(graphdef), tx)
-    state = tx.init(params)
-    for t in range(steps):
-        x, y = batch_at(tokens, t, args.batch, args.seq, args.seed)
-        params, state, _ = step(params, state, x, y)
+    params, state, _ = train_steps(make_step(lm_loss(graphdef), tx), params, tx.init(params),
+                                   tokens, steps=steps, batch_size=args.batch, seq_len=args.seq,
+                                   seed=args.seed)
     return params, state
 
 
@@ -102,8 +102,7 @@ def factorized_for_budget(target: int):
     best = None
     for ratio in np.linspace(0.02, 1.0, 50):
         cfg = model_config("factorized", float(ratio))
-        abstract = nnx.eval_shape(lambda cfg=cfg: Llama(cfg, rngs=nnx.Rngs(0)))
-        n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+        n = count_params(nnx.eval_shape(lambda cfg=cfg: Llama(cfg, rngs=nnx.Rngs(0))))
         if n <= target:
             best = (cfg, n)
     return best
@@ -194,25 +193,15 @@ def main(argv=None):
 
 
 def plot(rows, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, style in (("SALAAD surrogate", "o-"), ("vanilla + post-hoc SVD", "s--")):
-        pts = sorted((r["params"], r["val_loss"]) for r in rows if r["model"] == name)
-        ax.plot(*zip(*pts), style, label=name + (" (one run)" if "SALAAD" in name else ""))
-    sep = sorted((r["params"], r["val_loss"]) for r in rows if r["model"].startswith("separate"))
-    ax.plot(*zip(*sep), "^:", label="trained separately (same total compute)")
-    ax.set_xlabel("parameters")
-    ax.set_ylabel("validation loss (nats / byte)")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    curves = []
+    for label, style, select in (
+            ("SALAAD surrogate (one run)", "o-", lambda m: m == "SALAAD surrogate"),
+            ("vanilla + post-hoc SVD", "s--", lambda m: m == "vanilla + post-hoc SVD"),
+            ("trained separately (same total compute)", "^:", lambda m: m.startswith("separate"))):
+        x, y = zip(*sorted((r["params"], r["val_loss"]) for r in rows if select(r["model"])))
+        curves.append({"x": x, "y": y, "style": style, "label": label})
+    plot_panels([{"curves": curves, "xlabel": "parameters", "legend_fontsize": 10, "grid": True,
+                  "ylabel": "validation loss (nats / byte)"}], str(path), figsize=(6, 4))
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
 For each compute budget ``C`` (training FLOPs) and each model width ``d`` in a grid, train a
 factorized Llama (rank ratio 0.25, Spectron on the factors, AdamW on the rest) for
 ``C / (F(d) · tokens_per_step)`` steps, where ``F(d)`` is the forward+backward FLOPs per token
-(``6·N_matmul`` + attention, see ``scripts._shared.flops_per_token``), and record the final
-validation loss. Per budget a quadratic ``L(log N)`` is fitted (the isoFLOP parabola); its vertex
+(``6·N_matmul`` + attention, see
+:func:`lowrank_jax.models.flops.training_flops_per_token`), and record the final validation
+loss. Per budget a quadratic ``L(log N)`` is fitted (the isoFLOP parabola); its vertex
 gives ``N_opt(C)`` and ``D_opt = C / F(N_opt)`` tokens. Power laws ``N_opt ∝ C^a`` and
 ``D_opt ∝ C^b`` are fitted by least squares in log-log space, with the slope's standard error,
 and printed next to the paper's ``a = 0.479``, ``b = 0.521``.
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from pathlib import Path
 
@@ -42,7 +42,10 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
-from lowrank_jax.data import batch_at, corpus_bytes, eval_batches, train_val_split  # noqa: E402
+from lowrank_jax.data import batch_at, corpus_bytes, train_val_split  # noqa: E402
+from lowrank_jax.train.loop import evaluate
+from lowrank_jax.train.sweep import fit_power_law, isoflop_optimum
+from lowrank_jax.analysis.report import plot_panels
 from lowrank_jax.models import Llama, LlamaConfig  # noqa: E402
 from lowrank_jax.optim import spectron_with_adamw  # noqa: E402
 from lowrank_jax.train import lm_loss, make_eval_fn, make_step  # noqa: E402
@@ -81,21 +84,6 @@ def make_config(args, width: int) -> LlamaConfig:
     return LlamaConfig(vocab_size=256, d_model=width, n_layers=args.layers, n_heads=args.heads,
                        n_kv_heads=args.heads, d_ff=4 * width, max_seq_len=args.seq,
                        projection="factorized", rank_ratio=args.rank_ratio)
-
-
-def fit_power(xs, ys):
-    """Least-squares slope/intercept of ``log y = a log x + c`` with the slope's std error."""
-    lx, ly = np.log(np.asarray(xs)), np.log(np.asarray(ys))
-    design = np.stack([lx, np.ones_like(lx)], 1)
-    coef, *_ = np.linalg.lstsq(design, ly, rcond=None)
-    resid = ly - design @ coef
-    dof = len(lx) - 2
-    if dof > 0:
-        sigma2 = float(resid @ resid) / dof
-        stderr = math.sqrt(sigma2 / float(((lx - lx.mean()) ** 2).sum()))
-    else:
-        stderr = float("nan")
-    return float(coef[0]), float(coef[1]), stderr
 
 
 def main(argv=None) -> int:
@@ -143,12 +131,11 @@ def main(argv=None) -> int:
                     run[2].append(float(loss))
                     bar.update(1)
             for c, run in runs.items():
-                vals = [float(eval_fn(run[0], jnp.asarray(x), jnp.asarray(y)))
-                        for x, y in eval_batches(val, args.batch, args.seq, args.eval_batches)]
                 records.append({"width": width, "budget": c, "steps": steps[c],
                                 "tokens": steps[c] * tokens_per_step, "n_params": n_params,
                                 "n_matmul": n_matmul, "flops_per_token": fpt,
-                                "val_loss": float(np.mean(vals)),
+                                "val_loss": evaluate(eval_fn, run[0], val, args.batch, args.seq,
+                                                     args.eval_batches),
                                 "final_train_loss": float(np.mean(run[2][-10:]))})
 
     fits = []
@@ -158,21 +145,11 @@ def main(argv=None) -> int:
         for r in rows:
             print(f"{c:>9.2e} {r['width']:>6} {r['n_matmul']:>9.0f} {r['tokens']:>9} "
                   f"{r['val_loss']:>9.4f}")
-        logn = np.log([r["n_matmul"] for r in rows])
-        loss = np.array([r["val_loss"] for r in rows])
-        qa, qb, qc = np.polyfit(logn, loss, 2)
-        interior = qa > 0 and logn.min() <= -qb / (2 * qa) <= logn.max()
-        if qa > 0:
-            n_opt = float(np.exp(-qb / (2 * qa)))
-        else:  # no minimum: fall back to the best measured size (flagged)
-            n_opt = float(rows[int(np.argmin(loss))]["n_matmul"])
-        d_opt = c / (6.0 * n_opt)
-        fits.append({"budget": c, "quadratic": [float(qa), float(qb), float(qc)],
-                     "n_opt": n_opt, "d_opt_tokens": d_opt, "vertex_inside_grid": bool(interior),
-                     "min_loss": float(loss.min())})
+        fit = isoflop_optimum([r["n_matmul"] for r in rows], [r["val_loss"] for r in rows])
+        fits.append({"budget": c, **fit, "d_opt_tokens": c / (6.0 * fit["n_opt"])})
 
-    a, _, a_err = fit_power([f["budget"] for f in fits], [f["n_opt"] for f in fits])
-    b, _, b_err = fit_power([f["budget"] for f in fits], [f["d_opt_tokens"] for f in fits])
+    a, _, a_err = fit_power_law([f["budget"] for f in fits], [f["n_opt"] for f in fits])
+    b, _, b_err = fit_power_law([f["budget"] for f in fits], [f["d_opt_tokens"] for f in fits])
     print(f"\n{'budget':>9} {'N_opt':>10} {'D_opt':>10} {'vertex in grid':>15}")
     for f in fits:
         print(f"{f['budget']:>9.2e} {f['n_opt']:>10.0f} {f['d_opt_tokens']:>10.0f} "
@@ -192,25 +169,19 @@ def main(argv=None) -> int:
 
 
 def plot(records, fits, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4.5))
-    for f in fits:
+    curves = []
+    for k, f in enumerate(fits):
         rows = sorted((r for r in records if r["budget"] == f["budget"]),
                       key=lambda r: r["n_matmul"])
         n = np.array([r["n_matmul"] for r in rows])
-        line = ax.plot(n, [r["val_loss"] for r in rows], "o", label=f"C={f['budget']:.1e}")[0]
         grid = np.exp(np.linspace(np.log(n.min()), np.log(n.max()), 50))
-        ax.plot(grid, np.polyval(f["quadratic"], np.log(grid)), "-", color=line.get_color())
-    ax.set(xscale="log", xlabel="matmul parameters N", ylabel="val loss (nats)",
-           title="IsoFLOP curves, factorized Llama + Spectron")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+        curves += [{"x": n, "y": [r["val_loss"] for r in rows], "style": "o", "color": f"C{k}",
+                    "label": f"C={f['budget']:.1e}"},
+                   {"x": grid, "y": np.polyval(f["quadratic"], np.log(grid)), "color": f"C{k}"}]
+    plot_panels([{"curves": curves, "xscale": "log", "xlabel": "matmul parameters N",
+                  "ylabel": "val loss (nats)", "legend_fontsize": 8,
+                  "title": "IsoFLOP curves, factorized Llama + Spectron"}], str(path),
+                figsize=(6, 4.5))
 
 
 if __name__ == "__main__":

@@ -46,7 +46,10 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
-from lowrank_jax.data import batch_at, corpus_bytes, eval_batches, train_val_split
+from lowrank_jax.analysis.report import plot_panels
+from lowrank_jax.data import batch_at, corpus_bytes, train_val_split
+from lowrank_jax.train.loop import evaluate as lm_evaluate
+from lowrank_jax.train.sweep import loss_spike, moving_average
 from lowrank_jax.models import Llama, LlamaConfig
 from lowrank_jax.optim import max_update_norm, spectron_with_adamw, weight_pairs
 from lowrank_jax.train import lm_loss, make_eval_fn, make_step
@@ -196,16 +199,11 @@ def main(argv=None) -> int:
     results = []
     for run in runs:
         evaluate = dense_eval if run.kind == "dense" else fact_eval
-        if run.diverged:
-            val_loss = float("nan")
-        else:
-            vals = [float(evaluate(run.params, jnp.asarray(x), jnp.asarray(y)))
-                    for x, y in eval_batches(val, args.batch, args.seq, args.eval_batches)]
-            val_loss = float(np.mean(vals))
+        val_loss = float("nan") if run.diverged else lm_evaluate(
+            evaluate, run.params, val, args.batch, args.seq, args.eval_batches)
         losses = np.asarray(run.losses)
         w = max(1, int(round(args.warmup_frac * run.steps))) if run.kind == "dense" else warmup
-        running_min = np.minimum.accumulate(losses)
-        spike = float(np.max(losses[w:] - running_min[w:])) if len(losses) > w else float("nan")
+        spike = loss_spike(losses, after=w)
         results.append({
             "name": run.name, "kind": run.kind, "peak_lr_or_eta": run.peak, "steps": run.steps,
             "tokens": run.steps * tokens_per_step,
@@ -249,34 +247,25 @@ def main(argv=None) -> int:
     print(f"Spectron / AdamW median step time: {overhead:.3f}")
     print(f"dense model: {dense_steps} steps at matched FLOPs "
           f"({f_dense / f_fact:.2f}x FLOPs per token)")
-    plot(results, out / "loss_curves.png", tokens_per_step)
+    plot(results, out / "loss_curves.png")
     print(f"wrote {out / 'results.json'} and {out / 'loss_curves.png'}")
     return 0
 
 
-def plot(results, path: Path, tokens_per_step: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(12, 4.5))
+def plot(results, path: Path) -> None:
+    styles = {"adamw": "--", "spectron": "-", "dense": ":"}
+    loss_curves, update_curves = [], []
     for r in results:
-        losses = np.asarray(r["losses"])
-        k = max(1, len(losses) // 50)
-        smooth = np.convolve(losses, np.ones(k) / k, mode="valid")
-        flops = np.arange(len(smooth)) * r["flops"] / max(1, r["steps"])
-        style = {"adamw": "--", "spectron": "-", "dense": ":"}[r["kind"]]
-        ax0.plot(flops, smooth, style, label=r["name"])
-        ax1.plot(np.asarray(r["delta_w"]), style, label=r["name"])
-    ax0.set(xlabel="training FLOPs", ylabel="train loss (nats, smoothed)", ylim=(0.8, 6.0),
-            title="Loss at matched compute")
-    ax1.set(xlabel="step", ylabel="max over layers ‖ΔW‖₂", yscale="log",
-            title="Per-step spectral norm of the weight update")
-    ax0.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+        smooth = moving_average(r["losses"], max(1, len(r["losses"]) // 50))
+        loss_curves.append({"x": np.arange(len(smooth)) * r["flops"] / max(1, r["steps"]),
+                            "y": smooth, "style": styles[r["kind"]], "label": r["name"]})
+        update_curves.append({"y": r["delta_w"], "style": styles[r["kind"]], "label": r["name"]})
+    plot_panels([{"curves": loss_curves, "xlabel": "training FLOPs", "ylim": (0.8, 6.0),
+                  "ylabel": "train loss (nats, smoothed)", "title": "Loss at matched compute"},
+                 {"curves": update_curves, "xlabel": "step", "yscale": "log", "legend": False,
+                  "ylabel": "max over layers ‖ΔW‖₂",
+                  "title": "Per-step spectral norm of the weight update"}],
+                str(path), figsize=(12, 4.5))
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from lowrank_jax.analysis.report import plot_panels
 from lowrank_jax.kv import xkv
 from lowrank_jax.data import corpus_windows
 from scripts._shared import load_model_and_codec
@@ -135,28 +136,19 @@ def main(argv=None) -> int:
 
 
 def _plot(rows, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
     exact = [r["perplexity"] for r in rows if r["method"] == "none"][0]
-    ax.axhline(exact, color="k", ls="--", label="exact cache")
-    styles = {"xkv": "o", "per_layer_svd": "s"}
-    for key in sorted({(r["method"], r["group_size"], r["sink_tokens"]) for r in rows
-                       if r["method"] != "none"}):
-        method, group, sink = key
+    curves = []
+    for method, group, sink in sorted({(r["method"], r["group_size"], r["sink_tokens"])
+                                       for r in rows if r["method"] != "none"}):
         pts = [(r["compression_ratio"], r["perplexity"]) for r in rows
-               if (r["method"], r["group_size"], r["sink_tokens"]) == key]
+               if (r["method"], r["group_size"], r["sink_tokens"]) == (method, group, sink)]
+        marker = {"xkv": "o", "per_layer_svd": "s"}[method]
         label = f"{method} (G={group})" + (f" + {sink} sink" if sink else ", paper")
-        ax.plot(*zip(*pts), marker=styles[method], ls="-" if sink else "--", label=label)
-    ax.set_xlabel("KV-cache compression ratio")
-    ax.set_ylabel("perplexity")
-    ax.set_xscale("log", base=2)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+        curves.append({"x": [p[0] for p in pts], "y": [p[1] for p in pts],
+                       "style": marker + ("-" if sink else "--"), "label": label})
+    plot_panels([{"curves": curves, "hlines": [(exact, "exact cache", "--")], "xscale": "log2",
+                  "xlabel": "KV-cache compression ratio", "ylabel": "perplexity"}], path,
+                figsize=(6, 4))
 
 
 if __name__ == "__main__":

@@ -97,3 +97,14 @@ def test_cka_matrix_diagonal_and_bad_shapes():
     assert m[0, 2] == pytest.approx(1.0, abs=1e-5)
     with pytest.raises(ValueError, match="same n"):
         linear_cka(x, y[:10])
+
+
+def test_layer_distance_means_on_a_banded_matrix():
+    from lowrank_jax.analysis.cka import layer_distance_means
+
+    n = 8
+    m = np.array([[0.9 ** abs(i - j) for j in range(n)] for i in range(n)])
+    adjacent, distant = layer_distance_means(m, far=5)
+    assert adjacent == pytest.approx(0.9)
+    pairs = [abs(i - j) for i in range(n) for j in range(n) if abs(i - j) >= 5]
+    assert distant == pytest.approx(np.mean([0.9 ** d for d in pairs]))

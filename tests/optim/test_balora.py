@@ -183,3 +183,12 @@ def test_bad_arguments():
     tx = scale_by_balora()
     with pytest.raises(ValueError, match="params"):
         tx.update({"lora_a": jnp.ones((3, 2))}, tx.init(None))
+
+
+def test_relative_balancing_gap_known_values():
+    from lowrank_jax.optim.balora import relative_balancing_gap
+
+    a, b = jnp.diag(jnp.array([2.0, 1.0])), jnp.eye(2)  # AᵀA − BBᵀ = diag(3, 0), AB = diag(2, 1)
+    tree = {"q": {"lora_a": a, "lora_b": b}, "v": {"lora_a": jnp.eye(2), "lora_b": jnp.eye(2)}}
+    np.testing.assert_allclose(relative_balancing_gap(tree), (3.0 / np.sqrt(5.0) + 0.0) / 2,
+                               rtol=1e-6)

@@ -117,3 +117,22 @@ def test_donate_consumes_the_state_and_gives_the_same_step():
     _assert_trees_equal(got, expected)
     assert all(leaf.is_deleted() for leaf in jax.tree.leaves(copy))  # buffers reused
     assert not any(leaf.is_deleted() for leaf in jax.tree.leaves((params, state)))
+
+
+def test_scan_steps_equals_a_python_loop_of_steps():
+    from lowrank_jax.core.step import scan_steps
+
+    tx = optax.adam(0.1)
+    loss = lambda w, x, y, scale: jnp.sum((scale * w * x - y) ** 2)  # noqa: E731
+    xs, ys = jnp.arange(6.0).reshape(3, 2), jnp.ones((3, 2))
+    w0 = jnp.array([0.5, -0.5])
+    step = make_step(loss, tx, jit=False)
+    w, state, values = jax.jit(scan_steps, static_argnums=0)(step, w0, tx.init(w0), (xs, ys),
+                                                            2.0)
+    ref_w, ref_state, ref_values = w0, tx.init(w0), []
+    for x, y in zip(xs, ys):
+        ref_w, ref_state, v = step(ref_w, ref_state, x, y, 2.0)
+        ref_values.append(v)
+    np.testing.assert_allclose(w, ref_w, rtol=1e-6)
+    np.testing.assert_allclose(values, ref_values, rtol=1e-6)
+    assert int(state[0].count) == 3
