@@ -25,8 +25,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax.numpy as jnp
+import numpy as np
+import scipy.stats
 from flax import nnx
-from jax.scipy.stats import norm
 from jaxtyping import Array, Float
 
 from lowrank_jax.quant.layers import QuantCodes, QuantScale
@@ -45,10 +46,19 @@ def nf4_levels() -> Float[Array, "16"]:
         >>> float(levels[0]), float(levels[7]), float(levels[15])
         (-1.0, 0.0, 1.0)
     """
-    pos = norm.ppf(jnp.linspace(NF4_OFFSET, 0.5, 9)[:-1])
-    neg = -norm.ppf(jnp.linspace(NF4_OFFSET, 0.5, 8)[:-1])
-    v = jnp.sort(jnp.concatenate([pos, jnp.zeros(1), neg]))
-    return (v / jnp.max(jnp.abs(v))).astype(jnp.float32)
+    return jnp.asarray(_LEVELS)
+
+
+def _levels() -> np.ndarray:
+    # on the host in float64, as QLoRA builds its table with scipy: the ends are exactly -1 and 1
+    # whatever XLA's optimisation flags
+    pos = scipy.stats.norm.ppf(np.linspace(NF4_OFFSET, 0.5, 9)[:-1])
+    neg = -scipy.stats.norm.ppf(np.linspace(NF4_OFFSET, 0.5, 8)[:-1])
+    v = np.sort(np.concatenate([pos, np.zeros(1), neg]))
+    return (v / np.max(np.abs(v))).astype(np.float32)
+
+
+_LEVELS = _levels()
 
 
 class NF4Weight(NamedTuple):
