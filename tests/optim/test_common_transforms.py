@@ -269,7 +269,9 @@ def test_inject_hyperparams_changes_nothing(name):
     want, _ = _run(case.make(**case.hyper), params, case.extra())
     injected = optax.inject_hyperparams(case.make, static_args=case.static)(**case.hyper)
     got, states = _run(injected, params, case.extra())
-    _assert_trees_close(got, want)
+    # traced hyperparameters are not folded into the program as constants are: float32 rounding
+    # differs, and Newton-Schulz / power iterations over 3 steps amplify it to ~5e-5 relative
+    _assert_trees_close(got, want, rtol=1e-4, atol=1e-5)
     assert set(case.hyper) <= set(states[-1].hyperparams)
 
 

@@ -360,6 +360,8 @@ def test_batched_pairs_equal_the_per_pair_loop():
         for _ in range(2):
             updates, state = jax.jit(tx.update)(grads, state, params)
         outs[batched] = (updates, state)
+    # the same maths in another summation order: float32 Newton-Schulz over 2 steps differs by
+    # up to ~4e-5 relative (XLA's fusion emitters decide the order)
     for got, want in zip(jax.tree.leaves(outs[True]), jax.tree.leaves(outs[False])):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
     assert float(jnp.abs(outs[True][0]["p0"]["a"]).max()) > 0
