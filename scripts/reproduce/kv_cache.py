@@ -27,13 +27,8 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from lowrank_jax.kv.evaluate import (
-    parse_setting,
-    plot_sweep,
-    record_line,
-    summarize_sweep,
-    sweep_table,
-)
+from lowrank_jax.kv.evaluate import parse_setting, summarize_sweep
+from lowrank_jax.kv.report import plot_sweep, record_line, sweep_table
 from lowrank_jax.kv import SVDCache, prefill_kv, xkv_perplexity_sweep
 from lowrank_jax.data import corpus_windows
 from scripts._shared import load_model_and_codec

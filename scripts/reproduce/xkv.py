@@ -27,7 +27,7 @@ import numpy as np
 from tqdm import tqdm
 
 from lowrank_jax.kv import xkv
-from lowrank_jax.kv.evaluate import plot_grid, summarize_grid
+from lowrank_jax.kv.report import plot_grid, summarize_grid
 from lowrank_jax.data import corpus_windows
 from scripts._shared import load_model_and_codec
 
