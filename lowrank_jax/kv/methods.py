@@ -341,18 +341,8 @@ def start_kv_decode(model, keys, values, *, method: str, ratio: float | None,
 
     ``xkv`` / ``per_layer_svd`` decode through the xKV kernel path
     (:func:`lowrank_jax.kv.xkv_decode_step`, their ``state`` is the cache); the other methods
-    through :class:`ReconstructDecodeKV` (``state.cache`` is the compressed cache).
-
-    Example::
-
-        >>> from lowrank_jax.kv.model import prefill_kv
-        >>> from lowrank_jax.models.presets import preset_model
-        >>> model = preset_model("tiny")
-        >>> keys, values = prefill_kv(model, jnp.zeros((1, 32), jnp.int32))
-        >>> state, step = start_kv_decode(model, keys, values, method="kivi", ratio=2.0,
-        ...                               max_new_tokens=1)
-        >>> step(state, jnp.zeros((1,), jnp.int32))[0].shape
-        (1, 256)
+    through :class:`ReconstructDecodeKV` (``state.cache`` is the compressed cache);
+    :func:`kv_generate` decodes with it.
     """
     from lowrank_jax.kv.model import xkv_decode_step
 

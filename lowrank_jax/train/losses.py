@@ -106,19 +106,6 @@ def scaled_adapter_loss(graphdef) -> Callable:
     The adapters are applied at the module's own scaling with every ``lora_a`` multiplied by
     ``scale`` (:func:`scale_lora_a`), so ``s`` can be a traced argument: one compiled fine-tune
     serves a whole sweep over the scale (BaLoRA's ``s = A_scaling²``).
-
-    Example::
-
-        >>> import jax.numpy as jnp
-        >>> from lowrank_jax.models.presets import preset_model
-        >>> from lowrank_jax.nn import LoRARule, apply_lora
-        >>> model = preset_model("tiny")
-        >>> _ = apply_lora(model, LoRARule("q_proj", rank=2), rngs=nnx.Rngs(1))
-        >>> graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
-        >>> x = jnp.zeros((1, 4), jnp.int32)
-        >>> loss = scaled_adapter_loss(graphdef)
-        >>> bool(loss(lora, x, x, 1.0, rest) == lm_loss(graphdef)((lora, rest), x, x))
-        True
     """
     merged = lm_loss(graphdef)
 

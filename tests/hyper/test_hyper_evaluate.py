@@ -71,3 +71,31 @@ def test_evaluator_at_init_scores_the_base_model_and_memory_is_planned():
     assert memory["context_distillation_step"] is None or (
         memory["context_distillation_step"] >= grads_bytes)
     assert memory["doc_to_lora"] is None or memory["doc_to_lora"] > 0
+
+
+def test_context_distillation_without_steps_scores_the_base_model(tmp_path):
+    """B = 0 before any step: each document's fresh adapter is a no-op (first ``n_docs``)."""
+    from flax import nnx
+
+    from lowrank_jax.hyper import DocToLoRA, build_distill_data
+    from lowrank_jax.hyper.evaluate import context_distillation_scores, plot_learning_curve
+    from lowrank_jax.models.presets import preset_model
+
+    base = preset_model("tiny")
+    hyper = DocToLoRA.for_model(base, layers=(0, 1), rank=2, d_latent=16, n_latents=4,
+                                num_blocks=1, n_heads=2, rngs=nnx.Rngs(0))
+    docs, questions, answers = [[5, 6, 7], [10, 11], [3, 4]], [[1, 2, 3], [4, 5], [6]], [
+        [6, 7], [8, 9], [1, 2]]
+    data = build_distill_data(base, docs, questions, answers, layers=(0, 1), chunk_len=8,
+                              max_chunks=1, top_k=4)
+    hits, lps, digits, seconds = context_distillation_scores(
+        base, hyper.config, data, questions, answers, total_rank=4, steps=0,
+        learning_rate=1e-3, n_docs=2)
+    tokens = jnp.asarray(pad_tokens([q + a for q, a in zip(questions, answers)]))
+    want = answer_scores(base(tokens)[0], tokens, [len(q) - 1 for q in questions], answers)
+    assert hits == want[0][:2] and digits == want[2][:2] and len(seconds) == 2
+    np.testing.assert_allclose(lps, want[1][:2], rtol=1e-5)
+    curve = [{"step": s, "heldout_acc": 0.1, "heldout_digits": 0.2, "seen_acc": 0.3,
+              "seen_digits": 0.4, "kl_mean": 1.0 / s} for s in (1, 2)]
+    plot_learning_curve(curve, 0.5, tmp_path / "curve.png", "title")
+    assert (tmp_path / "curve.png").exists()
