@@ -318,12 +318,16 @@ def start_decode(method: str, cache, *, max_new_tokens: int) -> ReconstructDecod
 
 
 @nnx.jit
-def cache_step(model, cache, token):
-    """One jitted decode step of ``model`` against any cache it takes (a
-    :class:`~lowrank_jax.models.llama.KVCache`, a :class:`ReconstructDecodeKV`):
-    ``(logits [b, vocab], advanced cache)``."""
+def _cache_step(model, cache, token):
     logits, cache = model(token[:, None], cache=cache)
     return logits[:, 0], cache
+
+
+def cache_step(model, cache, token):
+    """One jitted decode step of ``model`` against any cache it takes (a
+    :class:`~lowrank_jax.models.KVCache`, a :class:`ReconstructDecodeKV`):
+    ``(logits [b, vocab], advanced cache)``."""
+    return _cache_step(model, cache, jnp.asarray(token))
 
 
 def decode_step(model, provider: ReconstructDecodeKV, token):
