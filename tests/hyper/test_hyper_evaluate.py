@@ -75,22 +75,19 @@ def test_evaluator_at_init_scores_the_base_model_and_memory_is_planned():
 
 def test_context_distillation_without_steps_scores_the_base_model(tmp_path):
     """B = 0 before any step: each document's fresh adapter is a no-op (first ``n_docs``)."""
-    from flax import nnx
-
-    from lowrank_jax.hyper import DocToLoRA, build_distill_data
+    from lowrank_jax.hyper import DocToLoRAConfig
+    from lowrank_jax.hyper.doc_to_lora import projection_shape
     from lowrank_jax.hyper.evaluate import context_distillation_scores, plot_learning_curve
     from lowrank_jax.models.presets import preset_model
 
     base = preset_model("tiny")
-    hyper = DocToLoRA.for_model(base, layers=(0, 1), rank=2, d_latent=16, n_latents=4,
-                                num_blocks=1, n_heads=2, rngs=nnx.Rngs(0))
-    docs, questions, answers = [[5, 6, 7], [10, 11], [3, 4]], [[1, 2, 3], [4, 5], [6]], [
-        [6, 7], [8, 9], [1, 2]]
-    data = build_distill_data(base, docs, questions, answers, layers=(0, 1), chunk_len=8,
-                              max_chunks=1, top_k=4)
+    config = DocToLoRAConfig((0, 1), base.cfg.d_model, *projection_shape(base.cfg, "down_proj"),
+                             rank=2)
+    questions, answers = [[1, 2, 3], [4, 5], [6]], [[6, 7], [8, 9], [1, 2]]
+    data = DistillData(*[np.zeros((3, 1))] * len(DistillData._fields))  # no step reads it
     hits, lps, digits, seconds = context_distillation_scores(
-        base, hyper.config, data, questions, answers, total_rank=4, steps=0,
-        learning_rate=1e-3, n_docs=2)
+        base, config, data, questions, answers, total_rank=4, steps=0, learning_rate=1e-3,
+        n_docs=2)
     tokens = jnp.asarray(pad_tokens([q + a for q, a in zip(questions, answers)]))
     want = answer_scores(base(tokens)[0], tokens, [len(q) - 1 for q in questions], answers)
     assert hits == want[0][:2] and digits == want[2][:2] and len(seconds) == 2
