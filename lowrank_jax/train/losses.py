@@ -124,8 +124,8 @@ def evaluate_windows(score: Callable, states: tuple, windows, *, batch_size: int
     Example::
 
         >>> import numpy as np
-        >>> evaluate_windows(lambda s, w: (w.mean(), w.max()), (), np.arange(5.0), batch_size=2)
-        (2.25, 3.0)
+        >>> evaluate_windows(lambda s, w: (w.mean(), w.max()), (), np.arange(4.0), batch_size=2)
+        (1.5, 2.0)
     """
     values = [jax.tree.map(float, score(states, windows[i:i + batch_size]))
               for i in range(0, len(windows), batch_size)]
