@@ -202,7 +202,7 @@ def main(argv=None):
                                          "runs": runs, "verdict": verdict_text}, indent=1,
                                         default=float))
     print(out.read_text())
-    print(f"written {out}, {image}, {json_path}")
+    print(f"written {out}, " + (f"{image}, " if report is not None else "") + f"{json_path}")
 
 
 if __name__ == "__main__":
