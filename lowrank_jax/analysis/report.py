@@ -336,6 +336,35 @@ def plot_grid_heatmaps(grids: dict, path: str, *, xticks, yticks, xlabel: str, y
     plt.close(fig)
 
 
+def plot_frames(clips, labels, path: str, *, dpi: int = 110) -> None:
+    """One row of frames per clip (``[frames, h, w, 3]`` in ``[-1, 1]``), labelled on the left.
+
+    Example::
+
+        >>> import tempfile, os, numpy as np
+        >>> path = os.path.join(tempfile.mkdtemp(), "f.png")
+        >>> plot_frames([np.zeros((2, 4, 4, 3))] * 2, ["a", "b"], path)
+        >>> os.path.exists(path)
+        True
+    """
+    plt = _plt()
+    clips = [np.asarray(c) for c in clips]
+    frames = clips[0].shape[0]
+    fig, axes = plt.subplots(len(clips), frames, figsize=(frames * 0.9, len(clips) * 1.0),
+                             squeeze=False)
+    for i, clip in enumerate(clips):
+        for f in range(frames):
+            ax = axes[i, f]
+            ax.imshow((clip[f] + 1) / 2, interpolation="nearest")
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if f == 0:
+                ax.set_ylabel(labels[i], fontsize=6, rotation=0, ha="right", va="center")
+    fig.tight_layout(pad=0.2)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+
+
 def _clean(obj):
     if isinstance(obj, dict):
         return {str(k): _clean(v) for k, v in obj.items()}
@@ -360,7 +389,8 @@ def write_json(obj, path: str) -> None:
 
 __all__ = [
     "PASSAGE", "analyze_params", "key_cka", "layer_keys", "named_matrices", "per_layer_table",
-    "plot_by_layer", "plot_curves", "plot_grid_heatmaps", "plot_heatmap", "plot_panels",
+    "plot_by_layer", "plot_curves", "plot_frames", "plot_grid_heatmaps", "plot_heatmap",
+    "plot_panels",
     "plot_spectra", "spectrum", "unembedding_report",
     "write_json",
 ]

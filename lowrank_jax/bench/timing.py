@@ -149,6 +149,42 @@ def speedup(baseline: Callable[[], Any], method: Callable[[], Any], *, reps: int
     return times["baseline"] / times["method"]
 
 
+def decode_rates(decoders: dict[str, tuple[Callable, Any]], token, *, steps: int,
+                 warmup: int = 1, rounds: int = 3) -> dict[str, list[float]]:
+    """Tokens per second of ``steps`` decode steps of each decoder, per interleaved round.
+
+    ``decoders[name] = (step, state)`` with ``step(state, token) -> (logits, state)`` (e.g.
+    :func:`lowrank_jax.kv.start_kv_decode`). Each is compiled first, in order (``warmup``
+    steps from ``state``); every round then times ``steps`` steps from the state after its
+    first step, every decoder once per round (:func:`interleaved_samples`), so a load change
+    on a shared machine hits all of them alike.
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> step = lambda state, token: (state + token, state + 1)
+        >>> rates = decode_rates({"add": (step, jnp.zeros(()))}, 1.0, steps=2, rounds=2)
+        >>> len(rates["add"]), all(r > 0 for r in rates["add"])
+        (2, True)
+    """
+    firsts = {}
+    for name, (step, state) in decoders.items():
+        logits, firsts[name] = step(state, token)
+        for _ in range(warmup - 1):
+            logits, _ = step(firsts[name], token)
+        jax.block_until_ready(logits)
+
+    def run(name):
+        step, current = decoders[name][0], firsts[name]
+        for _ in range(steps):
+            logits, current = step(current, token)
+        return logits
+
+    samples = interleaved_samples({name: (lambda n=name: run(n)) for name in decoders},
+                                  reps=rounds, warmup=0)
+    return {name: [steps / seconds for seconds in values] for name, values in samples.items()}
+
+
 def reference_matmul_seconds(flops: float, *, reps: int = 3) -> tuple[float, int]:
     """Time of the same-run baseline of a benchmark: one jitted fp32 ``n×n @ n×n`` matmul with
     ``2n³ ≈ flops`` (compare an op's time to it, not to an absolute clock).
@@ -193,5 +229,5 @@ def machine_record() -> dict:
     }
 
 
-__all__ = ["interleaved_samples", "machine_record", "reference_matmul_seconds", "speedup",
-           "time_compiled", "time_fn", "time_interleaved", "time_once"]
+__all__ = ["decode_rates", "interleaved_samples", "machine_record", "reference_matmul_seconds",
+           "speedup", "time_compiled", "time_fn", "time_interleaved", "time_once"]

@@ -12,10 +12,10 @@ from lowrank_jax.core.losses import (
     top_logprobs,
     windowed_perplexity,
 )
-from lowrank_jax.core.step import make_step, scan_steps, trainable
+from lowrank_jax.core.step import make_step, scan_steps, scan_train, trainable
 
 __all__ = [
-    "PerplexityResult", "cross_entropy", "ids_logprob", "make_step", "scan_steps",
+    "PerplexityResult", "cross_entropy", "ids_logprob", "make_step", "scan_steps", "scan_train",
     "sliding_windows", "token_logprob", "token_nll", "top_logprobs", "trainable",
     "windowed_perplexity",
 ]

@@ -157,4 +157,23 @@ def scan_steps(step: Callable, params, opt_state, batches: tuple, *args):
     return params, opt_state, values
 
 
-__all__ = ["make_step", "scan_steps", "trainable"]
+def scan_train(loss_fn: Callable, tx: optax.GradientTransformation, params, batches: tuple,
+               *args):
+    """``(params, losses)`` of a whole run in one ``lax.scan``: :func:`make_step` steps of
+    ``loss_fn`` from ``tx.init(params)``, one per batch (:func:`scan_steps`; ``args`` reach every
+    step unchanged). Jit the caller (learning rates built from traced arguments compile once).
+
+    Example::
+
+        >>> import jax.numpy as jnp, optax
+        >>> w, losses = scan_train(lambda w, x: jnp.sum((w - x) ** 2), optax.sgd(0.5),
+        ...                        jnp.zeros(1), (jnp.ones((3, 1)),))
+        >>> float(w[0]), losses.tolist()
+        (1.0, [1.0, 0.0, 0.0])
+    """
+    params, _, losses = scan_steps(make_step(loss_fn, tx, jit=False), params, tx.init(params),
+                                   batches, *args)
+    return params, losses
+
+
+__all__ = ["make_step", "scan_steps", "scan_train", "trainable"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from flax import nnx
 
 from lowrank_jax.core.losses import token_logprob
 from lowrank_jax.hyper.doc_to_lora import adapted
-from lowrank_jax.hyper.train import DistillData, build_distill_data
+from lowrank_jax.hyper.train import DistillData, build_distill_data, context_distiller
 
 
 def pad_tokens(rows: Sequence[Sequence[int]]) -> np.ndarray:
@@ -123,6 +124,62 @@ def hypernetwork_evaluator(model, hyper, sets: dict):
         return row
 
     return evaluate, scores
+
+
+def context_distillation_scores(model, config, data: DistillData, questions, answers, *,
+                                total_rank: int, steps: int, learning_rate: float,
+                                n_docs: int | None = None):
+    """Per-document context distillation (:func:`~lowrank_jax.hyper.context_distiller`, the
+    slow baseline) scored like :func:`answer_scores`, without the document in the prompt.
+
+    Document ``i`` of ``data`` gets a fresh rank-``total_rank`` adapter (seed ``i``), trained
+    ``steps`` Adam steps, then answers ``questions[i]``. Only the first ``n_docs`` documents
+    are distilled (default all).
+
+    Returns:
+        ``(hits, logps, digits, seconds)``: per document, the scores and the wall seconds of its
+        distillation (the first one includes compilation).
+    """
+    distill = context_distiller(model, config, total_rank=total_rank, steps=steps,
+                                learning_rate=learning_rate)
+    tokens = jnp.asarray(pad_tokens([q + a for q, a in zip(questions, answers)]))
+    hits, logps, digits, seconds = [], [], [], []
+    for i in range(len(questions) if n_docs is None else min(n_docs, len(questions))):
+        one = DistillData(*(np.asarray(x)[i:i + 1] for x in data))
+        start = time.time()
+        bank = distill(one, seed=i)
+        bank.a.block_until_ready()
+        seconds.append(time.time() - start)
+        with adapted(model, bank, config):
+            logits = model(tokens[i:i + 1])[0]
+        h, lp, dg = answer_scores(logits, tokens[i:i + 1], [len(questions[i]) - 1],
+                                  answers[i:i + 1])
+        hits += h
+        logps += lp
+        digits += dg
+    return hits, logps, digits, seconds
+
+
+def plot_learning_curve(curve: Sequence[dict], floor: float, path, title: str) -> None:
+    """The curve of :func:`~lowrank_jax.hyper.train_doc_to_lora`'s evaluations: held-out and
+    seen exact / digit accuracy (``evaluate=`` of :func:`hypernetwork_evaluator`) beside the
+    training KL and the teacher's floor (:func:`teacher_floor`)."""
+    from lowrank_jax.analysis.report import plot_panels
+
+    steps = [r["step"] for r in curve]
+    accuracy = [{"x": steps, "y": [r[key] for r in curve], "style": style, "ms": 3, "label": label}
+                for key, style, label in (("heldout_acc", "o-", "held-out exact"),
+                                          ("heldout_digits", "s-", "held-out digit acc."),
+                                          ("seen_acc", "o--", "seen exact"),
+                                          ("seen_digits", "s--", "seen digit acc."))]
+    kl = [{"x": steps, "y": [r["kl_mean"] for r in curve],
+           "label": "train top-16 KL (mean since previous eval)"}]
+    plot_panels([{"curves": accuracy, "hlines": [(0.1, "digit chance (0.1)", ":")],
+                  "xlabel": "step", "ylabel": "accuracy (no document in the prompt)",
+                  "ylim": (-0.02, 1.02), "legend_fontsize": 8, "grid": True},
+                 {"curves": kl, "hlines": [(floor, f"teacher floor ({floor:.2f})", "--")],
+                  "xlabel": "step", "ylabel": "top-16 KL", "legend_fontsize": 8, "grid": True}],
+                str(path), suptitle=title, figsize=(11, 4), dpi=110)
 
 
 def cached_distill_data(cache_dir, model_name: str, model, tokens, build: dict,
@@ -235,4 +292,5 @@ def working_memory(model, hyper, data: DistillData, *, layers: Sequence[int], ch
 
 
 __all__ = ["answer_scores", "cached_distill_data", "compiled_temp_bytes",
-           "hypernetwork_evaluator", "pad_tokens", "teacher_floor", "working_memory"]
+           "context_distillation_scores", "hypernetwork_evaluator", "pad_tokens",
+           "plot_learning_curve", "teacher_floor", "working_memory"]

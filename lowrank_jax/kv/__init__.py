@@ -12,6 +12,7 @@ from lowrank_jax.kv.methods import (
     KVMethod,
     ReconstructDecodeKV,
     cache_ratio,
+    cache_step,
     compress_kv,
     decode_step,
     get_method,
@@ -19,6 +20,7 @@ from lowrank_jax.kv.methods import (
     reconstruct_all,
     reference_bytes,
     start_decode,
+    start_kv_decode,
     stored_bytes,
 )
 from lowrank_jax.kv.quantized import (
@@ -64,7 +66,7 @@ __all__ = [
     "ExactCache", "KIVICache", "KVCacheFactory", "KVMethod", "generate_text_with_kv",
     "kv_cache_factory", "MixedBitsXKVCache", "QuantizedArray", "QuantizedXKVCache",
     "ReconstructDecodeKV", "SVDCache", "cache_ratio", "choose_kivi_settings", "compress_kv",
-    "decode_step",
+    "cache_step", "decode_step", "start_kv_decode",
     "dequantize", "get_method", "kivi_compress", "kivi_reconstruct", "kv_generate", "quantize",
     "reconstruct_all", "reference_bytes", "start_decode", "stored_bytes", "xkv_quant_compress",
     "xkv_mixed_compress", "xkv_mixed_reconstruct", "xkv_quant_reconstruct",

@@ -318,9 +318,16 @@ def start_decode(method: str, cache, *, max_new_tokens: int) -> ReconstructDecod
 
 
 @nnx.jit
-def _reconstruct_step(model, provider, token):
-    logits, provider = model(token[:, None], cache=provider)
-    return logits[:, 0], provider
+def _cache_step(model, cache, token):
+    logits, cache = model(token[:, None], cache=cache)
+    return logits[:, 0], cache
+
+
+def cache_step(model, cache, token):
+    """One jitted decode step of ``model`` against any cache it takes (a
+    :class:`~lowrank_jax.models.KVCache`, a :class:`ReconstructDecodeKV`):
+    ``(logits [b, vocab], advanced cache)``."""
+    return _cache_step(model, cache, jnp.asarray(token))
 
 
 def decode_step(model, provider: ReconstructDecodeKV, token):
@@ -328,7 +335,30 @@ def decode_step(model, provider: ReconstructDecodeKV, token):
     if int(provider.tail_length) >= provider.tail_keys.shape[2]:
         raise ValueError(f"the exact tail is full ({provider.tail_keys.shape[2]} tokens); start "
                          "decoding with a larger max_new_tokens.")
-    return _reconstruct_step(model, provider, jnp.asarray(token))
+    return cache_step(model, provider, jnp.asarray(token))
+
+
+def start_kv_decode(model, keys, values, *, method: str, ratio: float | None,
+                    max_new_tokens: int, **options):
+    """``(state, step)``: the prompt's K/V compressed by ``method`` with room for
+    ``max_new_tokens``, and ``step(state, token) -> (logits, state)``.
+
+    ``xkv`` / ``per_layer_svd`` decode through the xKV kernel path
+    (:func:`lowrank_jax.kv.xkv_decode_step`, their ``state`` is the cache); the other methods
+    through :class:`ReconstructDecodeKV` (``state.cache`` is the compressed cache);
+    :func:`kv_generate` decodes with it.
+    """
+    from lowrank_jax.kv.model import xkv_decode_step
+
+    get_method(method)
+    theta = model.cfg.rope_theta
+    if method in ("xkv", "per_layer_svd"):
+        cache = compress_kv(method, keys, values, rope_theta=theta, ratio=ratio,
+                            tail_capacity=max_new_tokens, **options)
+        return cache, lambda c, t: xkv_decode_step(model, c, t)
+    cache = compress_kv(method, keys, values, rope_theta=theta, ratio=ratio, **options)
+    return (start_decode(method, cache, max_new_tokens=max_new_tokens),
+            lambda c, t: decode_step(model, c, t))
 
 
 def kv_generate(model, prompt, *, method: str, ratio: float | None = 8.0, max_new_tokens: int,
@@ -350,24 +380,16 @@ def kv_generate(model, prompt, *, method: str, ratio: float | None = 8.0, max_ne
         ...             max_new_tokens=2).shape
         (1, 2)
     """
-    from lowrank_jax.kv.model import prefill_kv, xkv_decode_step
+    from lowrank_jax.kv.model import prefill_kv
 
     prompt = jnp.asarray(prompt)
     if prompt.ndim != 2 or prompt.shape[1] < 2:
         raise ValueError(f"prompt has shape {prompt.shape}; expected [batch, length >= 2].")
     get_method(method)
     keys, values = prefill_kv(model, prompt[:, :-1])
-    theta = model.cfg.rope_theta
     token, out = prompt[:, -1], []
-    if method in ("xkv", "per_layer_svd"):
-        cache = compress_kv(method, keys, values, rope_theta=theta, ratio=ratio,
-                            tail_capacity=max_new_tokens, **options)
-        step = lambda c, t: xkv_decode_step(model, c, t)  # noqa: E731
-    else:
-        cache = start_decode(method, compress_kv(method, keys, values, rope_theta=theta,
-                                                 ratio=ratio, **options),
-                             max_new_tokens=max_new_tokens)
-        step = lambda c, t: decode_step(model, c, t)  # noqa: E731
+    cache, step = start_kv_decode(model, keys, values, method=method, ratio=ratio,
+                                  max_new_tokens=max_new_tokens, **options)
     for _ in range(max_new_tokens):
         logits, cache = step(cache, token)
         token = jnp.argmax(logits, axis=-1).astype(prompt.dtype)
@@ -376,7 +398,7 @@ def kv_generate(model, prompt, *, method: str, ratio: float | None = 8.0, max_ne
 
 
 __all__ = [
-    "METHODS", "ExactCache", "KVMethod", "ReconstructDecodeKV", "cache_ratio", "compress_kv",
-    "decode_step", "get_method", "kv_generate", "reconstruct_all", "reference_bytes",
-    "start_decode", "stored_bytes",
+    "METHODS", "ExactCache", "KVMethod", "ReconstructDecodeKV", "cache_ratio", "cache_step",
+    "compress_kv", "decode_step", "get_method", "kv_generate", "reconstruct_all",
+    "reference_bytes", "start_decode", "start_kv_decode", "stored_bytes",
 ]

@@ -310,6 +310,24 @@ def train_video_dit(config: VideoDiTConfig, data_fn: Callable, *, steps: int = 2
     return model, losses
 
 
+def load_or_train_video_dit(path, *, steps: int = 300, log=print) -> tuple[VideoDiT, str]:
+    """``(model, source)``: the DiT saved at ``path`` (:func:`save_video_dit`), or, when there is
+    none, a small one (8 frames of 16×16, dim 64, 2 heads, 2 layers) trained ``steps`` steps on
+    :func:`~lowrank_jax.data.video.procedural_videos` (batch 16; ``source`` then says so)."""
+    import os
+
+    from lowrank_jax.data.video import procedural_videos
+
+    if os.path.exists(os.path.join(path, "params.npz")):
+        return load_video_dit(path), str(path)
+    log(f"no checkpoint at {path}: training a quick model "
+        "(run train_video_dit.py for the real one)")
+    config = VideoDiTConfig(frames=8, height=16, width=16, dim=64, heads=2, layers=2)
+    data = lambda key, batch: procedural_videos(key, batch, frames=8, size=16)  # noqa: E731
+    model, _ = train_video_dit(config, data, steps=steps, batch=16)
+    return model, "trained in-script"
+
+
 def save_video_dit(path, model: VideoDiT) -> None:
     """Write the config (JSON) and parameters (``.npz``) of ``model`` to ``path`` (a folder)."""
     import json
@@ -350,6 +368,6 @@ def load_video_dit(path) -> VideoDiT:
 
 
 __all__ = ["DiTBlock", "VideoDiT", "VideoDiTConfig", "calibrate_grams", "dense_attention",
-           "flow_matching_loss", "load_video_dit", "patchify", "rope_3d", "sample", "sampling_qkv",
-           "save_video_dit",
-           "timestep_embedding", "train_video_dit", "unpatchify"]
+           "flow_matching_loss", "load_or_train_video_dit", "load_video_dit", "patchify",
+           "rope_3d", "sample", "sampling_qkv", "save_video_dit", "timestep_embedding",
+           "train_video_dit", "unpatchify"]

@@ -5,11 +5,11 @@ from lowrank_jax.train.loop import (
     TrainResult,
     TrainState,
     init_state,
-    lm_loss,
     make_eval_fn,
     make_train_step,
     train,
 )
+from lowrank_jax.train.losses import lm_loss
 from lowrank_jax.core.step import make_step
 
 __all__ = ["RunConfig", "TrainResult", "TrainState", "init_state", "lm_loss", "load_config",

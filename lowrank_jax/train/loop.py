@@ -40,7 +40,7 @@ from lowrank_jax.io.checkpoint import (  # re-exported for existing callers
     truncate_metrics,
 )
 from lowrank_jax.train.config import RunConfig
-from lowrank_jax.core.losses import cross_entropy
+from lowrank_jax.train.losses import evaluate_windows, lm_loss
 from lowrank_jax.train.optimizers import build_optimizer, with_structure
 from lowrank_jax.core.step import make_step
 
@@ -70,18 +70,6 @@ def init_state(cfg: RunConfig, mesh=None) -> tuple[TrainState, optax.GradientTra
     return TrainState(graphdef, params, opt_state, 0), tx
 
 
-def lm_loss(graphdef) -> Callable:
-    """``loss(params, inputs, targets)``: next-token cross entropy of ``nnx.merge(graphdef,
-    params)`` (the pretraining loss; pass it to :func:`lowrank_jax.core.step.make_step`)."""
-
-    def loss_fn(params, inputs, targets):
-        model = nnx.merge(graphdef, params)
-        logits, _ = model(inputs)
-        return cross_entropy(logits, targets)
-
-    return loss_fn
-
-
 def make_train_step(graphdef, tx, *, params=None, opt_state=None, batch_sharding=None) -> Callable:
     """``step(params, opt_state, inputs, targets) -> (params, opt_state, metrics)``, jitted.
 
@@ -104,9 +92,13 @@ def make_eval_fn(graphdef) -> Callable:
 
 
 def evaluate(eval_fn, params, tokens, batch_size, seq_len, max_batches) -> float:
-    losses = [float(eval_fn(params, x, y))
-              for x, y in eval_batches(tokens, batch_size, seq_len, max_batches)]
-    return float(np.mean(losses))
+    """Mean of ``eval_fn(params, inputs, targets)`` (e.g. :func:`make_eval_fn`) over the
+    held-out windows of ``eval_batches(tokens, batch_size, seq_len, max_batches)``: the
+    :func:`~lowrank_jax.train.losses.evaluate_windows` loop on those windows."""
+    windows = np.concatenate([np.concatenate([x, y[:, -1:]], 1)
+                              for x, y in eval_batches(tokens, batch_size, seq_len, max_batches)])
+    return evaluate_windows(lambda states, w: eval_fn(*states, w[:, :-1], w[:, 1:]), (params,),
+                            windows, batch_size=batch_size)
 
 
 def train_steps(step: Callable, params, opt_state, tokens, *, steps: int, batch_size: int,

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 
 import jax
 import jax.numpy as jnp
@@ -29,31 +28,8 @@ import numpy as np
 from flax import nnx
 
 from lowrank_jax import kv
+from lowrank_jax.bench import decode_rates
 from lowrank_jax.models.llama import KVCache, Llama, LlamaConfig
-
-
-@nnx.jit
-def _exact_step(model, cache, token):
-    logits, cache = model(token[:, None], cache=cache)
-    return logits[:, 0], cache
-
-
-def _warm(step, state, token, warmup: int):
-    """Compile ``step`` and return the state to time from (after ``warmup`` steps)."""
-    logits, first = step(state, token)
-    for _ in range(warmup - 1):
-        logits, _ = step(first, token)
-    jax.block_until_ready(logits)
-    return first
-
-
-def _round(step, first, token, steps: int) -> float:
-    """Tokens/s of ``steps`` decode steps from ``first``."""
-    current, start = first, time.perf_counter()
-    for _ in range(steps):
-        logits, current = step(current, token)
-    jax.block_until_ready(logits)
-    return steps / (time.perf_counter() - start)
 
 
 def main(argv=None) -> int:
@@ -90,46 +66,36 @@ def main(argv=None) -> int:
         token = prompt[:, -1]
         _, exact = model(prompt[:, :-1], cache=KVCache.empty(cfg, 1, context + capacity))
         keys, values = kv.prefill_kv(model, prompt[:, :-1])
-        theta = cfg.rope_theta
         configs = [("exact", None, {})]
         for ratio in args.ratios:
             for method in args.methods:
                 configs.append((method, ratio, {}))
             configs.append(("xkv-SR", ratio, dict(selective=kv.SelectiveConfig(
                 budget=args.sr_budget), sink_tokens=0)))
-        timed = []  # (row, step, first state)
+        timed, decoders = [], {}  # rows to time, and their (step, state) by index
         for method, ratio, extra in configs:
             try:
                 if method == "exact":
-                    state, step = exact, (lambda c, t: _exact_step(model, c, t))
+                    state, step = exact, (lambda c, t: kv.cache_step(model, c, t))
                     actual = 1.0
-                elif method.startswith("xkv-SR") or method in ("xkv", "per_layer_svd"):
-                    name = "xkv" if method == "xkv-SR" else method
-                    cache = kv.compress_kv(name, keys, values, rope_theta=theta, ratio=ratio,
-                                           tail_capacity=capacity, **extra)
-                    state, step = cache, (lambda c, t: kv.xkv_decode_step(model, c, t))
-                    actual = kv.reference_bytes(cache) / kv.stored_bytes(cache)
                 else:
-                    cache = kv.compress_kv(method, keys, values, rope_theta=theta, ratio=ratio)
-                    actual = kv.reference_bytes(cache) / kv.stored_bytes(cache)
-                    state = kv.start_decode(method, cache, max_new_tokens=capacity)
-                    step = lambda c, t: kv.decode_step(model, c, t)  # noqa: E731
+                    state, step = kv.start_kv_decode(
+                        model, keys, values, method="xkv" if method == "xkv-SR" else method,
+                        ratio=ratio, max_new_tokens=capacity, **extra)
+                    actual = kv.cache_ratio(state.cache if isinstance(
+                        state, kv.ReconstructDecodeKV) else state)
             except ValueError as err:
                 rows.append(dict(context=context, method=method, ratio=ratio,
                                  unreachable=str(err)))
                 continue
-            row = dict(context=context, method=method, ratio=ratio, bytes_ratio=actual,
-                       rounds=[])
-            timed.append((row, step, _warm(step, state, token, args.warmup)))
-        # interleaved rounds: every config once per round, so load changes hit all alike
-        for _ in range(args.rounds):
-            for row, step, first in timed:
-                row["rounds"].append(_round(step, first, token, args.steps))
-        exact_tps = max(timed[0][0]["rounds"])
-        for row, _, _ in timed:
-            row["tokens_per_s"] = max(row["rounds"])
-            row["vs_exact"] = row["tokens_per_s"] / exact_tps
-            rows.append(row)
+            timed.append(dict(context=context, method=method, ratio=ratio, bytes_ratio=actual))
+            decoders[len(timed) - 1] = (step, state)
+        rates = decode_rates(decoders, token, steps=args.steps, warmup=args.warmup,
+                             rounds=args.rounds)
+        for row, rounds in zip(timed, rates.values()):
+            row.update(rounds=rounds, tokens_per_s=max(rounds),
+                       vs_exact=max(rounds) / max(rates[0]))
+        rows += timed
         for row in [r for r in rows if r["context"] == context]:
             target = "–" if row["ratio"] is None else f"{row['ratio']:g}×"
             if "unreachable" in row:

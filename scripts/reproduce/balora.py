@@ -88,12 +88,13 @@ def main(argv=None) -> int:
     from tqdm import tqdm
 
     from lowrank_jax.analysis.report import plot_panels, plot_grid_heatmaps, write_json
-    from lowrank_jax.core.losses import cross_entropy
-    from lowrank_jax.core.step import make_step, scan_steps, trainable
+    from lowrank_jax.core.step import make_step, scan_train, trainable
     from lowrank_jax.data import batch_at, corpus_bytes, eval_batches
     from lowrank_jax.models.presets import preset_model
     from lowrank_jax.nn import LoRALinear, LoRARule, apply_lora, peft_lora_state
     from lowrank_jax.optim.balora import balora, relative_balancing_gap
+    from lowrank_jax.train.loop import lm_loss, train_steps
+    from lowrank_jax.train.losses import scaled_adapter_loss
 
     if args.quick:
         args.pretrain_steps, args.steps, args.seeds = 100, 40, 2
@@ -115,15 +116,13 @@ def main(argv=None) -> int:
     model = preset_model("tiny", seed=0)
     pre_graph, params = nnx.split(model)
     pre_tx = optax.adamw(3e-3, weight_decay=0.01)
-    pre_step = make_step(lambda p, x, y: cross_entropy(nnx.merge(pre_graph, p)(x)[0], y), pre_tx,
-                         wrt=nnx.Param)
-    pre_state = pre_tx.init(trainable(params, nnx.Param))
-
     start = time.perf_counter()
-    for step in tqdm(range(args.pretrain_steps), desc="pretrain"):
-        x, y = batch_at(pre, step, args.batch_size, args.seq_len, seed=1)
-        params, pre_state, pre_loss = pre_step(params, pre_state, jnp.asarray(x), jnp.asarray(y))
-    pre_loss = float(pre_loss)
+    params, _, pre_losses = train_steps(
+        make_step(lm_loss(pre_graph), pre_tx, wrt=nnx.Param), params,
+        pre_tx.init(trainable(params, nnx.Param)), pre,
+        steps=args.pretrain_steps, batch_size=args.batch_size, seq_len=args.seq_len, seed=1,
+        desc="pretrain")
+    pre_loss = pre_losses[-1]
     nnx.update(model, params)
     pretrain_seconds = time.perf_counter() - start
 
@@ -141,18 +140,12 @@ def main(argv=None) -> int:
     def peft_init(seed: int):
         return peft_lora_state(lora_template, jax.random.key(seed))
 
-    def loss_fn(lora, x, y, scale, base):
-        lora = jax.tree_util.tree_map_with_path(  # s multiplies every lora_a
-            lambda p, v: v * scale if any(getattr(k, "key", None) == "lora_a" for k in p) else v,
-            lora)
-        return cross_entropy(nnx.merge(graphdef, lora, base)(x)[0], y)
+    loss_fn = scaled_adapter_loss(graphdef)  # s multiplies every lora_a (traced)
 
     def train(lora0, lr, scale, xs, ys, base, *, mode):
         tx = optax.adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01)
         tx = tx if mode is None else balora(tx, mode=mode)
-        lora, _, losses = scan_steps(make_step(loss_fn, tx, jit=False), lora0, tx.init(lora0),
-                                     (xs, ys), scale, base)
-        return lora, losses
+        return scan_train(loss_fn, tx, lora0, (xs, ys), scale, base)
 
     train_fns = {m: jax.jit(functools.partial(train, mode=METHODS[m])) for m in methods}
     xs, ys = map(np.stack, zip(*[batch_at(shift, s, args.batch_size, args.seq_len, seed=100)

@@ -39,9 +39,7 @@ from flax import nnx
 from lowrank_jax.hyper import (
     DistillData,
     DocToLoRA,
-    adapted,
     adapter_bytes,
-    context_distiller,
     internalizer,
     kv_cache_bytes,
     restore_hypernetwork,
@@ -51,8 +49,10 @@ from lowrank_jax.hyper import (
 from lowrank_jax.hyper.evaluate import (
     answer_scores,
     cached_distill_data,
+    context_distillation_scores,
     hypernetwork_evaluator,
     pad_tokens,
+    plot_learning_curve,
     teacher_floor,
     working_memory,
 )
@@ -66,24 +66,6 @@ from lowrank_jax.hyper.needles import (
     tokenize,
 )
 from lowrank_jax.hub import load_model
-from lowrank_jax.analysis.report import plot_panels
-
-def plot_curve(curve, floor, out_png, title):
-    steps = [r["step"] for r in curve]
-    accuracy = [{"x": steps, "y": [r[key] for r in curve], "style": style, "ms": 3, "label": label}
-                for key, style, label in (("heldout_acc", "o-", "held-out exact"),
-                                          ("heldout_digits", "s-", "held-out digit acc."),
-                                          ("seen_acc", "o--", "seen exact"),
-                                          ("seen_digits", "s--", "seen digit acc."))]
-    kl = [{"x": steps, "y": [r["kl_mean"] for r in curve],
-           "label": "train top-16 KL (mean since previous eval)"}]
-    plot_panels([{"curves": accuracy, "hlines": [(0.1, "digit chance (0.1)", ":")],
-                  "xlabel": "step", "ylabel": "accuracy (no document in the prompt)",
-                  "ylim": (-0.02, 1.02), "legend_fontsize": 8, "grid": True},
-                 {"curves": kl, "hlines": [(floor, f"teacher floor ({floor:.2f})", "--")],
-                  "xlabel": "step", "ylabel": "top-16 KL", "legend_fontsize": 8, "grid": True}],
-                str(out_png), suptitle=title, figsize=(11, 4), dpi=110)
-
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -219,25 +201,13 @@ def main(argv=None):
 
     # per-document context distillation (same layers, same total rank)
     total_rank = (max_chunks + 1) * args.rank
-    distill = context_distiller(model, hyper.config, total_rank=total_rank, steps=args.cd_steps,
-                                learning_rate=args.cd_lr)
-    cd_hits, cd_lps, cd_digits, cd_times = [], [], [], []
     n_cd = len(documents) if args.cd_docs is None else min(args.cd_docs, len(documents))
-    for i in range(n_cd):
-        one = DistillData(*(np.asarray(x)[i:i + 1] for x in test_data))
-        t0 = time.time()
-        cd_bank = distill(one, seed=i)
-        cd_bank.a.block_until_ready()
-        cd_times.append(time.time() - t0)
-        with adapted(model, cd_bank, hyper.config):
-            lg = model(student[i:i + 1])[0]
-        h, lp, dg = answer_scores(lg, student[i:i + 1], starts_q[i:i + 1], answers[i:i + 1])
-        cd_hits += h
-        cd_lps += lp
-        cd_digits += dg
+    *cd_scores, cd_times = context_distillation_scores(
+        model, hyper.config, test_data, questions, answers, total_rank=total_rank,
+        steps=args.cd_steps, learning_rate=args.cd_lr, n_docs=n_cd)
     cd_name = ("context distillation (per doc)" if n_cd == len(documents) else
                f"context distillation (per doc, first {n_cd} test docs)")
-    results[cd_name] = (cd_hits, cd_lps, cd_digits)
+    results[cd_name] = tuple(cd_scores)
     cd_seconds = float(np.mean(cd_times[1:] if len(cd_times) > 1 else cd_times))
 
     # memory: what XLA plans for one internalisation vs one context-distillation step
@@ -286,8 +256,9 @@ def main(argv=None):
     Path(args.out).write_text(json.dumps(report, indent=1))
     print(f"wrote {args.out}")
     if args.plot and curve:
-        plot_curve(curve, floor, args.plot, f"Doc-to-LoRA on {args.model}: {args.train_docs} "
-                   f"training docs, lr {args.lr}, warm-up {args.warmup}, {steps_done} steps")
+        plot_learning_curve(curve, floor, args.plot, f"Doc-to-LoRA on {args.model}: "
+                            f"{args.train_docs} training docs, lr {args.lr}, warm-up "
+                            f"{args.warmup}, {steps_done} steps")
         print(f"wrote {args.plot}")
 
 

@@ -27,8 +27,8 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from lowrank_jax.analysis.report import plot_panels
 from lowrank_jax.kv.evaluate import parse_setting, summarize_sweep
+from lowrank_jax.kv.report import plot_sweep, record_line, sweep_table
 from lowrank_jax.kv import SVDCache, prefill_kv, xkv_perplexity_sweep
 from lowrank_jax.data import corpus_windows
 from scripts._shared import load_model_and_codec
@@ -121,25 +121,22 @@ def main(argv=None) -> int:
             except ValueError as err:  # e.g. KIVI cannot reach 8x: say so, once
                 records.append(dict(method=setting["method"], target_ratio=setting["ratio"],
                                     unreachable=str(err), label=label, window=w))
-                print(_line(label, records[-1]), flush=True)
+                print(record_line(label, records[-1]), flush=True)
                 with open(os.path.join(args.out, "records.json"), "w") as f:
                     json.dump(records, f, indent=1, default=str)
                 break
             records.append(dict(rec, label=label, window=w, seconds=time.time() - t1))
-            print(_line(label, records[-1]), flush=True)
+            print(record_line(label, records[-1]), flush=True)
             with open(os.path.join(args.out, "records.json"), "w") as f:
                 json.dump(records, f, indent=1, default=str)
     rows = summarize_sweep(labelled, records)
-    print("\n| method | target | actual | ppl | vs exact | K err | V err | per-window ppl |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(_row(r))
+    print("\n" + "\n".join(sweep_table(rows)))
     result = dict(model=args.model, split=args.split, windows=len(windows),
                   context=args.context, eval=args.eval, rows=rows, records=records,
                   seconds=time.time() - t0)
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
-    _plot(rows, os.path.join(args.out, "ppl_vs_bytes.png"))
+    plot_sweep(rows, os.path.join(args.out, "ppl_vs_bytes.png"))
     print(f"\nwrote {args.out}/results.json ({time.time() - t0:.0f} s)")
     return 0
 
@@ -153,48 +150,10 @@ def _summarize_only(out: str) -> int:
         if key not in [(lab, st["ratio"]) for lab, st in labelled]:
             labelled.append((r["label"], dict(method=r["method"], ratio=r["target_ratio"])))
     rows = summarize_sweep(labelled, records)
-    print("| method | target | actual | ppl | vs exact | K err | V err | per-window ppl |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in sorted(rows, key=lambda r: (r["target"] or 0, r["label"])):
-        print(_row(r))
-    _plot(rows, os.path.join(out, "ppl_vs_bytes.png"))
+    print("\n".join(sweep_table(sorted(rows, key=lambda r: (r["target"] or 0, r["label"])))))
+    plot_sweep(rows, os.path.join(out, "ppl_vs_bytes.png"))
     print(f"wrote {out}/ppl_vs_bytes.png")
     return 0
-
-
-def _line(label, rec) -> str:
-    if "unreachable" in rec:
-        return f"  w{rec['window']} {label} @ {rec['target_ratio']}x: unreachable"
-    return (f"  w{rec['window']} {label} @ {rec['target_ratio']}: {rec['compression_ratio']:.2f}x "
-            f"ppl {rec['perplexity']:.3f} K {rec['key_error']:.3f} V {rec['value_error']:.3f} "
-            f"ranks {rec.get('rank_k')}/{rec.get('rank_v')}")
-
-
-def _row(r) -> str:
-    target = "–" if r["target"] is None else f"{r['target']:g}×"
-    if "unreachable" in r:
-        return f"| {r['label']} | {target} | unreachable | – | – | – | – | – |"
-    vs = "–" if r["method"] == "none" else f"{100 * r['vs_exact']:+.1f} %"
-    wins = " / ".join(f"{p:.2f}" for p in r["windows"])
-    return (f"| {r['label']} | {target} | {r['actual']:.2f}× | {r['perplexity']:.2f} | {vs} | "
-            f"{r['key_error']:.3f} | {r['value_error']:.3f} | {wins} |")
-
-
-def _plot(rows, path):
-    exact = [r["perplexity"] for r in rows if r["method"] == "none"]
-    hlines = [] if not exact else [(exact[0], "exact cache (fp16)", "--"),
-                                   (exact[0] * 1.03, "exact +3 %", ":"),
-                                   (exact[0] * 1.10, "exact +10 %", "-.")]
-    curves = []
-    for label in dict.fromkeys(r["label"] for r in rows if r["method"] != "none"):
-        pts = sorted((r["actual"], r["perplexity"]) for r in rows
-                     if r["label"] == label and "unreachable" not in r)
-        if pts:
-            curves.append({"x": [p[0] for p in pts], "y": [p[1] for p in pts], "style": "o-",
-                           "label": label})
-    plot_panels([{"curves": curves, "hlines": hlines, "xscale": "log2",
-                  "xlabel": "KV-cache compression (exact fp16 bytes / stored bytes, all counted)",
-                  "ylabel": "perplexity (held-out windows)"}], path, figsize=(6.5, 4))
 
 
 if __name__ == "__main__":

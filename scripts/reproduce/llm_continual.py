@@ -19,187 +19,25 @@ Arms, all with the same rank, steps, batch and (Adam) learning rate:
   of ``rank/2`` each from the energy decomposition, ``B`` trained with GAO (heavy-ball SGD,
   ``--gao-lr``), closed-form recalibration of ``B_G``, merged after each task.
 
+Each arm runs in :func:`lowrank_jax.train.continual_lora.run_continual_lora`.
+
     python -m scripts.reproduce.llm_continual --seeds 1 --steps 40
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 from lowrank_jax.data.continual_text import build_continual_text
 from lowrank_jax.hub import load_model
 from lowrank_jax.io.results import RunCache, write_result
-from lowrank_jax.nn import LoRARule, apply_lora, lora_layers
-from lowrank_jax.nn.init import capture_layer_inputs
-from lowrank_jax.nn.lora import default_a_initializer
-from lowrank_jax.core.step import make_step
-from lowrank_jax.optim.janus import (
-    SubspaceMemory,
-    janus,
-    oe_accumulate,
-    oe_finalize,
-    reanchor,
-    set_subspaces,
-    with_subspaces,
-)
-from lowrank_jax.optim.loda import (
-    CovStat,
-    decompose,
-    feature_stats,
-    gao,
-    merge,
-    recalibrate,
-    update_memory,
-)
-from lowrank_jax.train.continual import continual_metrics
-from lowrank_jax.train.losses import adapter_loss, window_evaluator
-
-PATTERN = r"self_attn/(q_proj|v_proj)$"
-METHODS = ("lora", "olora", "janus", "loda")
-
-
-def q_path(path: str) -> str:
-    """q_proj and v_proj read the same normalised hidden state: capture it once at q_proj."""
-    return path.replace("v_proj", "q_proj")
-
-
-def layer_inputs(model, paths, windows, batch=8):
-    """``{path: [tokens, d]}`` inputs of the given projections over ``windows``."""
-    return capture_layer_inputs(model, lambda m: [m(jnp.asarray(windows[i:i + batch, :-1]))
-                                                  for i in range(0, len(windows), batch)], paths)
-
-
-def leaf_key(path) -> str:
-    return jax.tree_util.keystr(path)
-
-
-def run_method(method, tasks, seed, args, baseline):
-    model, _ = load_model("smollm2")
-    apply_lora(model, LoRARule(PATTERN, rank=args.rank), rngs=nnx.Rngs(seed))
-    layers = dict(lora_layers(model))
-    q_paths = sorted({q_path(p) for p in layers})
-    graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
-    evaluate = window_evaluator(graphdef)
-    scale = next(iter(layers.values())).scaling
-    d_in = next(iter(layers.values())).in_features
-    rng = np.random.default_rng(seed)
-    key = jax.random.key(seed + 7)
-    half = args.rank // 2
-
-    extra_loss = None
-    if method == "olora":
-        def extra_loss(lora, olds):
-            total = 0.0
-            for path, a in jax.tree_util.tree_flatten_with_path(lora)[0]:
-                if leaf_key(path) in olds:
-                    total = total + jnp.sum(jnp.abs(olds[leaf_key(path)].T @ a))
-            return args.olora_lambda * total
-    if method == "loda":
-        frozen_a = lambda tree: jax.tree_util.tree_map_with_path(  # noqa: E731  A_G, A_I frozen
-            lambda p, _: "lora_a" in leaf_key(p), tree)
-        tx = optax.chain(optax.masked(optax.set_to_zero(), frozen_a),
-                         gao(args.gao_lr, momentum=0.9))
-    elif method == "janus":
-        tx = with_subspaces(janus(args.lr, scale))
-    else:
-        tx = optax.adam(args.lr)
-    step = make_step(adapter_loss(graphdef, extra_loss), tx)
-
-    memories = {p: SubspaceMemory.empty(d_in) for p in q_paths}
-    loda_memory = {p: CovStat(jnp.zeros((d_in, d_in)), jnp.int32(0)) for p in q_paths}
-    olds: dict[str, jnp.ndarray] = {}
-    n = len(tasks)
-    acc, nll = np.zeros((n, n)), np.zeros((n, n))
-    info = {"janus_basis_rank": [], "losses": []}
-    for t, task in enumerate(tasks):
-        subspaces = None
-        stats = None
-        if method == "janus":
-            if t > 0:
-                for p, layer in layers.items():
-                    reanchor(layer, memories[q_path(p)].basis)
-            subspaces = {p: memories[q_path(p)].basis for p in layers}
-        if method == "loda":
-            inputs = layer_inputs(model, q_paths, task.train[:args.stat_windows])
-            stats = {p: feature_stats(x) for p, x in inputs.items()}
-            subs = {p: decompose(stats[p].c, loda_memory[p].c, k_g=half, k_i=args.rank - half,
-                                 old_energy=args.loda_old_energy) for p in q_paths}
-            for p, layer in layers.items():
-                sub = subs[q_path(p)]
-                layer.lora_a[...] = jnp.concatenate([sub.a_g.T, sub.a_i.T], 1)
-                layer.lora_b[...] = jnp.zeros_like(layer.lora_b[...])
-        graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
-        if method == "olora":
-            a_keys = [leaf_key(p) for p, _ in jax.tree_util.tree_flatten_with_path(lora)[0]
-                      if "lora_a" in leaf_key(p)]
-            extra = (dict(olds),) if olds else ({k: jnp.zeros((d_in, 1)) for k in a_keys},)
-        else:
-            extra = ()
-        opt = tx.init(lora)
-        if subspaces is not None:
-            opt = set_subspaces(opt, subspaces)
-        losses = []
-        for _ in range(args.steps):
-            idx = rng.integers(0, len(task.train), args.batch)
-            lora, opt, loss = step(lora, opt, rest, jnp.asarray(task.train[idx]), *extra)
-            losses.append(float(loss))
-        info["losses"].append(losses)
-        nnx.update(model, lora)
-        # task end: method bookkeeping on the model's layers
-        if method == "janus":
-            inputs = layer_inputs(model, q_paths, task.train[:args.stat_windows])
-            for p in q_paths:
-                memories[p] = oe_finalize(oe_accumulate(memories[p], inputs[p]),
-                                          args.janus_threshold)
-            info["janus_basis_rank"].append(int(np.mean([int(m.rank)
-                                                         for m in memories.values()])))
-        if method == "loda":
-            for p, layer in layers.items():
-                qp = q_path(p)
-                sub = subs[qp]
-                b = layer.lora_b[...]
-                b_g = recalibrate(b[:half], sub.a_g, stats[qp].c, loda_memory[qp].c,
-                                  lam=args.loda_lambda)
-                layer.kernel[...] = merge(layer.kernel[...], sub.a_g, b_g, sub.a_i, b[half:],
-                                          layer.scaling)
-                layer.lora_b[...] = jnp.zeros_like(b)
-            for p in q_paths:
-                loda_memory[p] = update_memory(loda_memory[p], stats[p])
-        if method == "olora":
-            graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
-            flat = {leaf_key(p): None for p, _ in jax.tree_util.tree_flatten_with_path(lora)[0]}
-            for p, layer in layers.items():
-                layer.kernel[...] = layer.kernel[...] + layer.delta()
-                k = next(k for k in flat if "lora_a" in k and _layer_key(p) in k)
-                a = layer.lora_a[...]
-                olds[k] = a if k not in olds else jnp.concatenate([olds[k], a], 1)
-                key, sub_key = jax.random.split(key)
-                layer.lora_a[...] = default_a_initializer(sub_key, a.shape, a.dtype)
-                layer.lora_b[...] = jnp.zeros_like(layer.lora_b[...])
-        graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
-        for j, other in enumerate(tasks):
-            nll[t, j], acc[t, j] = evaluate(lora, rest, other.heldout)
-        print(f"  [{time.strftime('%H:%M:%S')}] {method} seed {seed} after {task.name}: "
-              f"acc {np.round(acc[t] * 100, 2)} "
-              f"nll {np.round(nll[t], 3)} (train loss {np.mean(losses[-5:]):.3f})", flush=True)
-    m = continual_metrics(acc * 100, np.asarray(baseline["acc"]) * 100)
-    m_nll = continual_metrics(-nll, -np.asarray(baseline["nll"]))
-    return {"acc": m.acc, "bwt": m.bwt, "fwt": m.fwt, "final_nll": float(nll[-1].mean()),
-            "bwt_nll": -m_nll.bwt, "acc_matrix": acc.tolist(), "nll_matrix": nll.tolist(),
-            **info}
-
-
-def _layer_key(path: str) -> str:
-    """``layers/3/self_attn/q_proj`` → the fragment of its leaf keystr (``[3]...['q_proj']``)."""
-    parts = path.split("/")
-    return f"[{parts[1]}]['{parts[2]}']['{parts[3]}']"
+from lowrank_jax.train.continual_lora import METHODS, ContinualLoRAConfig, run_continual_lora
+from lowrank_jax.train.losses import window_evaluator
 
 
 def main():
@@ -240,12 +78,16 @@ def main():
     del model
     methods = args.methods.split(",")
     runs = {m: [] for m in methods}
+    config = ContinualLoRAConfig(**{f.name: getattr(args, f.name)
+                                    for f in dataclasses.fields(ContinualLoRAConfig)
+                                    if hasattr(args, f.name)})
     cache = RunCache(args.cache, {k: v for k, v in vars(args).items()
                                   if k not in ("seeds", "methods", "cache")})
     for seed in range(args.seeds):
         for method in methods:
-            runs[method].append(cache.get(f"{method}/{seed}", lambda: run_method(
-                method, tasks, seed, args, baseline), announce=True))
+            runs[method].append(cache.get(f"{method}/{seed}", lambda: run_continual_lora(
+                lambda: load_model("smollm2")[0], method, tasks, seed=seed, config=config,
+                baseline=baseline, log=lambda line: print(line, flush=True)), announce=True))
     columns = ["method", "ACC (next-token acc %)", "BWT (pts)", "FWT (pts)", "final NLL",
                "NLL forgetting (nats)", "seeds"]
     rows = []

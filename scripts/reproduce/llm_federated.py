@@ -33,7 +33,7 @@ from flax import nnx
 
 from lowrank_jax import federated as fed
 from lowrank_jax.federated.experiment import plot_tree
-from lowrank_jax.federated.fedtreelora import tree_report
+from lowrank_jax.federated.report import client_row, fedtree_verdict, tree_of, write_domain_note
 from lowrank_jax.data.continual_text import build_continual_text
 from lowrank_jax.hub import load_model
 from lowrank_jax.io.results import machine_line, run_command
@@ -96,100 +96,6 @@ def make_clients(args, encode):
     return clients, labels, tasks
 
 
-def summarize(result, labels, domains):
-    m = result.client_metrics
-    row = {"personal_nll": float(np.mean(m["personal_loss"])),
-           "personal_acc": 100 * float(np.mean(m["personal_accuracy"])),
-           "global_nll": float(np.mean(m["global_loss"])),
-           "global_acc": 100 * float(np.mean(m["global_accuracy"])),
-           "mb_sent": sum(r["bytes_down"] for r in result.history) / 1e6,
-           "train_loss_first": result.history[0]["train_loss"],
-           "train_loss_last": result.history[-1]["train_loss"]}
-    for d in domains:
-        mask = np.array(labels) == d
-        row[f"nll_{d}"] = float(np.mean(m["personal_loss"][mask]))
-    return row
-
-
-def verdict(rows, report, is_real):
-    if "fedtreelora" not in rows:
-        return "FedTreeLoRA did not run."
-    tree = rows["fedtreelora"]["personal_nll"]
-    others = {k: v["personal_nll"] for k, v in rows.items() if k != "fedtreelora"}
-    best_name = min(others, key=others.get) if others else None
-    beats_all = best_name is None or tree < others[best_name]
-    parts = []
-    if report is not None:
-        parts.append(f"the tree's {len(report['cut_groups'])}-group cut "
-                     + ("is exactly the text domains" if report["cut_is_domains"]
-                        else f"mixes domains ({report['cut_groups']})")
-                     + f", {report['same_domain_pairs']}/{report['pairs']} first merges pair "
-                       "clients of one domain")
-        ks = list(report["depths"].values())
-        singletons = min(ks) == len(report["tree"]) + 1
-        parts.append(f"chosen groups per layer k_l from {min(ks)} to {max(ks)}"
-                     + (" (singletons everywhere: FedTreeLoRA = local training)"
-                        if singletons else ""))
-    tree_right = report is not None and report["cut_is_domains"]
-    # the claim is better personalised models than the baselines; a right tree alone is not it
-    if beats_all and tree_right:
-        word = "Reproduced" if is_real else "Reproduced on the tiny random model only"
-    elif beats_all:
-        word = "Partly reproduced (FedTreeLoRA is best, but its tree does not find the domains)"
-    else:
-        word = ("Not reproduced (the tree finds the domains, but FedTreeLoRA is not the best "
-                "personalised model)" if tree_right else "Not reproduced")
-    gap = "" if best_name is None else (
-        f"; personalised held-out NLL {tree:.4f} vs {others[best_name]:.4f} for the best other "
-        f"arm ({best_name})")
-    return f"{word}: " + "; ".join(parts) + gap + "."
-
-
-COLUMNS = [("strategy", None), ("personalised NLL", "personal_nll"),
-           ("personalised acc %", "personal_acc"), ("global NLL", "global_nll"),
-           ("global acc %", "global_acc"), ("MB sent", "mb_sent")]
-
-
-def write_note(path, args, model_name, rows, domains, report, image, meta, n_layers,
-               is_real, verdict_text):
-    took = "" if meta.get("elapsed_s") is None else f", {meta['elapsed_s']:.0f} s"
-    lines = [f"# FedTreeLoRA on {'SmolLM2-135M' if is_real else 'a tiny random Llama'}: "
-             "clients on different text domains", "",
-             f"`{meta['command']}` — {meta['date']}, {meta['machine']}{took}.", ""]
-    if not is_real:
-        lines += ["**Tiny random model (smoke run), not SmolLM2: the numbers say nothing about "
-                  "the claim.**", ""]
-    lines += [f"**Setup.** {model_name}; LoRA rank {args.rank} on `{args.pattern}` "
-              f"({n_layers} adapted projections); {len(domains)} domains × "
-              f"{args.clients_per_domain} clients = {len(domains) * args.clients_per_domain} "
-              f"clients, all every round; {args.rounds} rounds × {args.local_steps} Adam steps "
-              f"(lr {args.lr:g}, batch {args.batch} × {args.length} tokens, fresh optimizer "
-              f"state each round); {args.train_windows} train windows per client, "
-              f"{args.heldout_windows} held-out windows per domain; seed {args.seed}. "
-              f"FedTreeLoRA: {args.warmup_rounds} local warm-up rounds, τ = {args.tau:g}, "
-              f"rebuilt every {args.rebuild_every} rounds. FedHera with every client at the "
-              "same rank (so its tiers do not matter: dense average + SVD push). Scores: "
-              "next-token NLL (nats) and accuracy on held-out text after the last round — "
-              "*personalised*: each client's own model on its domain, mean over clients; "
-              "*global*: the server's model on every client's domain. *MB sent*: server → "
-              "clients over all rounds, fp16.", ""]
-    header = [c for c, _ in COLUMNS] + [f"NLL {d}" for d in domains]
-    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for name, row in rows.items():
-        cells = [name] + [f"{row[k]:.4f}" if "nll" in k else f"{row[k]:.2f}"
-                          for _, k in COLUMNS[1:]] + [f"{row[f'nll_{d}']:.4f}" for d in domains]
-        lines.append("| " + " | ".join(cells) + " |")
-    lines += [""]
-    if report is not None:
-        lines += [f"![FedTreeLoRA tree]({image})", "",
-                  f"Tree built at round {report['built_round']} from the B change of every "
-                  f"client; cut at {len(domains)} groups: {report['cut_groups']}. Groups per "
-                  f"adapted layer k_l (shallow → deep): {list(report['depths'].values())}.", ""]
-    lines += [f"**Verdict.** {verdict_text}", ""]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines))
-
-
 def _outputs(args):
     out = pathlib.Path(args.out) if args.out else (
         ROOT / "docs/results/llm_federated.md" if args.model == "smollm2"
@@ -225,8 +131,8 @@ def rewrite_note(args, parser):
     n_layers = meta.get("adapted") or (len(report["depths"]) if report else 0)
     model_name = meta.get("model_name") or ("SmolLM2-135M-Instruct" if is_real else "tiny")
     shown = image.name if image.parent == out.parent else f"../img/{image.name}"
-    write_note(out, run_args, model_name, rows, domains, report, shown, meta, n_layers, is_real,
-               verdict(rows, report, is_real))
+    write_domain_note(out, run_args, model_name, rows, domains, report, shown, meta, n_layers,
+                      is_real, fedtree_verdict(rows, report, is_real))
     print(out.read_text())
 
 
@@ -274,30 +180,29 @@ def main(argv=None):
                               local_steps=args.local_steps, batch_size=args.batch,
                               learning_rate=args.lr, seed=args.seed, eval_every=args.rounds,
                               progress=False)
-        rows[name] = summarize(result, labels, domains)
+        rows[name] = client_row(result, labels, domains)
         runs[name] = {"row": rows[name], "history": result.history,
                       "client_metrics": {k: np.asarray(v).tolist()
                                          for k, v in result.client_metrics.items()}}
-        if name == "fedtreelora":
-            report = tree_report(result.state, labels, result.context.layers)
+        if name == "fedtreelora" and (report := tree_of(result, labels)) is not None:
             runs[name]["tree"] = report
             plot_tree(report, labels, image, f"FedTreeLoRA tree after round "
                       f"{report['built_round']} ({'SmolLM2-135M' if is_real else 'tiny model'})")
         print(f"{name}: personalised NLL {rows[name]['personal_nll']:.4f}, global NLL "
               f"{rows[name]['global_nll']:.4f}, {time.time() - t0:.0f} s", flush=True)
         shown = image.name if image.parent == out.parent else f"../img/{image.name}"
-        verdict_text = verdict(rows, report, is_real)
+        verdict_text = fedtree_verdict(rows, report, is_real)
         meta.update(elapsed_s=time.time() - start, model_name=model_name, domains=domains,
                     adapted=len(paths))
-        write_note(out, args, model_name, rows, domains, report, shown, meta, len(paths),
-                   is_real, verdict_text)
+        write_domain_note(out, args, model_name, rows, domains, report, shown, meta, len(paths),
+                          is_real, verdict_text)
         json_path = ROOT / "runs" / (out.stem + ".json")
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps({"args": vars(args), "meta": meta, "labels": labels,
                                          "runs": runs, "verdict": verdict_text}, indent=1,
                                         default=float))
     print(out.read_text())
-    print(f"written {out}, {image}, {json_path}")
+    print(f"written {out}, " + (f"{image}, " if report is not None else "") + f"{json_path}")
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ from lowrank_jax.models import Llama, LlamaConfig  # noqa: E402
 from lowrank_jax.optim import spectron_with_adamw  # noqa: E402
 from lowrank_jax.train import lm_loss, make_eval_fn, make_step  # noqa: E402
 from lowrank_jax.models.flops import training_flops_per_token as flops_per_token  # noqa: E402
-from scripts._shared import lr_shape  # noqa: E402
+from lowrank_jax.train.lockstep import lr_shape  # noqa: E402
 
 PAPER_A, PAPER_B = 0.479, 0.521
 

@@ -30,9 +30,7 @@ References:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import math
 import os
 import platform
 import statistics
@@ -53,8 +51,8 @@ from lowrank_jax.train.sweep import loss_spike, moving_average
 from lowrank_jax.models import Llama, LlamaConfig
 from lowrank_jax.optim import max_update_norm, spectron_with_adamw, weight_pairs
 from lowrank_jax.train import lm_loss, make_eval_fn, make_step
+from lowrank_jax.train.lockstep import LockstepRun, train_lockstep
 from lowrank_jax.models.flops import training_flops_per_token as flops_per_token
-from scripts._shared import lr_shape
 
 
 def parse_args(argv=None):
@@ -99,33 +97,6 @@ def make_config(args, projection: str) -> LlamaConfig:
                        max_seq_len=args.seq, projection=projection, rank_ratio=args.rank_ratio)
 
 
-@dataclasses.dataclass
-class Run:
-    name: str
-    kind: str  # "adamw" | "spectron" | "dense"
-    peak: float  # AdamW LR or Spectron η
-    steps: int
-    graphdef: object
-    params: object
-    opt_state: object
-    step_fn: object
-    delta_fn: object
-    losses: list = dataclasses.field(default_factory=list)
-    delta_w: list = dataclasses.field(default_factory=list)
-    step_times: list = dataclasses.field(default_factory=list)
-    diverged: bool = False
-
-
-def set_rates(run: Run, step: int, args) -> None:
-    shape = lr_shape(step, run.steps, args.warmup_frac)
-    hp = run.opt_state.hyperparams
-    if run.kind == "spectron":
-        hp["eta"] = jnp.asarray(run.peak * shape, jnp.float32)
-        hp["adamw_lr"] = jnp.asarray(args.other_lr * shape, jnp.float32)
-    else:
-        hp["learning_rate"] = jnp.asarray(run.peak * shape, jnp.float32)
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
@@ -152,74 +123,56 @@ def main(argv=None) -> int:
         eta=0.01, adamw_lr=args.other_lr, weight_decay=args.weight_decay)
     adamw_step, fact_eval = make_step(lm_loss(fact_graph), adamw_tx), make_eval_fn(fact_graph)
     spectron_step = make_step(lm_loss(fact_graph), spectron_tx)
+
     fact_delta = max_update_norm(weight_pairs(fact_params))
 
-    runs = []
-    for lr in args.adamw_lrs:
-        runs.append(Run(f"adamw lr={lr:g}", "adamw", lr, args.steps, fact_graph, fact_params,
-                        adamw_tx.init(fact_params), adamw_step, fact_delta))
-    for eta in args.etas:
-        runs.append(Run(f"spectron eta={eta:g}", "spectron", eta, args.steps, fact_graph,
-                        fact_params, spectron_tx.init(fact_params), spectron_step, fact_delta))
+    def run(name, kind, peak, steps, params, step, tx, rates, delta=fact_delta):
+        return LockstepRun(name, step, params, tx.init(params), steps, rates, delta,
+                           {"kind": kind, "peak": peak})
+
+    runs = [run(f"adamw lr={lr:g}", "adamw", lr, args.steps, fact_params, adamw_step, adamw_tx,
+                {"learning_rate": lr}) for lr in args.adamw_lrs]
+    runs += [run(f"spectron eta={eta:g}", "spectron", eta, args.steps, fact_params,
+                 spectron_step, spectron_tx, {"eta": eta, "adamw_lr": args.other_lr})
+             for eta in args.etas]
     dense_eval = None
     if not args.no_dense:
         dense_graph, dense_params = init_model(dense_cfg)
-        dense_step = make_step(lm_loss(dense_graph), adamw_tx)
         dense_eval = make_eval_fn(dense_graph)
-        runs.append(Run(f"dense adamw lr={args.dense_lr:g}", "dense", args.dense_lr, dense_steps,
-                        dense_graph, dense_params, adamw_tx.init(dense_params), dense_step,
+        runs.append(run(f"dense adamw lr={args.dense_lr:g}", "dense", args.dense_lr, dense_steps,
+                        dense_params, make_step(lm_loss(dense_graph), adamw_tx), adamw_tx,
+                        {"learning_rate": args.dense_lr},
                         max_update_norm(weight_pairs(dense_params))))
 
-    total = sum(r.steps for r in runs)
-    with tqdm(total=total, desc="lockstep training") as bar:
-        for step in range(args.steps):
-            x, y = (jnp.asarray(t) for t in batch_at(train, step, args.batch, args.seq,
-                                                     seed=args.seed))
-            for run in runs:
-                if step >= run.steps:
-                    continue
-                if run.diverged:
-                    bar.update(1)
-                    continue
-                set_rates(run, step, args)
-                old = run.params
-                t0 = time.perf_counter()
-                params, opt_state, loss = run.step_fn(run.params, run.opt_state, x, y)
-                loss = float(jax.block_until_ready(loss))
-                if step > 0:  # step 0 includes compilation
-                    run.step_times.append(time.perf_counter() - t0)
-                run.params, run.opt_state = params, opt_state
-                run.losses.append(loss)
-                run.delta_w.append(float(run.delta_fn(old, params)))
-                if not math.isfinite(loss) or loss > 20.0:
-                    run.diverged = True
-                bar.update(1)
+    with tqdm(total=sum(r.steps for r in runs), desc="lockstep training") as bar:
+        train_lockstep(runs, lambda step: tuple(jnp.asarray(t) for t in batch_at(
+            train, step, args.batch, args.seq, seed=args.seed)), warmup_frac=args.warmup_frac,
+            on_step=lambda: bar.update(1))
 
-    warmup = max(1, int(round(args.warmup_frac * args.steps)))
     results = []
     for run in runs:
-        evaluate = dense_eval if run.kind == "dense" else fact_eval
+        kind, peak = run.tags["kind"], run.tags["peak"]
+        evaluate = dense_eval if kind == "dense" else fact_eval
         val_loss = float("nan") if run.diverged else lm_evaluate(
             evaluate, run.params, val, args.batch, args.seq, args.eval_batches)
         losses = np.asarray(run.losses)
-        w = max(1, int(round(args.warmup_frac * run.steps))) if run.kind == "dense" else warmup
-        spike = loss_spike(losses, after=w)
+        spike = loss_spike(losses, after=max(1, int(round(args.warmup_frac * run.steps))))
         results.append({
-            "name": run.name, "kind": run.kind, "peak_lr_or_eta": run.peak, "steps": run.steps,
+            "name": run.name, "kind": kind, "peak_lr_or_eta": peak, "steps": run.steps,
             "tokens": run.steps * tokens_per_step,
-            "flops": run.steps * tokens_per_step * (f_dense if run.kind == "dense" else f_fact),
+            "flops": run.steps * tokens_per_step * (f_dense if kind == "dense" else f_fact),
             "final_train_loss": float(np.mean(losses[-10:])) if len(losses) else float("nan"),
             "final_val_loss": val_loss, "diverged": run.diverged,
             "max_loss_spike_after_warmup": spike,
             "max_delta_w_spectral": float(np.max(run.delta_w)),
-            "max_delta_w_over_eta": (float(np.max(run.delta_w)) / run.peak
-                                     if run.kind == "spectron" else None),
+            "max_delta_w_over_eta": (float(np.max(run.delta_w)) / peak
+                                     if kind == "spectron" else None),
             "median_step_s": statistics.median(run.step_times) if run.step_times else None,
             "losses": run.losses, "delta_w": run.delta_w,
         })
 
     def median_of(kind):
-        times = [t for r in runs if r.kind == kind for t in r.step_times]
+        times = [t for r in runs if r.tags["kind"] == kind for t in r.step_times]
         return statistics.median(times) if times else float("nan")
 
     overhead = median_of("spectron") / median_of("adamw")

@@ -24,34 +24,19 @@ import os
 
 import jax
 import jax.numpy as jnp
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 import numpy as np
 from flax import nnx
 
 from lowrank_jax.analysis.rank import energy_rank
 from lowrank_jax.attention import subspace as vsvd
-from lowrank_jax.bench import speedup as timed_speedup
-from lowrank_jax.data.video import frame_psnr, frame_ssim, procedural_videos
+from lowrank_jax.bench import speedup
+from lowrank_jax.data.video import frame_psnr, frame_ssim
 from lowrank_jax.models import video_dit
-from lowrank_jax.analysis.report import plot_curves
+from lowrank_jax.analysis.report import plot_curves, plot_frames
 
 IMG = os.path.join("docs", "img")
 RESULTS = os.path.join("docs", "results", "video_svd.json")
 QUICK_DIR = os.path.join("runs", "video_svd_quick")  # --quick never overwrites the docs
-
-
-def load_or_train(path: str, quick: bool):
-    if os.path.exists(os.path.join(path, "params.npz")):
-        return video_dit.load_video_dit(path), path
-    print(f"no checkpoint at {path}: training a quick model "
-          "(run train_video_dit.py for the real one)")
-    config = video_dit.VideoDiTConfig(frames=8, height=16, width=16, dim=64, heads=2, layers=2)
-    data = lambda key, batch: procedural_videos(key, batch, frames=8, size=16)
-    model, _ = video_dit.train_video_dit(config, data, steps=40 if quick else 300, batch=16)
-    return model, "trained in-script"
 
 
 def spectrum_plot(model, noise, steps, img_dir):
@@ -84,11 +69,6 @@ def spectrum_plot(model, noise, steps, img_dir):
     return ranks, qkv_steps
 
 
-def speedup(dense_fn, fast_fn, args, reps):
-    """``time(dense) / time(fast)``, interleaved rounds (shared-CPU robust)."""
-    return timed_speedup(lambda: dense_fn(*args), lambda: fast_fn(*args), reps=reps)
-
-
 def synthetic_timing(quick: bool) -> list[dict]:
     """CPU wall-clock of the attention op alone at a larger latent grid (timing only)."""
     grid = (8, 8, 8) if quick else (8, 16, 16)
@@ -111,27 +91,11 @@ def synthetic_timing(quick: bool) -> list[dict]:
             flops = vsvd.attention_flops(n, d, rank, rank, mask, block, block)
             rows.append({"tokens": n, "head_dim": d, "rank": rank, "residual": residual,
                          "flops_saved": flops["saved"],
-                         "cpu_attention_speedup": speedup(dense, fast, (q, k, v),
-                                                          3 if quick else 7)})
+                         "cpu_attention_speedup": speedup(lambda: dense(q, k, v),
+                                                          lambda f=fast: f(q, k, v),
+                                                          reps=3 if quick else 7)})
             print(json.dumps(rows[-1]), flush=True)
     return rows
-
-
-def save_samples(rows, labels, path):
-    clips = [np.asarray(r[0]) for r in rows]  # first clip of each variant: [frames, h, w, 3]
-    frames = clips[0].shape[0]
-    fig, axes = plt.subplots(len(clips), frames, figsize=(frames * 0.9, len(clips) * 1.0))
-    for i, clip in enumerate(clips):
-        for f in range(frames):
-            ax = axes[i, f]
-            ax.imshow((clip[f] + 1) / 2, interpolation="nearest")
-            ax.set_xticks([])
-            ax.set_yticks([])
-            if f == 0:
-                ax.set_ylabel(labels[i], fontsize=6, rotation=0, ha="right", va="center")
-    fig.tight_layout(pad=0.2)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def main(argv=None) -> None:
@@ -146,7 +110,8 @@ def main(argv=None) -> None:
     results = os.path.join(QUICK_DIR, "video_svd.json") if args.quick else RESULTS
     os.makedirs(img_dir, exist_ok=True)
     os.makedirs(os.path.dirname(results), exist_ok=True)
-    model, source = load_or_train(args.checkpoint, args.quick)
+    model, source = video_dit.load_or_train_video_dit(args.checkpoint,
+                                                      steps=40 if args.quick else 300)
     cfg = model.config
     gt, gy, gx = cfg.grid
     block = gy * gx  # one latent frame per block: frame-aligned windows
@@ -190,9 +155,11 @@ def main(argv=None) -> None:
             flops = vsvd.attention_flops(cfg.tokens, cfg.head_dim, rank, rank, mask, block, block)
             fast_att = jax.jit(lambda q, k, v, a=attention: a(0, q, k, v))
             fast_forward = nnx.jit(lambda m, x, s, a=attention: m(x, s, attention=a))
-            att_speedup = speedup(dense_att, fast_att, (q0, k0, v0), 5 if args.quick else 21)
-            fwd_speedup = speedup(dense_forward, fast_forward, (model, eval_noise, t_probe),
-                                  3 if args.quick else 9)
+            att_speedup = speedup(lambda: dense_att(q0, k0, v0), lambda f=fast_att: f(q0, k0, v0),
+                                  reps=5 if args.quick else 21)
+            fwd_speedup = speedup(lambda: dense_forward(model, eval_noise, t_probe),
+                                  lambda f=fast_forward: f(model, eval_noise, t_probe),
+                                  reps=3 if args.quick else 9)
             row = {"rank": rank, "residual": residual,
                    "near_fraction": flops["near_fraction"],
                    "attention_rel_error": float(np.mean(errors)),
@@ -215,7 +182,8 @@ def main(argv=None) -> None:
                 samples.append(clips_out)
                 labels.append(f"r={rank} {residual}")
 
-    save_samples(samples, labels, os.path.join(img_dir, "video_svd_samples.png"))
+    plot_frames([clips[0] for clips in samples], labels,
+                os.path.join(img_dir, "video_svd_samples.png"))
     synthetic = synthetic_timing(args.quick)
     header = ("| rank | residual | near % | attn rel. err | PSNR dB (min) | SSIM (min) | "
               "attn FLOPs saved | CPU attn speedup | CPU forward speedup |")

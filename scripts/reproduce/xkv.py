@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import time
 
@@ -27,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from lowrank_jax.analysis.report import plot_panels
 from lowrank_jax.kv import xkv
+from lowrank_jax.kv.report import plot_grid, summarize_grid
 from lowrank_jax.data import corpus_windows
 from scripts._shared import load_model_and_codec
 
@@ -78,20 +77,7 @@ def main(argv=None) -> int:
         with open(os.path.join(args.out, "records.json"), "w") as f:
             json.dump(records, f, indent=1)
 
-    rows = []
-    for method, ratio, sink_n, group in settings:
-        sel = [r for r in records if r["method"] == method and r["target_ratio"] == ratio
-               and r["sink_tokens"] in (sink_n, None) and r["group_size"] in (group, None)]
-        nll = float(np.mean([r["nll"] for r in sel]))
-        rows.append(dict(
-            method=method, target_ratio=ratio, sink_tokens=sink_n, group_size=group,
-            compression_ratio=float(np.mean(
-                [r["compression_ratio"] for r in sel])),
-            rank_k=sel[0]["rank_k"], rank_v=sel[0]["rank_v"], perplexity=math.exp(nll),
-            window_perplexities=[r["perplexity"] for r in sel],
-            key_error=float(np.mean([r["key_error"] for r in sel])),
-            value_error=float(np.mean([r["value_error"] for r in sel])),
-        ))
+    rows = summarize_grid(settings, records)
     header = (f"{'method':<14} {'G':>2} {'sink':>4} {'target':>6} {'actual':>7} {'r_k/r_v':>9} "
               f"{'ppl':>8} {'K err':>6} {'V err':>6}  per-window ppl")
     print(header)
@@ -130,25 +116,9 @@ def main(argv=None) -> int:
     )
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(result, f, indent=1)
-    _plot(rows, os.path.join(args.out, "ppl_vs_ratio.png"))
+    plot_grid(rows, os.path.join(args.out, "ppl_vs_ratio.png"))
     print(f"\nwrote {args.out}/results.json ({time.time() - t0:.0f} s)")
     return 0
-
-
-def _plot(rows, path):
-    exact = [r["perplexity"] for r in rows if r["method"] == "none"][0]
-    curves = []
-    for method, group, sink in sorted({(r["method"], r["group_size"], r["sink_tokens"])
-                                       for r in rows if r["method"] != "none"}):
-        pts = [(r["compression_ratio"], r["perplexity"]) for r in rows
-               if (r["method"], r["group_size"], r["sink_tokens"]) == (method, group, sink)]
-        marker = {"xkv": "o", "per_layer_svd": "s"}[method]
-        label = f"{method} (G={group})" + (f" + {sink} sink" if sink else ", paper")
-        curves.append({"x": [p[0] for p in pts], "y": [p[1] for p in pts],
-                       "style": marker + ("-" if sink else "--"), "label": label})
-    plot_panels([{"curves": curves, "hlines": [(exact, "exact cache", "--")], "xscale": "log2",
-                  "xlabel": "KV-cache compression ratio", "ylabel": "perplexity"}], path,
-                figsize=(6, 4))
 
 
 if __name__ == "__main__":

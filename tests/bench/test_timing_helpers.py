@@ -33,3 +33,24 @@ def test_time_compiled_and_the_reference_matmul():
     assert n == 20 and seconds > 0
     with pytest.raises(ValueError):
         interleaved_samples({"a": lambda: None}, reps=0)
+
+
+def test_decode_rates_time_each_decoder_from_its_state_after_the_warm_up_step():
+    from lowrank_jax.bench import decode_rates
+
+    seen = {"fast": [], "slow": []}
+
+    def decoder(name, pause):
+        def step(state, token):
+            seen[name].append(state)
+            time.sleep(pause)
+            return state + token, state + 1
+        return step
+
+    rates = decode_rates({"fast": (decoder("fast", 0.0), 0), "slow": (decoder("slow", 0.01), 10)},
+                         1, steps=3, warmup=2, rounds=2)
+    # warm-up: 2 steps (the second from the state after the first); each round: 3 steps from it
+    assert seen["slow"] == [10, 11] + [11, 12, 13] * 2
+    assert [len(v) for v in rates.values()] == [2, 2]
+    assert min(rates["fast"]) > max(rates["slow"])
+    assert max(rates["slow"]) < 3 / 0.03 * 1.01

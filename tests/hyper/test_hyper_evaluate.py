@@ -71,3 +71,28 @@ def test_evaluator_at_init_scores_the_base_model_and_memory_is_planned():
     assert memory["context_distillation_step"] is None or (
         memory["context_distillation_step"] >= grads_bytes)
     assert memory["doc_to_lora"] is None or memory["doc_to_lora"] > 0
+
+
+def test_context_distillation_without_steps_scores_the_base_model(tmp_path):
+    """B = 0 before any step: each document's fresh adapter is a no-op (first ``n_docs``)."""
+    from lowrank_jax.hyper import DocToLoRAConfig
+    from lowrank_jax.hyper.doc_to_lora import projection_shape
+    from lowrank_jax.hyper.evaluate import context_distillation_scores, plot_learning_curve
+    from lowrank_jax.models.presets import preset_model
+
+    base = preset_model("tiny")
+    config = DocToLoRAConfig((0, 1), base.cfg.d_model, *projection_shape(base.cfg, "down_proj"),
+                             rank=2)
+    questions, answers = [[1, 2, 3], [4, 5], [6]], [[6, 7], [8, 9], [1, 2]]
+    data = DistillData(*[np.zeros((3, 1))] * len(DistillData._fields))  # no step reads it
+    hits, lps, digits, seconds = context_distillation_scores(
+        base, config, data, questions, answers, total_rank=4, steps=0, learning_rate=1e-3,
+        n_docs=2)
+    tokens = jnp.asarray(pad_tokens([q + a for q, a in zip(questions, answers)]))
+    want = answer_scores(base(tokens)[0], tokens, [len(q) - 1 for q in questions], answers)
+    assert hits == want[0][:2] and digits == want[2][:2] and len(seconds) == 2
+    np.testing.assert_allclose(lps, want[1][:2], rtol=1e-5)
+    curve = [{"step": s, "heldout_acc": 0.1, "heldout_digits": 0.2, "seen_acc": 0.3,
+              "seen_digits": 0.4, "kl_mean": 1.0 / s} for s in (1, 2)]
+    plot_learning_curve(curve, 0.5, tmp_path / "curve.png", "title")
+    assert (tmp_path / "curve.png").exists()

@@ -34,3 +34,38 @@ def test_summarize_sweep_rows_against_the_exact_cache():
     np.testing.assert_allclose(xkv["windows"], [math.exp(1.2), math.exp(2.2)])
     assert late["vs_exact"] == pytest.approx(math.exp(0.1) - 1)  # same window of the exact row
     assert kivi == dict(label="kivi", method="kivi", target=8.0, unreachable="cannot reach 8x")
+
+
+def test_grid_rows_tables_and_plots(tmp_path):
+    from lowrank_jax.kv.report import (
+        plot_grid,
+        plot_sweep,
+        record_line,
+        summarize_grid,
+        sweep_table,
+    )
+
+    def rec(method, ratio, sink, group, nll, reached):
+        return dict(method=method, target_ratio=ratio, sink_tokens=sink, group_size=group,
+                    nll=nll, perplexity=math.exp(nll), compression_ratio=reached, rank_k=2,
+                    rank_v=1, key_error=0.1, value_error=0.3)
+
+    records = [rec("none", None, None, None, 1.0, 1.0), rec("none", None, None, None, 2.0, 1.0),
+               rec("xkv", 4.0, 0, 4, 1.5, 4.2), rec("xkv", 4.0, 0, 4, 2.5, 3.8),
+               rec("xkv", 4.0, 16, 4, 9.0, 9.0)]  # another sink setting: not in the first row
+    exact, xkv = summarize_grid([("none", None, 0, 1), ("xkv", 4.0, 0, 4)], records)
+    assert exact["perplexity"] == pytest.approx(math.exp(1.5))
+    assert xkv["perplexity"] == pytest.approx(math.exp(2.0))
+    assert xkv["compression_ratio"] == pytest.approx(4.0)
+    assert xkv["window_perplexities"] == [math.exp(1.5), math.exp(2.5)]
+    plot_grid([exact, xkv], str(tmp_path / "grid.png"))
+    row = dict(label="xKV", method="xkv", target=4.0, actual=3.95, perplexity=10.0,
+               vs_exact=0.05, key_error=0.1, value_error=0.2, windows=[9.0, 11.0])
+    far = dict(label="KIVI", method="kivi", target=16.0, unreachable="no")
+    assert sweep_table([row, far])[2:] == [
+        "| xKV | 4× | 3.95× | 10.00 | +5.0 % | 0.100 | 0.200 | 9.00 / 11.00 |",
+        "| KIVI | 16× | unreachable | – | – | – | – | – |"]
+    assert record_line("xKV", dict(rec("xkv", 4.0, 0, 4, 0.0, 4.2), window=1)) == (
+        "  w1 xKV @ 4.0: 4.20x ppl 1.000 K 0.100 V 0.300 ranks 2/1")
+    plot_sweep([dict(row, method="none"), row, far], str(tmp_path / "sweep.png"))
+    assert (tmp_path / "grid.png").exists() and (tmp_path / "sweep.png").exists()

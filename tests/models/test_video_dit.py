@@ -95,6 +95,9 @@ def test_training_lowers_loss_saves_and_qk_spectrum_decays(tmp_path):
     x = _data(jax.random.key(9), 1)
     np.testing.assert_allclose(np.asarray(loaded(x, jnp.ones((1,)) * 0.5)),
                                np.asarray(model(x, jnp.ones((1,)) * 0.5)), atol=1e-6)
+    again, source = vd.load_or_train_video_dit(str(tmp_path / "dit"), log=None)  # no training
+    assert source == str(tmp_path / "dit")
+    np.testing.assert_array_equal(again.blocks[0].qkv.kernel[...], loaded.blocks[0].qkv.kernel[...])
     # observation 1 on the trained model: QKᵀ concentrates its energy in few directions,
     # far fewer than random Q, K of the same shape
     noisy = 0.5 * x + 0.5 * jax.random.normal(jax.random.key(10), x.shape)

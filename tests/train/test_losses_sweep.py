@@ -1,5 +1,6 @@
 """The adapter loss, the window evaluator and the sweep readers, against direct computations."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -54,3 +55,33 @@ def test_sweep_readers():
     assert steps_to_target([(0, 4.0)], 3.0) is None
     np.testing.assert_allclose(moving_average([0, 2, 4, 6, 8], 3), [2.0, 4.0, 6.0])
 
+
+
+def test_lm_loss_merges_a_split_and_the_scaled_adapter_loss_scales_lora_a():
+    from lowrank_jax.train.losses import lm_loss, scale_lora_a, scaled_adapter_loss
+
+    model = _model()
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 32, (2, 6)), jnp.int32)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
+    lora = jax.tree.map(lambda v: v + 0.1, lora)  # B != 0: the adapter changes the output
+    want = float(lm_loss(graphdef)((lora, rest), x, y))
+    nnx.update(model, lora)
+    assert np.isclose(want, float(cross_entropy(model(x)[0], y)), rtol=1e-6)
+    # s = 3 on lora_a is the merged model with 3 * A
+    nnx.update(model, scale_lora_a(lora, 3.0))
+    scaled = float(scaled_adapter_loss(graphdef)(lora, x, y, 3.0, rest))
+    assert np.isclose(scaled, float(cross_entropy(model(x)[0], y)), rtol=1e-6)
+    assert not np.isclose(scaled, want)
+
+
+def test_evaluate_on_corpus_batches_is_the_mean_of_the_batch_losses():
+    from lowrank_jax.data import eval_batches
+    from lowrank_jax.train.loop import evaluate
+    from lowrank_jax.train.losses import evaluate_windows
+
+    tokens = np.arange(40) % 7
+    eval_fn = lambda p, x, y: jnp.mean((p * x - y) ** 2.0)  # noqa: E731
+    want = np.mean([float(eval_fn(0.5, x, y)) for x, y in eval_batches(tokens, 2, 4, 3)])
+    assert np.isclose(evaluate(eval_fn, 0.5, tokens, 2, 4, 3), want, rtol=1e-6)
+    assert evaluate_windows(lambda s, w: w.sum(), (), np.ones(5), batch_size=2) == 5 / 3
