@@ -276,6 +276,30 @@ def plot_panels(panels, path, *, suptitle: str | None = None, figsize=None,
     plt.close(fig)
 
 
+def plot_bars(labels, values, path, *, ylabel: str, title: str = "", yscale: str = "linear",
+              figsize=(7, 3.5), dpi: int = 120) -> None:
+    """One bar per label (tick labels slanted), saved to ``path`` (parent folders created).
+
+    Example::
+
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "ppl.png")
+        >>> plot_bars(["fp32", "RTN-2"], [12.0, 340.0], path, ylabel="perplexity", yscale="log")
+        >>> os.path.getsize(path) > 0
+        True
+    """
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=figsize)
+    ax.bar(range(len(values)), values, color="tab:blue")
+    ax.set_xticks(range(len(values)), list(labels), rotation=30, ha="right", fontsize=8)
+    ax.set_yscale(yscale)
+    ax.set(ylabel=ylabel, title=title)
+    fig.tight_layout()
+    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+
+
 def plot_curves(curves: list[dict], path, *, xlabel: str, ylabel: str, title: str = "",
                 hline: tuple[float, str] | None = None, yscale: str = "linear",
                 legend_fontsize=None, figsize=(6.4, 4.0), dpi: int = 110) -> None:
@@ -360,7 +384,7 @@ def write_json(obj, path: str) -> None:
 
 __all__ = [
     "PASSAGE", "analyze_params", "key_cka", "layer_keys", "named_matrices", "per_layer_table",
-    "plot_by_layer", "plot_curves", "plot_grid_heatmaps", "plot_heatmap", "plot_panels",
-    "plot_spectra", "spectrum", "unembedding_report",
+    "plot_bars", "plot_by_layer", "plot_curves", "plot_grid_heatmaps", "plot_heatmap",
+    "plot_panels", "plot_spectra", "spectrum", "unembedding_report",
     "write_json",
 ]

@@ -15,6 +15,8 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import os
 import platform
 import statistics
 import sys
@@ -170,10 +172,31 @@ def reference_matmul_seconds(flops: float, *, reps: int = 3) -> tuple[float, int
     return time_fn(jax.jit(lambda x, y: x @ y), a, b, reps=reps, warmup=1), n
 
 
+@contextlib.contextmanager
+def cpu_usage():
+    """Measure the CPU cost of a ``with`` block: yields a dict, filled when the block ends, with
+    ``cpu_seconds`` (user + system of this process and its children) and ``load_average``
+    (the 1-minute load average at the start and at the end: how shared the machine was).
+
+    Example::
+
+        >>> with cpu_usage() as usage:
+        ...     _ = sum(range(10_000))
+        >>> usage["cpu_seconds"] >= 0, len(usage["load_average"])
+        (True, 2)
+    """
+    usage: dict[str, Any] = {}
+    load0, start = os.getloadavg()[0], os.times()
+    try:
+        yield usage
+    finally:
+        end = os.times()
+        usage["cpu_seconds"] = sum(end[:4]) - sum(start[:4])
+        usage["load_average"] = (load0, os.getloadavg()[0])
+
+
 def machine_record() -> dict:
     """Where and with what a benchmark ran: date (UTC), host, CPU count, versions, devices."""
-    import os
-
     import flax
     import optax
 
@@ -193,5 +216,5 @@ def machine_record() -> dict:
     }
 
 
-__all__ = ["interleaved_samples", "machine_record", "reference_matmul_seconds", "speedup",
-           "time_compiled", "time_fn", "time_interleaved", "time_once"]
+__all__ = ["cpu_usage", "interleaved_samples", "machine_record", "reference_matmul_seconds",
+           "speedup", "time_compiled", "time_fn", "time_interleaved", "time_once"]

@@ -272,6 +272,27 @@ def quantize_model(
     }
 
 
+def unfinetuned_model(model: Llama, report: dict[str, Any]) -> Llama:
+    """The no-fine-tuning model of a ``quantize_model(..., keep_unfinetuned=True)`` run.
+
+    The codes do not depend on block fine-tuning, so a copy of the fine-tuned ``model`` with
+    every block's float parameters set back to ``report["unfinetuned"]`` (and rounded to their
+    fp16 storage, as the pipeline does) is the model ``finetune_steps=0`` gives, without
+    quantizing twice. ``model`` is not changed.
+
+    Example::
+
+        >>> m0 = unfinetuned_model(model, report)  # doctest: +SKIP
+    """
+    m0 = nnx.clone(model)
+    for i, state in report["unfinetuned"].items():
+        nnx.update(m0.layers[i], *state)
+    for _, _, _, lin in projections(m0):
+        if isinstance(lin, (QuantizedLinear, VQLinear)):
+            round_floats_to_storage(lin)
+    return m0
+
+
 def model_bits_per_weight(model: Llama) -> float:
     """Average stored bits per projection weight (dense projections count 16)."""
     bits = weights = 0.0
@@ -340,4 +361,4 @@ def calibration_tokens(tokenizer, text: str, n_seq: int, seq_len: int, seed: int
 
 __all__ = ["CALIBRATED", "FINETUNED", "METHOD_BITS", "METHODS", "UNISVQ_BITS",
            "calibration_hessians", "calibration_tokens", "model_bits_per_weight",
-           "quantize_model"]
+           "quantize_model", "unfinetuned_model"]

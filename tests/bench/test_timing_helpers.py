@@ -33,3 +33,17 @@ def test_time_compiled_and_the_reference_matmul():
     assert n == 20 and seconds > 0
     with pytest.raises(ValueError):
         interleaved_samples({"a": lambda: None}, reps=0)
+
+
+def test_cpu_usage_counts_busy_time_not_sleep():
+    from lowrank_jax.bench import cpu_usage
+
+    with cpu_usage() as idle:
+        time.sleep(0.05)
+    start = time.process_time()
+    with cpu_usage() as busy:
+        while time.process_time() - start < 0.05:
+            pass
+    assert idle["cpu_seconds"] < 0.03
+    assert busy["cpu_seconds"] == pytest.approx(time.process_time() - start, abs=0.03)
+    assert len(busy["load_average"]) == 2 and min(busy["load_average"]) >= 0
