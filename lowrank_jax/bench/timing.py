@@ -83,6 +83,34 @@ def time_compiled(fn: Callable, *args: Any) -> tuple[Any, float]:
     return out, seconds
 
 
+def time_steps(step: Callable, state: tuple, batches: list) -> tuple[float, Any, list]:
+    """``(seconds, state, losses)`` of a training loop: ``state, loss = step(*state, *batch)``
+    for every batch, the first one an untimed warm-up (compilation), the rest timed as one block
+    (:func:`time_once`); ``losses`` are the timed steps' losses as numpy values.
+
+    Example::
+
+        >>> step = lambda w, x: ((w - 0.5 * (w - x),), (w - x) ** 2)
+        >>> seconds, (w,), losses = time_steps(step, (0.0,), [(4.0,), (4.0,), (4.0,)])
+        >>> w, [float(x) for x in losses]
+        (3.5, [4.0, 1.0])
+    """
+    import numpy as np
+
+    state, loss = step(*state, *batches[0])
+    jax.block_until_ready(loss)
+
+    def run(state):
+        losses = []
+        for batch in batches[1:]:
+            state, loss = step(*state, *batch)
+            losses.append(loss)
+        return state, losses
+
+    seconds, (state, losses) = time_once(run, state)
+    return seconds, state, [np.asarray(x) for x in losses]
+
+
 def interleaved_samples(
     fns: dict[str, Callable[[], Any]], *, reps: int = 5, warmup: int = 1, rotate: bool = False
 ) -> dict[str, list[float]]:
@@ -217,4 +245,4 @@ def machine_record() -> dict:
 
 
 __all__ = ["cpu_usage", "interleaved_samples", "machine_record", "reference_matmul_seconds",
-           "speedup", "time_compiled", "time_fn", "time_interleaved", "time_once"]
+           "speedup", "time_compiled", "time_fn", "time_interleaved", "time_once", "time_steps"]
