@@ -156,11 +156,10 @@ def test_codebook_arms_store_one_lattice_per_group_and_simulate_in_place():
 
     model = Llama(LlamaConfig(vocab_size=16, d_model=8, n_layers=2, n_heads=2, n_kv_heads=2,
                               d_ff=16), rngs=nnx.Rngs(0))
-    before = model.layers[1].mlp.up_proj.kernel[...]
+    before, other = (model.layers[i].mlp.up_proj.kernel[...] for i in (1, 0))
     with dequantized_projections(model, [1], lambda i, name, w: (jnp.round(w), 4.0)) as done:
         np.testing.assert_array_equal(model.layers[1].mlp.up_proj.kernel[...], jnp.round(before))
-        np.testing.assert_array_equal(model.layers[0].mlp.up_proj.kernel[...],
-                                      model.layers[0].mlp.up_proj.kernel[...])
+        np.testing.assert_array_equal(model.layers[0].mlp.up_proj.kernel[...], other)
     assert sorted(done) == sorted((1, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj",
                                                    "gate_proj", "up_proj", "down_proj"))
     np.testing.assert_array_equal(model.layers[1].mlp.up_proj.kernel[...], before)  # restored
