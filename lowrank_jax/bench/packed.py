@@ -9,7 +9,8 @@ packing wins while one job alone leaves the cores idle, and stops winning once t
 fills them (the crossover). The packed step's time is split into the frozen base's
 forward+backward (gradient reaching the embeddings, no adapters), the optimizer update, the host
 dispatch of the step's arguments (a jitted identity over the same trees), and the adapter
-matmuls (the rest).
+matmuls (the rest). :func:`sequential_lora_jobs` / :func:`packed_lora_jobs` train the same K
+jobs on corpus windows both ways and return each job's losses (``scripts/bench/plora.py``).
 """
 
 from __future__ import annotations
