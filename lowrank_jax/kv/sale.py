@@ -49,6 +49,7 @@ def sale_vs_dense(model, ids, qkv, taus, cfg, *, desc: str | None = None):
     sale_fn = jax.jit(lambda q, k, v, tau: sale_api.sale_prefill_attention(
         q, k, v, tau, cfg, implementation="xla", return_mask=True))
     dense_fn = jax.jit(lambda q, k, v: reference_attention(q, k, v, causal=True))
+    causal = sale_ref.causal_block_mask(len(ids), cfg)  # host float64 density: exact fractions
     per_layer = []
     for i in tqdm(range(model.cfg.n_layers), desc=desc, leave=False, disable=desc is None):
         q, k, v = (a[i] for a in qkv)
@@ -56,7 +57,7 @@ def sale_vs_dense(model, ids, qkv, taus, cfg, *, desc: str | None = None):
         out, mask = sale_fn(q, k, v, jnp.asarray(taus[i], jnp.float32))
         per_layer.append({"layer": i,
                           "rel_err": float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref)),
-                          "density": float(sale_ref.causal_density(mask, len(ids), cfg))})
+                          "density": float(np.asarray(mask)[..., causal].mean())})
     sale_model = with_attention(model, register_sale_per_layer(taus, cfg, implementation="xla"))
     return per_layer, perplexity(sale_model, ids, window=len(ids), progress=False).nll
 
