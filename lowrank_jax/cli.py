@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import io
 import pkgutil
 import re
 import sys
@@ -113,6 +114,64 @@ def _run(args) -> int:
               f"{describe_error(error)}); rerun with --debug for the traceback and report it.",
               file=sys.stderr)
         return 1
+
+
+def captured(argv: list[str]) -> tuple[int, str]:
+    """``(exit status, stdout)`` of ``lowrank-jax ARGV`` run in this process.
+
+    Example::
+
+        >>> code, out = captured(["--help"])  # doctest: +SKIP
+    """
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(argv)
+    return code, out.getvalue().strip()
+
+
+def save_and_check(model, folder: str, *, n_params: int, tokenizer=None, report=None,
+                   prompt: str = "What is the capital of France?", max_new_tokens: int = 24,
+                   eval_tokens: int | None = None) -> dict:
+    """Save ``model`` (:func:`lowrank_jax.hub.save_model`), weigh the folder against fp16, and
+    use it through the commands a user runs on it.
+
+    With a tokenizer, ``lowrank-jax generate --model FOLDER --prompt PROMPT`` answers the prompt
+    and (``eval_tokens``) ``lowrank-jax eval --model FOLDER`` scores ``eval_tokens`` tokens in
+    disjoint 256-token windows; each command's output is printed and returned.
+
+    Args:
+        model: the model to save (dense, LoRA or quantized).
+        folder: where to write it.
+        n_params: parameters of the dense model (its fp16 size is ``2 · n_params`` bytes).
+        tokenizer, report: written into the folder (``report``: the quantization report).
+        prompt, max_new_tokens: the ``generate`` check.
+        eval_tokens: tokens of the ``eval`` check (``None``: no eval).
+
+    Returns:
+        ``{"path", "folder_mib", "fp16_mib", "folder_vs_fp16", "question", "answer"}`` (the
+        answer ``None`` without a tokenizer) and ``"cli_eval"`` when evaluated.
+    """
+    import os
+
+    from lowrank_jax.hub import save_model
+
+    save_model(model, folder, tokenizer=tokenizer, report=report)
+    on_disk = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder)
+                  if os.path.isfile(os.path.join(folder, f)))
+    measured = {"path": folder, "folder_mib": on_disk / 2**20, "fp16_mib": n_params * 2 / 2**20,
+                "folder_vs_fp16": on_disk / (n_params * 2), "question": prompt, "answer": None}
+    if tokenizer is None:  # nothing to chat with
+        return measured
+    code, measured["answer"] = captured(["generate", "--model", folder, "--prompt", prompt,
+                                         "--max-new-tokens", str(max_new_tokens)])
+    print(f"lowrank-jax generate --model {folder} --prompt {prompt!r} (exit {code}): "
+          f"{measured['answer']}")
+    if eval_tokens:
+        code, measured["cli_eval"] = captured([
+            "eval", "--model", folder, "--window", "257", "--stride", "256", "--max-tokens",
+            str(eval_tokens + 1), "--no-progress"])
+        print(f"lowrank-jax eval --model {folder} (exit {code}): {measured['cli_eval']}")
+    return measured
 
 
 if __name__ == "__main__":

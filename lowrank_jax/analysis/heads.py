@@ -294,6 +294,28 @@ def rewind_heads(
     return out
 
 
+def rewind_curve(base, tuned, scores: Float[np.ndarray, "L H"], fractions: Sequence[float],
+                 evaluate: Callable, *, lowest: bool = True, num_heads: int,
+                 num_kv_heads: int | None = None) -> list:
+    """``evaluate(params)`` of ``tuned`` with the ``fraction`` lowest- (``lowest=False``:
+    highest-) scored heads rewound to ``base``, for each fraction (:func:`select_heads`,
+    :func:`rewind_heads`): the cost of undoing a fine-tune head by head.
+
+    Example::
+
+        >>> import jax.numpy as jnp, numpy as np
+        >>> mk = lambda v: {"layers": {0: {"self_attn": {p: {"kernel": jnp.full((4, 4), v)}
+        ...     for p in ("q_proj", "k_proj", "v_proj", "o_proj")}}}}
+        >>> total = lambda p: float(p["layers"][0]["self_attn"]["q_proj"]["kernel"].sum())
+        >>> rewind_curve(mk(0.0), mk(1.0), np.array([[0.1, 0.9]]), [0.0, 0.5, 1.0], total,
+        ...              num_heads=2)
+        [16.0, 8.0, 0.0]
+    """
+    return [evaluate(rewind_heads(base, tuned, select_heads(scores, f, lowest=lowest),
+                                  num_heads=num_heads, num_kv_heads=num_kv_heads))
+            for f in fractions]
+
+
 def interpolate(params_a, params_b, alpha: float):
     """Linear interpolation ``(1 − α)·a + α·b`` leaf by leaf (domain connectivity).
 
@@ -333,5 +355,6 @@ def loss_barrier(alphas: Sequence[float], losses: Sequence[float]) -> float:
 
 __all__ = [
     "ATTENTION_PROJECTIONS", "HEAD_CRITERIA", "LAYOUTS", "head_scores", "head_slices",
-    "interpolate", "loss_barrier", "merge_heads", "rewind_heads", "select_heads", "split_heads",
+    "interpolate", "loss_barrier", "merge_heads", "rewind_curve", "rewind_heads", "select_heads",
+    "split_heads",
 ]

@@ -49,6 +49,36 @@ def named_matrices(params) -> list[tuple[str, int | None, np.ndarray]]:
     return out
 
 
+def compare_to_random_update(base, tuned, *, k: int = 8, seed: int = 0) -> dict[str, dict]:
+    """:func:`~lowrank_jax.analysis.spectra.compare_matrices` of every 2-D leaf of ``tuned``
+    against ``base``, with the baseline of a random update of the same Frobenius norm.
+
+    The baseline says how much of a change of that size an unstructured update puts into the
+    spectrum: ``random_update_spectral_share`` and ``random_update_left_diag_overlap`` (one
+    Gaussian direction per matrix, in leaf order, from ``np.random.default_rng(seed)``).
+
+    Example::
+
+        >>> import numpy as np
+        >>> w = np.random.default_rng(1).normal(size=(64, 48))
+        >>> rec = compare_to_random_update({"w": w}, {"w": 1.1 * w})["w"]  # a pure rescale
+        >>> round(rec["spectral_share"], 6), rec["random_update_spectral_share"] < 0.3
+        (1.0, True)
+    """
+    base_mats = {n: np.asarray(w) for n, _, w in named_matrices(base)}
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, _, w in named_matrices(tuned):
+        w0, w1 = base_mats[name], np.asarray(w)
+        out[name] = compare_matrices(w0, w1, k=k)
+        noise = rng.normal(size=w0.shape)
+        noise *= np.linalg.norm(w1 - w0) / np.linalg.norm(noise)
+        rand = compare_matrices(w0, w0 + noise, k=k)
+        out[name]["random_update_spectral_share"] = rand["spectral_share"]
+        out[name]["random_update_left_diag_overlap"] = rand["left_diag_overlap"]
+    return out
+
+
 def spectrum(matrix, *, block_rows: int = 4096) -> np.ndarray:
     """Singular values (descending, float64) by the Gram backend, ``σ = sqrt(eig(WᵀW))`` on the
     smaller side, accumulated in float64 over row blocks.
@@ -276,6 +306,30 @@ def plot_panels(panels, path, *, suptitle: str | None = None, figsize=None,
     plt.close(fig)
 
 
+def plot_bars(labels, values, path, *, ylabel: str, title: str = "", yscale: str = "linear",
+              figsize=(7, 3.5), dpi: int = 120) -> None:
+    """One bar per label (tick labels slanted), saved to ``path`` (parent folders created).
+
+    Example::
+
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "ppl.png")
+        >>> plot_bars(["fp32", "RTN-2"], [12.0, 340.0], path, ylabel="perplexity", yscale="log")
+        >>> os.path.getsize(path) > 0
+        True
+    """
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=figsize)
+    ax.bar(range(len(values)), values, color="tab:blue")
+    ax.set_xticks(range(len(values)), list(labels), rotation=30, ha="right", fontsize=8)
+    ax.set_yscale(yscale)
+    ax.set(ylabel=ylabel, title=title)
+    fig.tight_layout()
+    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+
+
 def plot_curves(curves: list[dict], path, *, xlabel: str, ylabel: str, title: str = "",
                 hline: tuple[float, str] | None = None, yscale: str = "linear",
                 legend_fontsize=None, figsize=(6.4, 4.0), dpi: int = 110) -> None:
@@ -388,9 +442,9 @@ def write_json(obj, path: str) -> None:
 
 
 __all__ = [
-    "PASSAGE", "analyze_params", "key_cka", "layer_keys", "named_matrices", "per_layer_table",
-    "plot_by_layer", "plot_curves", "plot_frames", "plot_grid_heatmaps", "plot_heatmap",
-    "plot_panels",
-    "plot_spectra", "spectrum", "unembedding_report",
+    "PASSAGE", "analyze_params", "compare_to_random_update", "key_cka", "layer_keys",
+    "named_matrices", "per_layer_table", "plot_bars", "plot_by_layer", "plot_curves",
+    "plot_frames", "plot_grid_heatmaps", "plot_heatmap", "plot_panels", "plot_spectra",
+    "spectrum", "unembedding_report",
     "write_json",
 ]

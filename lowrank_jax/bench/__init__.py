@@ -14,6 +14,7 @@ from lowrank_jax.bench.suite import (
     select,
 )
 from lowrank_jax.bench.timing import (
+    cpu_usage,
     decode_rates,
     interleaved_samples,
     machine_record,
@@ -25,6 +26,7 @@ from lowrank_jax.bench.timing import (
     time_once,
 )
 
-__all__ = ["BENCHMARKS", "check_record", "decode_rates", "format_markdown", "format_table",
-           "interleaved_samples", "machine_record", "reference_matmul_seconds", "run_suite",
-           "select", "speedup", "time_compiled", "time_fn", "time_interleaved", "time_once"]
+__all__ = ["BENCHMARKS", "check_record", "cpu_usage", "decode_rates", "format_markdown",
+           "format_table", "interleaved_samples", "machine_record", "reference_matmul_seconds",
+           "run_suite", "select", "speedup", "time_compiled", "time_fn", "time_interleaved",
+           "time_once"]

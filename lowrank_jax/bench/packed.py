@@ -9,25 +9,31 @@ packing wins while one job alone leaves the cores idle, and stops winning once t
 fills them (the crossover). The packed step's time is split into the frozen base's
 forward+backward (gradient reaching the embeddings, no adapters), the optimizer update, the host
 dispatch of the step's arguments (a jitted identity over the same trees), and the adapter
-matmuls (the rest).
+matmuls (the rest). :func:`sequential_lora_jobs` / :func:`packed_lora_jobs` train the same K
+jobs on corpus windows both ways and return each job's losses (``scripts/bench/plora.py``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
-from lowrank_jax.bench.timing import time_interleaved
+from lowrank_jax.bench.timing import time_interleaved, time_steps
 from lowrank_jax.bench.training import random_token_batch, row
 from lowrank_jax.core.losses import cross_entropy
-from lowrank_jax.models.llama import Llama, LlamaConfig
-from lowrank_jax.nn import LoRARule, apply_lora
-from lowrank_jax.nn.multi_lora import apply_multi_lora
-from lowrank_jax.train.jobs import make_packed_step
-from lowrank_jax.train.multi_job import per_job_adamw
 from lowrank_jax.core.step import make_step
+from lowrank_jax.data import batch_at
+from lowrank_jax.models.llama import Llama, LlamaConfig
+from lowrank_jax.nn import LoRARule, apply_lora, lora_layers
+from lowrank_jax.nn.multi_lora import apply_multi_lora, multi_lora_layers
+from lowrank_jax.train.jobs import make_packed_step
+from lowrank_jax.train.losses import adapter_loss
+from lowrank_jax.train.multi_job import per_job_adamw
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 RANKS = (4, 8, 16, 4, 8, 16, 4, 8)
@@ -115,6 +121,78 @@ def _breakdown_runners(base: Llama, holder, tx, x, y):
             "host": lambda: dispatch(*holder)}
 
 
+def sequential_lora_jobs(base_fn: Callable[[], Llama], tokens, *, ranks, lrs, batch: int,
+                         seq_len: int, steps: int, weight_decay: float = 1e-4,
+                         on_job: Callable[[int], None] | None = None):
+    """K LoRA jobs trained one after another, as a user runs them: job ``k`` gets a fresh
+    ``base_fn()`` with ``LoRALinear`` adapters on every projection (rank ``ranks[k]``, alpha
+    ``2·rank``, ``nnx.Rngs(k + 1)``) and its own jitted AdamW step (``lrs[k]``), on the corpus
+    windows ``batch_at(tokens, t, batch, seq_len, seed=k)`` for ``t = 0 .. steps`` (``t = 0``
+    warms up, untimed; :func:`~lowrank_jax.bench.timing.time_steps`).
+
+    Returns:
+        ``(seconds, losses, inits)``: timed seconds of all jobs together, each job's losses of
+        the timed steps, and each job's initial adapters ``{path: (lora_a, lora_b)}`` (to start
+        :func:`packed_lora_jobs` from the same point). ``on_job(k)`` runs after each job.
+    """
+    seconds, losses, inits = 0.0, [], []
+    for k, rank in enumerate(ranks):
+        model = base_fn()
+        apply_lora(model, LoRARule(pattern="|".join(TARGETS), rank=rank, alpha=2.0 * rank),
+                   rngs=nnx.Rngs(k + 1))
+        inits.append({path: (layer.lora_a[...], layer.lora_b[...])
+                      for path, layer in lora_layers(model)})
+        graph, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
+        tx = optax.adamw(lrs[k], weight_decay=weight_decay)
+        update = make_step(adapter_loss(graph), tx)
+        step = lambda lora, opt, window, update=update, rest=rest: (  # noqa: E731
+            lambda new, opt, loss: ((new, opt), loss))(*update(lora, opt, rest, window))
+        windows = [(jnp.asarray(np.concatenate([x, y[:, -1:]], 1)),)  # [batch, seq_len + 1]
+                   for x, y in (batch_at(tokens, t, batch, seq_len, seed=k)
+                                for t in range(steps + 1))]
+        dt, _, job_losses = time_steps(step, (lora, tx.init(lora)), windows)
+        seconds += dt
+        losses.append([float(x) for x in job_losses])
+        if on_job is not None:
+            on_job(k)
+    return seconds, losses, inits
+
+
+def packed_lora_jobs(base_fn: Callable[[], Llama], tokens, *, ranks, lrs, batch: int,
+                     seq_len: int, steps: int, inits, implementation: str = "ragged",
+                     weight_decay: float = 1e-4):
+    """The jobs of :func:`sequential_lora_jobs` packed into one model: ``MultiLoRALinear`` with
+    one adapter per job, started from the same ``inits``, one jitted step over the concatenated
+    batches (:func:`~lowrank_jax.train.jobs.make_packed_step`, ``per_job_adamw``).
+
+    Returns:
+        ``(seconds, losses)``: the timed steps' seconds and each job's losses (compare them to
+        the sequential ones: packing changes the speed, not the training).
+    """
+    k_jobs = len(ranks)
+    model = base_fn()
+    apply_multi_lora(model, ranks=ranks, alphas=[2.0 * r for r in ranks], targets=TARGETS,
+                     rngs=nnx.Rngs(1), implementation=implementation)
+    for path, layer in multi_lora_layers(model):  # same init as the sequential runs
+        for k in range(k_jobs):
+            layer.set_adapter(k, *inits[k][path])
+    graph, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
+    tx = per_job_adamw(list(lrs), weight_decays=[weight_decay] * k_jobs)
+    packed = make_packed_step(graph, rest, jnp.repeat(jnp.arange(k_jobs), batch), tx, k_jobs)
+
+    def step(lora, opt, x, y):
+        lora, opt, per_job = packed(lora, opt, x, y)
+        return (lora, opt), per_job
+
+    def packed_batch(t):
+        parts = [batch_at(tokens, t, batch, seq_len, seed=k) for k in range(k_jobs)]
+        return tuple(jnp.asarray(np.concatenate([p[i] for p in parts])) for i in (0, 1))
+
+    dt, _, losses = time_steps(step, (lora, tx.init(lora)),
+                               [packed_batch(t) for t in range(steps + 1)])
+    return dt, [[float(x[k]) for x in losses] for k in range(k_jobs)]
+
+
 def _bases(quick: bool):
     """``(name, base model, tokens per job to sweep)``: the tiny Llama, and SmolLM2-135M when
     its checkpoint is installed (skipped in quick mode)."""
@@ -171,4 +249,4 @@ def packed_lora(*, quick: bool, reps: int) -> list[dict]:
     return rows
 
 
-__all__ = ["packed_lora"]
+__all__ = ["RANKS", "TARGETS", "packed_lora", "packed_lora_jobs", "sequential_lora_jobs"]

@@ -15,6 +15,8 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import os
 import platform
 import statistics
 import sys
@@ -79,6 +81,34 @@ def time_compiled(fn: Callable, *args: Any) -> tuple[Any, float]:
     compiled = jax.jit(fn).lower(*args).compile()
     seconds, out = time_once(compiled, *args)
     return out, seconds
+
+
+def time_steps(step: Callable, state: tuple, batches: list) -> tuple[float, Any, list]:
+    """``(seconds, state, losses)`` of a training loop: ``state, loss = step(*state, *batch)``
+    for every batch, the first one an untimed warm-up (compilation), the rest timed as one block
+    (:func:`time_once`); ``losses`` are the timed steps' losses as numpy values.
+
+    Example::
+
+        >>> step = lambda w, x: ((w - 0.5 * (w - x),), (w - x) ** 2)
+        >>> seconds, (w,), losses = time_steps(step, (0.0,), [(4.0,), (4.0,), (4.0,)])
+        >>> w, [float(x) for x in losses]
+        (3.5, [4.0, 1.0])
+    """
+    import numpy as np
+
+    state, loss = step(*state, *batches[0])
+    jax.block_until_ready(loss)
+
+    def run(state):
+        losses = []
+        for batch in batches[1:]:
+            state, loss = step(*state, *batch)
+            losses.append(loss)
+        return state, losses
+
+    seconds, (state, losses) = time_once(run, state)
+    return seconds, state, [np.asarray(x) for x in losses]
 
 
 def interleaved_samples(
@@ -206,10 +236,31 @@ def reference_matmul_seconds(flops: float, *, reps: int = 3) -> tuple[float, int
     return time_fn(jax.jit(lambda x, y: x @ y), a, b, reps=reps, warmup=1), n
 
 
+@contextlib.contextmanager
+def cpu_usage():
+    """Measure the CPU cost of a ``with`` block: yields a dict, filled when the block ends, with
+    ``cpu_seconds`` (user + system of this process and its children) and ``load_average``
+    (the 1-minute load average at the start and at the end: how shared the machine was).
+
+    Example::
+
+        >>> with cpu_usage() as usage:
+        ...     _ = sum(range(10_000))
+        >>> usage["cpu_seconds"] >= 0, len(usage["load_average"])
+        (True, 2)
+    """
+    usage: dict[str, Any] = {}
+    load0, start = os.getloadavg()[0], os.times()
+    try:
+        yield usage
+    finally:
+        end = os.times()
+        usage["cpu_seconds"] = sum(end[:4]) - sum(start[:4])
+        usage["load_average"] = (load0, os.getloadavg()[0])
+
+
 def machine_record() -> dict:
     """Where and with what a benchmark ran: date (UTC), host, CPU count, versions, devices."""
-    import os
-
     import flax
     import optax
 
@@ -229,5 +280,6 @@ def machine_record() -> dict:
     }
 
 
-__all__ = ["decode_rates", "interleaved_samples", "machine_record", "reference_matmul_seconds",
-           "speedup", "time_compiled", "time_fn", "time_interleaved", "time_once"]
+__all__ = ["cpu_usage", "decode_rates", "interleaved_samples", "machine_record",
+           "reference_matmul_seconds", "speedup", "time_compiled", "time_fn", "time_interleaved",
+           "time_once", "time_steps"]

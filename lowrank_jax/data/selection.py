@@ -517,11 +517,33 @@ def synthetic_lowrank_losses(
             np.asarray(r_true, np.float32))
 
 
+def weighted_batches(chunks, probs, steps: int, batch_size: int, seed: int = 0):
+    """``step -> (inputs, targets)``: ``batch_size`` token chunks drawn ∝ ``probs`` per step.
+
+    Trains on a selected subset as its weights say (e.g. a coreset's ``w / w.sum()``). All
+    ``steps`` draws (with replacement) come up front from ``np.random.default_rng(seed)``, so a
+    step's batch does not depend on the call order; chunks are cut to the shortest one, inputs
+    are ``chunk[:-1]`` and targets ``chunk[1:]`` (the :func:`lowrank_jax.train.finetune.finetune`
+    batch function).
+
+    Example::
+
+        >>> batch_of = weighted_batches([[1, 2, 3], [7, 8, 9, 10]], [0.0, 1.0], steps=2,
+        ...                             batch_size=1)
+        >>> [a.tolist() for a in batch_of(1)]
+        [[[7, 8]], [[8, 9]]]
+    """
+    length = min(len(c) for c in chunks)
+    data = np.asarray([c[:length] for c in chunks], np.int32)
+    rng = np.random.default_rng(seed)
+    picks = [rng.choice(len(data), size=batch_size, p=probs) for _ in range(steps)]
+    return lambda step: (data[picks[step], :-1], data[picks[step], 1:])
+
+
 __all__ = [
     "Coreset", "LowRankFit", "chunk_tokens", "compact", "fit_proxy", "kmeans",
     "kmeans_sensitivity_coreset", "lowrank_coreset", "lowrank_residuals",
     "lowrank_residuals_chunked", "relative_error", "sample_coreset", "select_representatives",
     "select_subset", "sensitivity_probs", "synthetic_lowrank_losses", "text_embeddings",
-    "uniform_coreset",
-    "weighted_mean",
+    "uniform_coreset", "weighted_batches", "weighted_mean",
 ]

@@ -147,5 +147,45 @@ class RunCache:
         return self.runs[key]
 
 
-__all__ = ["RunCache", "format_cell", "machine_line", "markdown_table", "run_command",
-           "write_result"]
+class RecordFolder:
+    """One JSON record per key in a folder, each tagged with the protocol that produced it.
+
+    For a reproduction whose parts run in separate processes (one method per command): each part
+    writes ``<folder>/<key>.json`` = ``{"fingerprint": ..., **record}`` atomically, and
+    :meth:`read` returns a stored record only when its fingerprint equals this one (another
+    protocol's record reads as missing), so the table merges only comparable rows.
+
+    Example::
+
+        >>> import tempfile
+        >>> folder = tempfile.mkdtemp()
+        >>> RecordFolder(folder, {"layers": 4}).write("rtn", rows=[{"ppl": 9.5}])
+        >>> RecordFolder(folder, {"layers": 4}).read("rtn")["rows"]
+        [{'ppl': 9.5}]
+        >>> RecordFolder(folder, {"layers": 30}).read("rtn") is None
+        True
+    """
+
+    def __init__(self, folder: str | os.PathLike, fingerprint: dict):
+        self.folder = pathlib.Path(folder)
+        self.fingerprint = fingerprint
+
+    def write(self, key: str, **record) -> None:
+        """Store ``record`` (JSON-able keyword fields) under ``key``, with the fingerprint."""
+        from lowrank_jax.io.outputs import atomic_write_text
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.folder / f"{key}.json", json.dumps(
+            {"fingerprint": self.fingerprint, **record}, indent=1))
+
+    def read(self, key: str) -> dict | None:
+        """The record stored under ``key`` by the same protocol, or ``None``."""
+        path = self.folder / f"{key}.json"
+        if not path.is_file():
+            return None
+        saved = json.loads(path.read_text())
+        return saved if saved.get("fingerprint") == self.fingerprint else None
+
+
+__all__ = ["RecordFolder", "RunCache", "format_cell", "machine_line", "markdown_table",
+           "run_command", "write_result"]

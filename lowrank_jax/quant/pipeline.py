@@ -15,6 +15,7 @@ References:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -272,6 +273,27 @@ def quantize_model(
     }
 
 
+def unfinetuned_model(model: Llama, report: dict[str, Any]) -> Llama:
+    """The no-fine-tuning model of a ``quantize_model(..., keep_unfinetuned=True)`` run.
+
+    The codes do not depend on block fine-tuning, so a copy of the fine-tuned ``model`` with
+    every block's float parameters set back to ``report["unfinetuned"]`` (and rounded to their
+    fp16 storage, as the pipeline does) is the model ``finetune_steps=0`` gives, without
+    quantizing twice. ``model`` is not changed.
+
+    Example::
+
+        >>> m0 = unfinetuned_model(model, report)  # doctest: +SKIP
+    """
+    m0 = nnx.clone(model)
+    for i, state in report["unfinetuned"].items():
+        nnx.update(m0.layers[i], *state)
+    for _, _, _, lin in projections(m0):
+        if isinstance(lin, (QuantizedLinear, VQLinear)):
+            round_floats_to_storage(lin)
+    return m0
+
+
 def model_bits_per_weight(model: Llama) -> float:
     """Average stored bits per projection weight (dense projections count 16)."""
     bits = weights = 0.0
@@ -284,6 +306,45 @@ def model_bits_per_weight(model: Llama) -> float:
             bits += 16 * size
         weights += size
     return bits / weights
+
+
+# the module whose captured input is each projection's input (q, k, v share one; gate, up too)
+SHARED_INPUT = {"q_proj": "self_attn/q_proj", "k_proj": "self_attn/q_proj",
+                "v_proj": "self_attn/q_proj", "o_proj": "self_attn/o_proj",
+                "gate_proj": "mlp/gate_proj", "up_proj": "mlp/gate_proj",
+                "down_proj": "mlp/down_proj"}
+
+
+@contextlib.contextmanager
+def dequantized_projections(
+    model: Llama, layers: list[int],
+    quantize: Callable[[int, str, Array], tuple[Array, float]],
+):
+    """Simulated quantization: inside the ``with`` block, every dense projection of ``layers``
+    holds the dense weight ``w_hat`` of ``quantize(layer, name, w [out, in]) -> (w_hat,
+    bits_per_weight)``; the original kernels come back when the block ends.
+
+    Yields:
+        ``{(layer, name): (w, w_hat, bits_per_weight)}`` (filled before the block runs).
+
+    Example::
+
+        >>> with dequantized_projections(model, [0], lambda i, n, w: (w * 0, 0.0)) as done:
+        ...     pass  # doctest: +SKIP
+    """
+    targets = [(i, name, lin) for i, name, _, lin in projections(model) if i in layers]
+    originals = {(i, name): lin.kernel[...] for i, name, lin in targets}
+    done = {}
+    try:
+        for i, name, lin in targets:
+            w = dense_weight(lin)
+            w_hat, bpw = quantize(i, name, w)
+            done[(i, name)] = (w, w_hat, bpw)
+            lin.kernel[...] = w_hat.T.astype(lin.kernel[...].dtype)
+        yield done
+    finally:
+        for i, name, lin in targets:
+            lin.kernel[...] = originals[(i, name)]
 
 
 def calibration_hessians(model, tokens, paths, *, damp: float = 1e-2,
@@ -338,6 +399,6 @@ def calibration_tokens(tokenizer, text: str, n_seq: int, seq_len: int, seed: int
     return np.stack([ids[s:s + seq_len] for s in starts])
 
 
-__all__ = ["CALIBRATED", "FINETUNED", "METHOD_BITS", "METHODS", "UNISVQ_BITS",
-           "calibration_hessians", "calibration_tokens", "model_bits_per_weight",
-           "quantize_model"]
+__all__ = ["CALIBRATED", "FINETUNED", "METHOD_BITS", "METHODS", "SHARED_INPUT", "UNISVQ_BITS",
+           "calibration_hessians", "calibration_tokens", "dequantized_projections",
+           "model_bits_per_weight", "quantize_model", "unfinetuned_model"]

@@ -22,6 +22,7 @@ References:
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +56,22 @@ def check_sq_group(group_size: int, n: int) -> int:
             "e.g. 192 for SmolLM2 (576 and 1536)."
         )
     return group_size
+
+
+def dividing_sq_group(group_size: int, dims) -> int:
+    """The largest valid scalar-LDLQ group ``<= group_size`` for every input dim in ``dims``:
+    a multiple of 4 dividing each of them (``group_size`` itself when it already does).
+
+    Example::
+
+        >>> dividing_sq_group(192, [576, 1536]), dividing_sq_group(192, [64, 128])
+        (192, 64)
+    """
+    common = math.gcd(*(int(n) for n in dims))
+    for g in range(min(group_size, common) // 4 * 4, 3, -4):
+        if common % g == 0:
+            return g
+    raise ValueError(f"no multiple of 4 divides every input dim {sorted(set(dims))}.")
 
 
 def group_scales(w_rot: Float[Array, "m n"], group_size: int) -> Float[Array, "m g"]:
@@ -133,5 +150,5 @@ def _sq_core(weight, h, key, tune_iters, group_size, block_in, block_out):
     return inverse_rht(w_hat * w_scale, s_out, s_in, block_out, block_in)
 
 
-__all__ = ["SCALE_CANDIDATES", "check_sq_group", "group_scales", "sq_bits_per_weight",
-           "sq_ldlq_quantize"]
+__all__ = ["SCALE_CANDIDATES", "check_sq_group", "dividing_sq_group", "group_scales",
+           "sq_bits_per_weight", "sq_ldlq_quantize"]

@@ -21,117 +21,37 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 from tqdm import tqdm
 
-from lowrank_jax.bench import time_once
-from lowrank_jax.core.step import make_step
-from lowrank_jax.data import batch_at, corpus_bytes
+from lowrank_jax.analysis.report import plot_panels
+from lowrank_jax.bench.packed import RANKS, packed_lora_jobs, sequential_lora_jobs
+from lowrank_jax.data import corpus_bytes
 from lowrank_jax.models.llama import Llama, LlamaConfig
-from lowrank_jax.nn import LoRARule, apply_lora, lora_layers
-from lowrank_jax.nn.multi_lora import apply_multi_lora, multi_lora_layers
-from lowrank_jax.train.jobs import make_packed_step
-from lowrank_jax.train.losses import adapter_loss
-from lowrank_jax.train.multi_job import (
-    CostModel,
-    JobSpec,
-    ModelSpec,
-    compare_plans,
-    per_job_adamw,
-)
+from lowrank_jax.train.multi_job import CostModel, JobSpec, ModelSpec, compare_plans
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-RANKS = (4, 8, 16, 4, 8, 16, 4, 8)
 LRS = (1e-3, 3e-3) * 4
-WEIGHT_DECAY = 1e-4  # optax.adamw's default, used by both paths
 
 
-_LOADED: dict = {}
+@functools.cache
+def smollm2() -> Llama:
+    from lowrank_jax.hub import load_model
+
+    return load_model("smollm2")[0]
 
 
-def _base(seq_len: int, model: str = "tiny") -> Llama:
+def base_model(seq_len: int, model: str = "tiny") -> Llama:
     if model == "smollm2":  # real weights, loaded once; every run gets its own copy
-        if "smollm2" not in _LOADED:
-            from lowrank_jax.hub import load_model
-
-            _LOADED["smollm2"] = load_model("smollm2")[0]
-        return nnx.clone(_LOADED["smollm2"])
+        return nnx.clone(smollm2())
     cfg = LlamaConfig(vocab_size=256, d_model=128, n_layers=2, n_heads=4, n_kv_heads=4,
                       d_ff=512, max_seq_len=seq_len)
     return Llama(cfg, rngs=nnx.Rngs(0))
-
-
-def _time_steps(step, state, batches) -> tuple[float, object, list]:
-    state, loss = step(*state, *batches[0])  # warm-up / compile
-    jax.block_until_ready(loss)
-
-    def run(state):
-        losses = []
-        for batch in batches[1:]:
-            state, loss = step(*state, *batch)
-            losses.append(loss)
-        return state, losses
-
-    seconds, (state, losses) = time_once(run, state)  # the package's one timer
-    return seconds, state, [np.asarray(x) for x in losses]
-
-
-def run_sequential(tokens, k_jobs, batch, seq_len, steps, bar, model_name="tiny"):
-    seconds, losses, inits = 0.0, [], []
-    for k in range(k_jobs):
-        model = _base(seq_len, model_name)
-        apply_lora(model, LoRARule(pattern="|".join(TARGETS), rank=RANKS[k],
-                                   alpha=2.0 * RANKS[k]), rngs=nnx.Rngs(k + 1))
-        inits.append({path: (layer.lora_a[...], layer.lora_b[...])
-                      for path, layer in lora_layers(model)})
-        graph, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
-        tx = optax.adamw(LRS[k], weight_decay=WEIGHT_DECAY)
-        update = make_step(adapter_loss(graph), tx)
-        step = lambda lora, opt, window, update=update, rest=rest: (  # noqa: E731
-            lambda new, opt, loss: ((new, opt), loss))(*update(lora, opt, rest, window))
-        batches = [(jnp.asarray(np.concatenate([x, y[:, -1:]], 1)),)  # [batch, seq_len + 1]
-                   for x, y in (batch_at(tokens, t, batch, seq_len, seed=k)
-                                for t in range(steps + 1))]
-        dt, _, job_losses = _time_steps(step, (lora, tx.init(lora)), batches)
-        seconds += dt
-        losses.append([float(x) for x in job_losses])
-        bar.update(1)
-    return seconds, losses, inits
-
-
-def run_packed(tokens, k_jobs, batch, seq_len, steps, inits, implementation="ragged",
-               model_name="tiny"):
-    model = _base(seq_len, model_name)
-    ranks = RANKS[:k_jobs]
-    apply_multi_lora(model, ranks=ranks, alphas=[2.0 * r for r in ranks], targets=TARGETS,
-                     rngs=nnx.Rngs(1), implementation=implementation)
-    for path, layer in multi_lora_layers(model):  # same init as the sequential runs
-        for k in range(k_jobs):
-            layer.set_adapter(k, *inits[k][path])
-    graph, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
-    tx = per_job_adamw(LRS[:k_jobs], weight_decays=[WEIGHT_DECAY] * k_jobs)
-    ids = jnp.repeat(jnp.arange(k_jobs), batch)
-
-    packed = make_packed_step(graph, rest, ids, tx, k_jobs)  # the library's packed step
-
-    def step(lora, opt, x, y):
-        lora, opt, per_job = packed(lora, opt, x, y)
-        return (lora, opt), per_job
-
-    def packed_batch(t):
-        parts = [batch_at(tokens, t, batch, seq_len, seed=k) for k in range(k_jobs)]
-        return tuple(jnp.asarray(np.concatenate([p[i] for p in parts])) for i in (0, 1))
-
-    batches = [packed_batch(t) for t in range(steps + 1)]
-    dt, _, losses = _time_steps(step, (lora, tx.init(lora)), batches)
-    return dt, [[float(x[k]) for x in losses] for k in range(k_jobs)]
 
 
 def planner_sim(num_jobs: int = 48, devices: int = 8) -> dict:
@@ -171,15 +91,17 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     bar = tqdm(total=len(batches) * (args.jobs + 2), desc="bench_plora")
+    jobs = dict(ranks=RANKS[:args.jobs], lrs=LRS[:args.jobs], seq_len=args.seq_len, steps=steps)
+    base_fn = lambda: base_model(args.seq_len, args.model)  # noqa: E731
     for batch in batches:
-        seq_s, seq_losses, inits = run_sequential(tokens, args.jobs, batch, args.seq_len, steps,
-                                                  bar, args.model)
+        seq_s, seq_losses, inits = sequential_lora_jobs(base_fn, tokens, batch=batch, **jobs,
+                                                        on_job=lambda k: bar.update(1))
         n_tok = args.jobs * batch * args.seq_len * steps
         row = {"batch_per_job": batch, "jobs": args.jobs, "steps": steps,
                "sequential_s": seq_s, "sequential_tok_s": n_tok / seq_s}
         for impl in ("ragged", "gather"):
-            pk_s, pk_losses = run_packed(tokens, args.jobs, batch, args.seq_len, steps, inits,
-                                         implementation=impl, model_name=args.model)
+            pk_s, pk_losses = packed_lora_jobs(base_fn, tokens, batch=batch, **jobs, inits=inits,
+                                               implementation=impl)
             bar.update(1)
             gap = max(abs(a - b) for s, p in zip(seq_losses, pk_losses) for a, b in zip(s, p))
             row.update({f"packed_{impl}_s": pk_s, f"packed_{impl}_tok_s": n_tok / pk_s,
@@ -206,26 +128,13 @@ def main(argv=None) -> int:
     result = {"rows": rows, "planner": plans, "backend": jax.default_backend(), "model": args.model,
               "devices": len(jax.devices()), "seq_len": args.seq_len}
     (out / "bench_plora.json").write_text(json.dumps(result, indent=1))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        for impl in ("ragged", "gather"):
-            ax.plot([r["batch_per_job"] for r in rows], [r[f"speedup_{impl}"] for r in rows],
-                    "o-", label=f"packed ({impl})")
-        ax.axhline(1.0, color="gray", lw=0.8)
-        ax.legend()
-        ax.set_xlabel("per-job batch (sequences)")
-        ax.set_ylabel("packed / sequential throughput")
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"PLoRA packing, K={args.jobs}, CPU")
-        fig.tight_layout()
-        fig.savefig(out / "bench_plora.png", dpi=120)
-    except ImportError as err:
-        print(f"no plot ({err}); pip install matplotlib")
+    plot_panels([{"curves": [{"x": [r["batch_per_job"] for r in rows],
+                              "y": [r[f"speedup_{impl}"] for r in rows], "style": "o-",
+                              "label": f"packed ({impl})"} for impl in ("ragged", "gather")],
+                  "hlines": [(1.0, None, "-")], "xlabel": "per-job batch (sequences)",
+                  "ylabel": "packed / sequential throughput", "xscale": "log2",
+                  "title": f"PLoRA packing, K={args.jobs}, CPU", "legend_fontsize": 10}],
+                out / "bench_plora.png", figsize=(5, 3.5))
     print(f"wrote {out / 'bench_plora.json'}")
     return 0
 

@@ -29,12 +29,11 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm import tqdm
 
-from lowrank_jax.attention import reference_attention, register_sale_per_layer
+from lowrank_jax.analysis.report import plot_panels
 from lowrank_jax.kv.model import attention_inputs
+from lowrank_jax.kv.sale import calibrate_sale, sale_vs_dense
 from lowrank_jax.models.generate import perplexity
-from lowrank_jax.models.llama import with_attention
 from pallas_kernels.sparse_attention import api as sale_api
 from pallas_kernels.sparse_attention import reference as sale_ref
 
@@ -59,39 +58,6 @@ def load(args):
         rng = np.random.default_rng(0)
         return Llama(cfg, rngs=nnx.Rngs(0)), rng.integers(0, 49152, 8192).astype(np.int32), (
             "random-weight Llama with SmolLM2's shape")
-
-
-def causal_density(mask, n, cfg) -> float:
-    causal = sale_ref.causal_block_mask(n, cfg)
-    mask = np.asarray(mask)
-    return float(mask[..., causal].sum() / (causal.sum() * mask.shape[0] * mask.shape[1]))
-
-
-def run_setting(model, ids, qkv, tau_per_layer, cfg, name):
-    """Per-layer error and density of SALE on the dense model's attention inputs ``qkv``, and
-    the NLL of the model with SALE in every layer (the library's perplexity)."""
-    sale_fn = jax.jit(lambda q, k, v, tau: sale_api.sale_prefill_attention(
-        q, k, v, tau, cfg, implementation="xla", return_mask=True))
-    dense_fn = jax.jit(lambda q, k, v: reference_attention(q, k, v, causal=True))
-    per_layer = []
-    for i in tqdm(range(model.cfg.n_layers), desc=name, leave=False):
-        q, k, v = (a[i] for a in qkv)
-        ref = dense_fn(q, k, v)
-        out, mask = sale_fn(q, k, v, jnp.asarray(tau_per_layer[i], jnp.float32))
-        err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
-        per_layer.append({"layer": i, "rel_err": err,
-                          "density": causal_density(mask, len(ids), cfg)})
-    sale_model = with_attention(model, register_sale_per_layer(tau_per_layer, cfg,
-                                                               implementation="xla"))
-    return per_layer, perplexity(sale_model, ids, window=len(ids), progress=False).nll
-
-
-def calibrate(model, tokens, cfg, err_budget):
-    """Per-layer, per-head τ (spec §6) on the dense model's attention inputs of ``tokens``."""
-    qkv = attention_inputs(model, tokens)
-    return np.stack([sale_ref.calibrate_thresholds(
-        [[jnp.transpose(a[i], (0, 2, 1, 3)) for a in qkv]], cfg, err=err_budget)[0]
-        for i in tqdm(range(model.cfg.n_layers), desc="calibrate", leave=False)])
 
 
 def main(argv=None) -> int:
@@ -125,7 +91,7 @@ def main(argv=None) -> int:
         calib_n = min(n, len(ids) - n)
         if calib_n > cfg.dense_below:
             calib_tokens = jnp.asarray(ids[None, n:n + calib_n])
-            calib = calibrate(model, calib_tokens, cfg, args.err_budget)
+            calib = calibrate_sale(model, calib_tokens, cfg, args.err_budget, progress=True)
             settings.append((f"calibrated(err={args.err_budget:g})", calib))
         else:
             print("[bench] text too short for a separate calibration window; skipped")
@@ -134,7 +100,7 @@ def main(argv=None) -> int:
     qkv = attention_inputs(model, tokens)
     nll_dense = perplexity(model, ids[:n], window=n, progress=False).nll
     for name, tau in settings:
-        per_layer, nll_sale = run_setting(model, ids[:n], qkv, tau, cfg, name)
+        per_layer, nll_sale = sale_vs_dense(model, ids[:n], qkv, tau, cfg, desc=name)
         errs = np.array([r["rel_err"] for r in per_layer])
         dens = np.array([r["density"] for r in per_layer])
         results.append({
@@ -159,25 +125,14 @@ def main(argv=None) -> int:
         "backend": jax.default_backend(),
     }
     (out_dir / "results.json").write_text(json.dumps(payload, indent=2))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-        for r in results:
-            layers = [p["layer"] for p in r["per_layer"]]
-            axes[0].plot(layers, [p["rel_err"] for p in r["per_layer"]], label=r["setting"])
-            axes[1].plot(layers, [p["density"] for p in r["per_layer"]], label=r["setting"])
-        axes[0].set(xlabel="layer", ylabel="relative output error", yscale="log")
-        axes[1].set(xlabel="layer", ylabel="fraction of causal blocks computed")
-        axes[1].legend(fontsize=8)
-        fig.suptitle(f"SALE vs dense attention, {source}, {n} tokens", fontsize=9)
-        fig.tight_layout()
-        fig.savefig(out_dir / "sale_smollm2.png", dpi=120)
-    except Exception as exc:  # noqa: BLE001 - the plot is optional
-        print(f"[bench] plot skipped: {exc}")
+    panels = [{"curves": [{"x": [p["layer"] for p in r["per_layer"]],
+                           "y": [p[key] for p in r["per_layer"]], "label": r["setting"]}
+                          for r in results], "xlabel": "layer", "ylabel": ylabel, **extra}
+              for key, ylabel, extra in (
+                  ("rel_err", "relative output error", {"yscale": "log", "legend": False}),
+                  ("density", "fraction of causal blocks computed", {"legend_fontsize": 8}))]
+    plot_panels(panels, out_dir / "sale_smollm2.png", figsize=(10, 3.5),
+                suptitle=f"SALE vs dense attention, {source}, {n} tokens")
     print(f"wrote {out_dir / 'results.json'} ({payload['seconds']} s)")
     return 0
 

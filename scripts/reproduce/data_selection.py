@@ -58,48 +58,13 @@ def parse_args(argv=None):
 
 
 def print_table(title, rows):
+    from lowrank_jax.io.results import markdown_table
+
     cells = list(next(iter(rows.values())))
     print(f"\n{title}: relative error median / p90 (oracle calls)")
-    print("| method | " + " | ".join(cells) + " |")
-    print("|---" * (len(cells) + 1) + "|")
-    for name, vals in rows.items():
-        print(f"| {name} | " + " | ".join(f"{vals[c][0]:.3f} / {vals[c][1]:.3f} ({vals[c][2]})"
-                                          for c in cells) + " |")
-
-
-def heldout_nll(model, chunks, batch_size=8):
-    from lowrank_jax.data.selection import text_embeddings
-
-    return float(np.mean(text_embeddings(model, chunks, batch_size=batch_size,
-                                         with_loss=True)[1]))
-
-
-def lora_finetune(chunks, probs, steps, seed, *, batch=4, lr=2e-3):
-    """Fresh SmolLM2 + LoRA(q, v, rank 8); batches drawn from ``chunks`` ∝ ``probs``."""
-    import jax.numpy as jnp
-    import optax
-    from flax import nnx
-
-    from lowrank_jax.core.step import make_step, trainable
-    from lowrank_jax.hub import load_model
-    from lowrank_jax.nn import LoRARule, apply_lora
-    from lowrank_jax.train.loop import lm_loss
-
-    model, _ = load_model("smollm2")
-    apply_lora(model, LoRARule(r"(q|v)_proj", rank=8, alpha=16.0), rngs=nnx.Rngs(seed))
-    graphdef, state = nnx.split(model)
-    tx = optax.adam(lr)
-    step = make_step(lambda s, tokens: lm_loss(graphdef)(s, tokens[:, :-1], tokens[:, 1:]), tx,
-                     wrt=nnx.LoRAParam)
-    opt = tx.init(trainable(state, nnx.LoRAParam))
-    length = min(len(c) for c in chunks)
-    data = np.asarray([c[:length] for c in chunks], np.int32)
-    rng = np.random.default_rng(seed)
-    for _ in range(steps):
-        pick = rng.choice(len(chunks), size=batch, p=probs)
-        state, opt, _ = step(state, opt, jnp.asarray(data[pick]))
-    nnx.update(model, state)
-    return model
+    print("\n".join(markdown_table(["method", *cells], [
+        {"method": name, **{c: f"{v[0]:.3f} / {v[1]:.3f} ({v[2]})" for c, v in vals.items()}}
+        for name, vals in rows.items()])))
 
 
 def main(argv=None) -> int:
@@ -123,6 +88,7 @@ def main(argv=None) -> int:
     if not args.skip_real:
         from lowrank_jax.data import corpus_text
         from lowrank_jax.hub import load_model
+        from lowrank_jax.train.finetune import finetune
 
         model, tok = load_model("smollm2")
         all_chunks = sel.chunk_tokens(tok.encode(corpus_text()), args.chunk_tokens,
@@ -132,6 +98,8 @@ def main(argv=None) -> int:
         pool = [all_chunks[i] for i in order[:args.chunks]]
         heldout = [all_chunks[i] for i in order[args.chunks:args.chunks + heldout_n]]
         emb, nll = sel.text_embeddings(model, pool, with_loss=True)
+        heldout_nll = lambda m: float(np.mean(sel.text_embeddings(
+            m, heldout, with_loss=True)[1]))
         emb = emb - emb.mean(0, keepdims=True)
         print(f"embedded {len(pool)} of {len(all_chunks)} chunks x {args.chunk_tokens} tokens, "
               f"mean NLL {nll.mean():.3f} [{time.time() - start:.0f}s]")
@@ -146,13 +114,16 @@ def main(argv=None) -> int:
         idx, w = sel.compact(cs.idx, cs.weights)
         rand = np.random.default_rng(args.seed + 1).choice(len(pool), size=len(idx),
                                                            replace=False)
-        base = heldout_nll(model, heldout)
+        base = heldout_nll(model)
         del model
         ft = {"base_heldout_nll": base, "distinct_chunks": len(idx)}
         for name, chosen, p in (("lowrank_residual", idx, w / w.sum()),
                                 ("random", rand, np.full(len(rand), 1 / len(rand)))):
-            tuned = lora_finetune([pool[i] for i in chosen], p, args.finetune_steps, args.seed)
-            ft[name] = heldout_nll(tuned, heldout)
+            tuned, _ = load_model("smollm2")  # LoRA(q, v, rank 8) on batches drawn ∝ p
+            finetune(tuned, sel.weighted_batches([pool[i] for i in chosen], p,
+                                                 args.finetune_steps, 4, args.seed),
+                     steps=args.finetune_steps, lr=2e-3, seed=args.seed, progress=False)
+            ft[name] = heldout_nll(tuned)
             del tuned
             print(f"finetune {name}: held-out NLL {base:.4f} -> {ft[name]:.4f} "
                   f"[{time.time() - start:.0f}s]")

@@ -24,9 +24,8 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
-from lowrank_jax.analysis import head_scores, interpolate, loss_barrier, rewind_heads, select_heads
-from lowrank_jax.analysis.report import named_matrices, plot_panels, write_json
-from lowrank_jax.analysis.spectra import compare_matrices
+from lowrank_jax.analysis import head_scores, interpolate, loss_barrier, rewind_curve
+from lowrank_jax.analysis.report import compare_to_random_update, plot_panels, write_json
 from lowrank_jax.data import batch_at, train_val_split
 from lowrank_jax.data.corpus import domain_bytes
 from lowrank_jax.models.llama import Llama, LlamaConfig
@@ -79,19 +78,8 @@ def main(argv=None) -> int:
     losses = {"base": eval_all(base), "cpt_code": eval_all(tuned_b),
               "cpt_reference": eval_all(tuned_c)}
 
-    # (i) spectra: values stay, vectors rotate
-    base_mats = {n: np.asarray(w) for n, _, w in named_matrices(base)}
-    per_matrix = {}
-    rng = np.random.default_rng(args.seed)
-    for name, _, w in named_matrices(tuned_b):
-        w0, w1 = base_mats[name], np.asarray(w)
-        per_matrix[name] = compare_matrices(w0, w1, k=8)
-        # baseline: an update of the same Frobenius norm in a random direction
-        noise = rng.normal(size=w0.shape)
-        noise *= np.linalg.norm(w1 - w0) / np.linalg.norm(noise)
-        rand = compare_matrices(w0, w0 + noise, k=8)
-        per_matrix[name]["random_update_spectral_share"] = rand["spectral_share"]
-        per_matrix[name]["random_update_left_diag_overlap"] = rand["left_diag_overlap"]
+    # (i) spectra: values stay, vectors rotate (baseline: a random update of the same norm)
+    per_matrix = compare_to_random_update(base, tuned_b, k=8, seed=args.seed)
     shares = np.array([r["spectral_share"] for r in per_matrix.values()])
     rel_update = np.array([r["relative_update"] for r in per_matrix.values()])
     rel_spec = np.array([r["relative_spectrum_change"] for r in per_matrix.values()])
@@ -105,25 +93,11 @@ def main(argv=None) -> int:
     plans = {"least rel_update": (scores["rel_update"], True),
              "least rotation": (scores["rotation"], True),
              "most rel_update": (scores["rel_update"], False)}
-    random_seeds = (1, 2, 3)
-    rewind = {}
-    total = len(fractions) * (len(plans) + len(random_seeds))
-    bar = tqdm(total=total, desc="rewind heads", leave=False)
-    for label, (sc, lowest) in plans.items():
-        rewind[label] = []
-        for rho in fractions:
-            mask = select_heads(sc, rho, lowest=lowest)
-            rewind[label].append(eval_all(rewind_heads(base, tuned_b, mask, **kw)))
-            bar.update()
-    rand_runs = []
-    for s in random_seeds:
-        sc = head_scores(base, tuned_b, criterion="random", seed=s, **kw)
-        run = []
-        for rho in fractions:
-            run.append(eval_all(rewind_heads(base, tuned_b, select_heads(sc, rho), **kw)))
-            bar.update()
-        rand_runs.append(run)
-    bar.close()
+    rewind = {label: rewind_curve(base, tuned_b, sc, fractions, eval_all, lowest=lowest, **kw)
+              for label, (sc, lowest) in tqdm(plans.items(), desc="rewind heads", leave=False)}
+    rand_runs = [rewind_curve(base, tuned_b, head_scores(base, tuned_b, criterion="random",
+                                                         seed=s, **kw), fractions, eval_all, **kw)
+                 for s in (1, 2, 3)]
     rewind["random (mean of 3)"] = [
         {d: float(np.mean([r[i][d] for r in rand_runs])) for d in val}
         for i in range(len(fractions))

@@ -6,16 +6,10 @@ lattice per *group* (``UniSVQConfig.affine_groups``,
 256×4 k-means codebook at the same bits per weight? Every arm quantizes the same real
 projections (all 7 of the chosen decoder blocks) with the same RHT, the same calibration
 Hessians ``E[xxᵀ]`` (stdlib docstrings) and the same LDLQ (``tune_iters``); none gets block
-fine-tuning, so the comparison isolates the codebook:
-
-* ``unisvq2``            — per-matrix ``A = step·O``, ``b`` (the shipped quantizer before tuning);
-* ``unisvq2+refit``      — the same, ``A``, ``b`` refitted in closed form to the codes
-  (:func:`~lowrank_jax.quant.unisvq.refit_lattice`), re-rounded, refitted (``lattice_refit=2``);
-* ``unisvq2-blocks``     — one lattice per output Hadamard block (``G = m / block_out``), refit 2;
-* ``unisvq2-g48``        — 48 row groups (``20·48 = 960`` floats ≤ k-means' 1024), no refit;
-* ``unisvq2-g48+refit``  — 48 row groups, refit 2: at (just under) k-means' bits per weight;
-* ``kmeans-vq2``         — 256×4 k-means codebook on the rotated 4-vectors (15 Lloyd iterations),
-  the same LDLQ (:func:`lowrank_jax.quant.kmeans_vq.kmeans_vq_weight`).
+fine-tuning, so the comparison isolates the codebook (the arms of
+:mod:`lowrank_jax.quant.codebooks`: ``unisvq2``, ``unisvq2+refit``, ``unisvq2-blocks``,
+``unisvq2-g48``, ``unisvq2-g48+refit`` — at (just under) k-means' bits per weight — and
+``kmeans-vq2``, the 256×4 k-means codebook).
 
 Measured: exact bits per weight; the relative output error ``tr(E H Eᵀ)/tr(W H Wᵀ)`` on the
 calibration Hessian and on a held-out Hessian (the shipped licence text); and the held-out NLL of
@@ -30,7 +24,6 @@ import argparse
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -38,42 +31,16 @@ from lowrank_jax.data import corpus_text
 from lowrank_jax.hub import load_model
 from lowrank_jax.io.results import write_result
 from lowrank_jax.models.generate import english_eval_text
-from lowrank_jax.models.llama import PROJECTIONS, projections
-from lowrank_jax.quant.kmeans_vq import kmeans_vq_weight, vq_dequantize
-from lowrank_jax.quant.pipeline import calibration_hessians, calibration_tokens
-from lowrank_jax.quant.unisvq import (
-    UniSVQConfig,
-    dequantize,
-    proxy_loss,
-    quantize_linear,
-    quantize_linear_grouped,
+from lowrank_jax.models.llama import PROJECTIONS
+from lowrank_jax.quant.codebooks import CODEBOOK_ARMS, codebook_arm
+from lowrank_jax.quant.pipeline import (
+    SHARED_INPUT,
+    calibration_hessians,
+    calibration_tokens,
+    dequantized_projections,
 )
+from lowrank_jax.quant.unisvq import UniSVQConfig, proxy_loss
 from lowrank_jax.train.losses import window_evaluator
-from pallas_kernels.lattice_matmul.reference import hadamard_block_size
-
-INPUT_OF = {"q_proj": "self_attn/q_proj", "k_proj": "self_attn/q_proj",
-            "v_proj": "self_attn/q_proj", "o_proj": "self_attn/o_proj",
-            "gate_proj": "mlp/gate_proj", "up_proj": "mlp/gate_proj",
-            "down_proj": "mlp/down_proj"}
-ARMS = ("unisvq2", "unisvq2+refit", "unisvq2-blocks", "unisvq2-g48", "unisvq2-g48+refit",
-        "kmeans-vq2")
-
-
-def quantize(arm, w, h, cfg, key):
-    m = w.shape[0]
-    if arm == "kmeans-vq2":
-        q = kmeans_vq_weight(w, h, cfg, key=key, iters=15)
-        return vq_dequantize(q), q.bits_per_weight()
-    refit = 2 if arm.endswith("+refit") or arm == "unisvq2-blocks" else 0
-    c = UniSVQConfig(hadamard_block=cfg.hadamard_block, tune_iters=cfg.tune_iters,
-                     finetune_steps=0, lattice_refit=refit)
-    if arm in ("unisvq2", "unisvq2+refit"):
-        q = quantize_linear(w, h, c, key=key)
-    else:
-        groups = m // hadamard_block_size(m, cfg.hadamard_block) if arm == "unisvq2-blocks" \
-            else 48
-        q = quantize_linear_grouped(w, h, c, groups=groups, key=key)
-    return dequantize(q), q.bits_per_weight()
 
 
 def main():
@@ -84,7 +51,7 @@ def main():
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--tune-iters", type=int, default=3)
     parser.add_argument("--damp", type=float, default=1e-2)
-    parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--arms", default=",".join(CODEBOOK_ARMS))
     args = parser.parse_args()
     t0 = time.perf_counter()
     blocks = [int(b) for b in args.blocks.split(",")]
@@ -92,33 +59,28 @@ def main():
     model, tok = load_model("smollm2")
     calib = calibration_tokens(tok, corpus_text(), args.calib_seqs, args.seq_len, 0)
     heldout = calibration_tokens(tok, english_eval_text(), args.eval_seqs, args.seq_len + 1, 1)
-    paths = [f"layers/{b}/{p}" for b in blocks for p in sorted(set(INPUT_OF.values()))]
+    paths = [f"layers/{b}/{p}" for b in blocks for p in sorted(set(SHARED_INPUT.values()))]
     h_cal = calibration_hessians(model, calib, paths, damp=args.damp)
     h_eval = calibration_hessians(model, heldout[:, :-1], paths, damp=args.damp)
     evaluate = window_evaluator(nnx.graphdef(model), batch_size=8)
     fp_nll = evaluate(nnx.state(model), heldout)[0]
     print(f"fp32 held-out NLL {fp_nll:.4f}; calibration {calib.shape}, held-out {heldout.shape}")
     cfg = UniSVQConfig(tune_iters=args.tune_iters)
-    targets = [(i, name, lin) for i, name, _, lin in projections(model) if i in blocks]
-    originals = {(i, name): lin.kernel[...] for i, name, lin in targets}
     results = {}
     for arm in arms:
         ta = time.perf_counter()
-        bits = weights = 0.0
-        err_cal, err_eval = [], []
-        for i, name, lin in targets:
-            w = originals[(i, name)].astype(jnp.float32).T  # [out, in]
-            path = f"layers/{i}/{INPUT_OF[name]}"
+
+        def quantize(i, name, w, arm=arm):
             key = jax.random.fold_in(jax.random.PRNGKey(0), 7 * i + PROJECTIONS.index(name))
-            w_hat, bpw = quantize(arm, w, h_cal[path], cfg, key)
-            err_cal.append(float(proxy_loss(w, w_hat, h_cal[path])))
-            err_eval.append(float(proxy_loss(w, w_hat, h_eval[path])))
-            bits += bpw * w.size
-            weights += w.size
-            lin.kernel[...] = w_hat.T.astype(lin.kernel[...].dtype)
-        nll = evaluate(nnx.state(model), heldout)[0]
-        for i, name, lin in targets:
-            lin.kernel[...] = originals[(i, name)]
+            return codebook_arm(arm, w, h_cal[f"layers/{i}/{SHARED_INPUT[name]}"], cfg, key)
+
+        with dequantized_projections(model, blocks, quantize) as done:
+            nll = evaluate(nnx.state(model), heldout)[0]
+        err_cal, err_eval = ([float(proxy_loss(w, w_hat, h[f"layers/{i}/{SHARED_INPUT[name]}"]))
+                              for (i, name), (w, w_hat, _) in done.items()]
+                             for h in (h_cal, h_eval))
+        bits = sum(bpw * w.size for w, _, bpw in done.values())
+        weights = sum(w.size for w, _, _ in done.values())
         results[arm] = {"bits_per_weight": bits / weights, "err_cal": float(np.mean(err_cal)),
                         "err_heldout": float(np.mean(err_eval)), "nll": nll,
                         "nll_increase": nll - fp_nll, "per_matrix_heldout": err_eval,

@@ -27,6 +27,7 @@ References:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from pathlib import Path
@@ -39,6 +40,7 @@ from flax import nnx
 
 from lowrank_jax.analysis.report import plot_panels
 from lowrank_jax.data import corpus_bytes, train_val_split
+from lowrank_jax.io.results import markdown_table
 from lowrank_jax.models import Llama, LlamaConfig
 from lowrank_jax.models.llama import count_params
 from lowrank_jax.optim import (
@@ -80,23 +82,6 @@ def model_config(projection="dense", rank_ratio=0.25) -> LlamaConfig:
                        d_ff=128, max_seq_len=64, projection=projection, rank_ratio=rank_ratio)
 
 
-def train(tx, graphdef, params, tokens, args, steps):
-    params, state, _ = train_steps(make_step(lm_loss(graphdef), tx), params, tx.init(params),
-                                   tokens, steps=steps, batch_size=args.batch, seq_len=args.seq,
-                                   seed=args.seed)
-    return params, state
-
-
-_EVAL = {}
-
-
-def evaluate(graphdef, params, tokens, args) -> float:
-    key = id(graphdef)  # one compiled loss per architecture
-    if key not in _EVAL:
-        _EVAL[key] = (graphdef, make_eval_fn(graphdef))
-    return lm_evaluate(_EVAL[key][1], params, tokens, 16, args.seq, max_batches=8)
-
-
 def factorized_for_budget(target: int):
     """The largest rank ratio whose factorized model fits ``target`` parameters."""
     best = None
@@ -121,39 +106,45 @@ def main(argv=None):
     config = SalaadConfig(rate_rank=args.rate_rank, rate_sparsity=args.rate_sparsity,
                           rho=args.rho, kI_alpha=0.02, kD_alpha=0.001, kI_beta=0.002,
                           kD_beta=0.001, pd_start=max(steps // 4, 1), every=2)
+    fit = dict(batch_size=args.batch, seq_len=args.seq, seed=args.seed)
+    val_loss = functools.partial(lm_evaluate, tokens=val_tokens, batch_size=16, seq_len=args.seq,
+                                 max_batches=8)
+    eval_fn = make_eval_fn(graphdef)  # one compiled loss for every model of this architecture
+    adamw = lambda lr: optax.chain(optax.clip_by_global_norm(1.0),  # noqa: E731
+                                   optax.adamw(lr, b1=0.9, b2=0.95, weight_decay=0.0))
 
     t0 = time.perf_counter()
-    params, opt_state = train(salaad(schedule, config), graphdef, params0, train_tokens, args,
-                              steps)
+    tx = salaad(schedule, config)
+    params, opt_state, _ = train_steps(make_step(lm_loss(graphdef), tx), params0,
+                                       tx.init(params0), train_tokens, steps=steps, **fit)
     sstate = find_salaad_state(opt_state)
     salaad_seconds = time.perf_counter() - t0
     stats = salaad_stats(params, sstate)
     rows = [{"model": "SALAAD dense X (100 %)", "params": n_total, "fraction": 1.0,
-             "val_loss": evaluate(graphdef, params, val_tokens, args)}]
+             "val_loss": val_loss(eval_fn, params)}]
     for frac in BUDGETS:
         alloc = hpa_allocate(sstate, n_total, int(frac * n_total))
         surrogate = apply_surrogate(params, sstate, alloc)
         rows.append({"model": "SALAAD surrogate", "fraction": frac, "params": alloc.n_params,
-                     "val_loss": evaluate(graphdef, surrogate, val_tokens, args)})
+                     "val_loss": val_loss(eval_fn, surrogate)})
         print(f"SALAAD surrogate at {frac:.0%}: {alloc.n_params:,} params, "
               f"val {rows[-1]['val_loss']:.4f}", flush=True)
 
     # Vanilla AdamW for the same steps, compressed post hoc by the same allocator (L = W, S = 0).
-    vanilla, _ = train(optax.chain(optax.clip_by_global_norm(1.0),
-                                   optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.0)),
-                       graphdef, params0, train_tokens, args, steps)
+    tx = adamw(schedule)
+    vanilla, _, _ = train_steps(make_step(lm_loss(graphdef), tx), params0, tx.init(params0),
+                                train_tokens, steps=steps, **fit)
     posthoc = salaad_init(vanilla, config)
     posthoc = posthoc._replace(low_rank=jax.tree.map(
         lambda x, l: jnp.asarray(x, jnp.float32) if jnp.ndim(l) == 2 else l, vanilla,
         posthoc.low_rank))
     rows.append({"model": "vanilla AdamW (dense)", "fraction": 1.0, "params": n_total,
-                 "val_loss": evaluate(graphdef, vanilla, val_tokens, args)})
+                 "val_loss": val_loss(eval_fn, vanilla)})
     for frac in BUDGETS:
         alloc = hpa_allocate(posthoc, n_total, int(frac * n_total))
         rows.append({"model": "vanilla + post-hoc SVD", "fraction": frac,
                      "params": alloc.n_params,
-                     "val_loss": evaluate(graphdef, apply_surrogate(vanilla, posthoc, alloc),
-                                          val_tokens, args)})
+                     "val_loss": val_loss(eval_fn, apply_surrogate(vanilla, posthoc, alloc))})
 
     # Separately trained models, one per budget, sharing the SALAAD run's steps.
     each = max(steps // len(BUDGETS), 1)
@@ -166,12 +157,12 @@ def main(argv=None):
         gdef, p0 = nnx.split(Llama(cfg, rngs=nnx.Rngs(args.seed)), nnx.Param)
         short = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(each // 20, 1), each,
                                                    end_value=0.1 * args.lr)
-        trained, _ = train(optax.chain(optax.clip_by_global_norm(1.0),
-                                       optax.adamw(short, b1=0.9, b2=0.95, weight_decay=0.0)),
-                           gdef, p0, train_tokens, args, each)
+        tx = adamw(short)
+        trained, _, _ = train_steps(make_step(lm_loss(gdef), tx), p0, tx.init(p0), train_tokens,
+                                    steps=each, **fit)
         rows.append({"model": f"separate ({each} steps each)", "fraction": frac, "params": n,
                      "rank_ratio": None if frac == 1.0 else cfg.rank_ratio,
-                     "val_loss": evaluate(gdef, trained, val_tokens, args)})
+                     "val_loss": val_loss(make_eval_fn(gdef), trained)})
         print(f"separate at {frac:.0%}: {n:,} params, val {rows[-1]['val_loss']:.4f}", flush=True)
 
     print(f"\ndense model {n_total:,} params; SALAAD run {steps} steps "
@@ -181,10 +172,9 @@ def main(argv=None):
     densities = [s["density"] for s in stats.values()]
     print(f"per-layer rank rate {min(rank_rates):.3f}..{max(rank_rates):.3f}, density "
           f"{min(densities):.3f}..{max(densities):.3f} over {len(stats)} matrices")
-    print("| model | budget | params | val loss (nats/byte) |")
-    print("|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['model']} | {r['fraction']:.0%} | {r['params']:,} | {r['val_loss']:.4f} |")
+    print("\n".join(markdown_table(["model", "budget", "params", "val loss (nats/byte)"], [
+        {"model": r["model"], "budget": f"{r['fraction']:.0%}", "params": f"{r['params']:,}",
+         "val loss (nats/byte)": f"{r['val_loss']:.4f}"} for r in rows])))
     summary = {"args": vars(args), "steps": steps, "n_params": n_total, "rows": rows,
                "per_layer": stats}
     (out / "results.json").write_text(json.dumps(summary, indent=1))

@@ -78,47 +78,10 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-QUESTION = "What is the capital of France?"
 FOLDERS = {"unisvq": "unisvq2", "unisvq3": "unisvq3", "unisvq4": "unisvq4", "kmeans": "kmeans2"}
 E2E_SOURCES = {"e2e": "unisvq", "e2e-kmeans": "kmeans", "e2e-unisvq3": "unisvq3",
                "e2e-unisvq4": "unisvq4"}
 LATTICE_RUNS = {"unisvq3": 3, "unisvq4": 4}  # --only name -> bits of the UniSVQ lattice
-
-
-def write_and_chat(model, tokenizer, report, folder: str, max_new_tokens: int,
-                   n_params: int, eval_tokens: int | None = None) -> dict:
-    """Save the quantized model (``hub.save_model``), measure the folder against fp16, ask
-    ``lowrank-jax generate --model FOLDER`` the chat test prompt and (``eval_tokens``) run
-    ``lowrank-jax eval --model FOLDER`` with the table's windows; return what was measured.
-    ``n_params``: parameters of the dense model (its fp16 size is ``2·n_params`` bytes)."""
-    import contextlib
-    import io
-
-    from lowrank_jax.cli import main as cli_main
-    from lowrank_jax.hub import save_model
-
-    save_model(model, folder, tokenizer=tokenizer, report=report)
-    on_disk = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder)
-                  if os.path.isfile(os.path.join(folder, f)))
-    measured = {"path": folder, "folder_mib": on_disk / 2**20, "fp16_mib": n_params * 2 / 2**20,
-                "folder_vs_fp16": on_disk / (n_params * 2), "question": QUESTION, "answer": None}
-    if tokenizer is None:  # a preset without a tokenizer: nothing to chat with
-        return measured
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = cli_main(["generate", "--model", folder, "--prompt", QUESTION,
-                         "--max-new-tokens", str(max_new_tokens)])
-    answer = out.getvalue().strip()
-    print(f"lowrank-jax generate --model {folder} --prompt {QUESTION!r} (exit {code}): {answer}")
-    measured["answer"] = answer
-    if eval_tokens:  # the same disjoint 256-token windows as the table, through the command
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            code = cli_main(["eval", "--model", folder, "--window", "257", "--stride", "256",
-                             "--max-tokens", str(eval_tokens + 1), "--no-progress"])
-        measured["cli_eval"] = out.getvalue().strip()
-        print(f"lowrank-jax eval --model {folder} (exit {code}): {measured['cli_eval']}")
-    return measured
 
 
 def run_e2e(args, fp_model, calib, ppl, source_rows, source: str, tokenizer,
@@ -126,6 +89,8 @@ def run_e2e(args, fp_model, calib, ppl, source_rows, source: str, tokenizer,
     """The end-to-end pass on the folder of ``source`` (this protocol): load, tune the continuous
     parameters against the fp model on the calibration tokens, evaluate, save the tuned folder
     (``OUT/<folder>-e2e``) and chat with it; one table row and the folder record."""
+    from lowrank_jax.bench.timing import cpu_usage
+    from lowrank_jax.cli import save_and_check
     from lowrank_jax.hub import load_model
     from lowrank_jax.quant.e2e import finetune_end_to_end
 
@@ -133,13 +98,10 @@ def run_e2e(args, fp_model, calib, ppl, source_rows, source: str, tokenizer,
         raise ValueError(f"the e2e pass on {source} needs its folder of the same protocol; run "
                          f"--only {source} first (without --no-folder).")
     model_q, _ = load_model(source_rows["folder"]["path"])
-    load0 = os.getloadavg()[0]
-    c0 = os.times()
-    info = finetune_end_to_end(model_q, fp_model, calib, steps=args.e2e_steps,
-                               log=lambda line: print(line, flush=True))
-    c1 = os.times()
-    info["cpu_seconds"] = (c1.user + c1.system) - (c0.user + c0.system)
-    info["load_average"] = (load0, os.getloadavg()[0])
+    with cpu_usage() as usage:
+        info = finetune_end_to_end(model_q, fp_model, calib, steps=args.e2e_steps,
+                                   log=lambda line: print(line, flush=True))
+    info.update(usage)
     base = source_rows["rows"][-1]
     value = ppl(model_q)
     print(f"{base['method']} + {args.e2e_steps}-step e2e: ppl {value:.3f} "
@@ -153,11 +115,9 @@ def run_e2e(args, fp_model, calib, ppl, source_rows, source: str, tokenizer,
            "seconds": base["seconds"] + info["seconds"],
            "cpu_seconds": base["cpu_seconds"] + info["cpu_seconds"],
            "median_block_seconds": base["median_block_seconds"], "e2e": info}
-    folder = None
-    if not args.no_folder:
-        folder = write_and_chat(model_q, tokenizer, None,
-                                source_rows["folder"]["path"] + "-e2e", args.max_new_tokens,
-                                n_params)
+    folder = None if args.no_folder else save_and_check(
+        model_q, source_rows["folder"]["path"] + "-e2e", n_params=n_params, tokenizer=tokenizer,
+        max_new_tokens=args.max_new_tokens)
     return row, folder
 
 
@@ -166,13 +126,22 @@ def main(argv=None) -> int:
     import jax
     from flax import nnx
 
+    from lowrank_jax.analysis.report import plot_bars
+    from lowrank_jax.bench.timing import cpu_usage
+    from lowrank_jax.cli import save_and_check
     from lowrank_jax.data import corpus_text
-    from lowrank_jax.io.outputs import atomic_write_text
-    from lowrank_jax.models import perplexity
     from lowrank_jax.hub import load_model
+    from lowrank_jax.io.outputs import atomic_write_text
+    from lowrank_jax.io.results import RecordFolder, markdown_table
+    from lowrank_jax.models import perplexity
     from lowrank_jax.models.llama import projections
-    from lowrank_jax.quant.layers import QuantizedLinear, VQLinear, round_floats_to_storage
-    from lowrank_jax.quant.pipeline import FINETUNED, calibration_tokens, quantize_model
+    from lowrank_jax.quant.pipeline import (
+        FINETUNED,
+        calibration_tokens,
+        quantize_model,
+        unfinetuned_model,
+    )
+    from lowrank_jax.quant.scalar_ldlq import dividing_sq_group
     from lowrank_jax.quant.unisvq import UniSVQConfig
 
     if args.quick:
@@ -186,6 +155,12 @@ def main(argv=None) -> int:
     print(f"loaded {args.model} in {time.perf_counter() - t0:.1f}s: {model.cfg.n_layers} blocks")
     n_layers = model.cfg.n_layers
     layers = list(range(min(args.layers, n_layers))) if args.layers else list(range(n_layers))
+    sq_group = dividing_sq_group(args.sq_group_size, {lin.in_features
+                                                      for *_, lin in projections(model)})
+    if sq_group != args.sq_group_size:  # e.g. the tiny preset's 64-wide rows
+        print(f"note: --sq-group-size {args.sq_group_size} does not divide every input dim of "
+              f"{args.model}; scalar LDLQ uses g{sq_group}")
+        args.sq_group_size = sq_group
 
     calib = calibration_tokens(tok, corpus_text(), args.calib_seqs, args.seq_len, seed=0)
     try:
@@ -212,31 +187,18 @@ def main(argv=None) -> int:
                           stride=eval_seq, progress=False).perplexity
 
     rows_dir = os.path.join(args.out, "rows")
-    os.makedirs(rows_dir, exist_ok=True)
     # every row file records the protocol; the table merges only rows of the same protocol
     fingerprint = {"model": args.model, "layers": layers, "calibration_shape": list(calib.shape),
                    "eval_tokens": int(windows * eval_seq), "eval_source": eval_source,
                    "group_size": args.group_size, "sq_group_size": args.sq_group_size,
                    "tune_iters": args.tune_iters, "finetune_steps": args.finetune_steps}
-
-    def write_rows(method, method_rows, extra=None):
-        atomic_write_text(os.path.join(rows_dir, f"{method}.json"), json.dumps(
-            {"fingerprint": fingerprint, "rows": method_rows, **(extra or {})}, indent=1))
-
-    def read_rows(method):
-        path = os.path.join(rows_dir, f"{method}.json")
-        if not os.path.isfile(path):
-            return None
-        with open(path) as f:
-            saved = json.load(f)
-        return saved if saved.get("fingerprint") == fingerprint else None
-
-    saved_fp = read_rows("fp32")
-    if saved_fp is None and not args.table_only:
+    store = RecordFolder(rows_dir, fingerprint)
+    if store.read("fp32") is None and not args.table_only:
         t = time.perf_counter()
         fp_value = ppl(fresh())
-        write_rows("fp32", [{"method": "fp32", "bits_per_weight": 32.0, "ppl": fp_value,
-                             "seconds": 0.0, "cpu_seconds": 0.0, "median_block_seconds": 0.0}])
+        store.write("fp32", rows=[{"method": "fp32", "bits_per_weight": 32.0, "ppl": fp_value,
+                                   "seconds": 0.0, "cpu_seconds": 0.0,
+                                   "median_block_seconds": 0.0}])
         print(f"fp32 ppl {fp_value:.3f} ({time.perf_counter() - t:.1f}s)")
 
     base_cfg = UniSVQConfig(tune_iters=args.tune_iters, finetune_steps=args.finetune_steps)
@@ -262,38 +224,26 @@ def main(argv=None) -> int:
     if args.table_only:
         runs = []
 
-    def cpu_seconds():
-        t = os.times()
-        return t.user + t.system + t.children_user + t.children_system
-
     method_rows: dict[str, list] = {}
     for name, method, bits, zero_point in runs:
         if method in E2E_SOURCES:
-            row, folder = run_e2e(args, fresh(), calib, ppl, read_rows(E2E_SOURCES[method]),
+            row, folder = run_e2e(args, fresh(), calib, ppl, store.read(E2E_SOURCES[method]),
                                   E2E_SOURCES[method], tok, n_fp_params)
             method_rows[method] = [row]
-            write_rows(method, method_rows[method], {"folder": folder} if folder else None)
+            store.write(method, rows=method_rows[method], **({"folder": folder} if folder else {}))
             continue
         m = fresh()
-        load0 = os.getloadavg()[0]
-        c0 = cpu_seconds()
         qmethod = "unisvq" if method in LATTICE_RUNS else method
-        report = quantize_model(m, calib, method=qmethod, bits=bits, group_size=args.group_size,
-                                zero_point=zero_point or "integer",
-                                sq_group_size=args.sq_group_size, cfg=base_cfg, layers=layers,
-                                keep_unfinetuned=qmethod in FINETUNED and ft > 0)
-        cpu = cpu_seconds() - c0
-        load = (load0, os.getloadavg()[0])  # 1-min load average at the start and the end
+        with cpu_usage() as usage:  # CPU seconds and the 1-min load average at start and end
+            report = quantize_model(m, calib, method=qmethod, bits=bits,
+                                    group_size=args.group_size, zero_point=zero_point or "integer",
+                                    sq_group_size=args.sq_group_size, cfg=base_cfg, layers=layers,
+                                    keep_unfinetuned=qmethod in FINETUNED and ft > 0)
+        cpu, load = usage["cpu_seconds"], usage["load_average"]
         variants = [(name if qmethod not in FINETUNED or ft == 0 else f"{name} + {ft}-step "
                      "block FT", m)]
         if "unfinetuned" in report:
-            m0 = nnx.clone(m)
-            for i, state in report.pop("unfinetuned").items():
-                nnx.update(m0.layers[i], *state)
-            for _, _, _, lin in projections(m0):
-                if isinstance(lin, (QuantizedLinear, VQLinear)):
-                    round_floats_to_storage(lin)
-            variants.insert(0, (f"{name}, no FT", m0))
+            variants.insert(0, (f"{name}, no FT", unfinetuned_model(m, report)))
         per_block = [b["seconds"] for b in report["blocks"]]
         for label, model_q in variants:
             value = ppl(model_q)
@@ -308,28 +258,26 @@ def main(argv=None) -> int:
                   f"{load[0]:.1f} -> {load[1]:.1f})", flush=True)
         extra = {}
         if method in FOLDERS and not args.no_folder:
-            extra["folder"] = write_and_chat(
-                m, tok, report, os.path.join(args.out, FOLDERS[method]), args.max_new_tokens,
-                n_fp_params, eval_tokens=int(windows * eval_seq))
-        write_rows(method, method_rows[method], extra)
+            extra["folder"] = save_and_check(
+                m, os.path.join(args.out, FOLDERS[method]), n_params=n_fp_params, tokenizer=tok,
+                report=report, max_new_tokens=args.max_new_tokens,
+                eval_tokens=int(windows * eval_seq))
+        store.write(method, rows=method_rows[method], **extra)
 
     order = ["fp32", "rtn", "sq-ldlq", "kmeans", "e2e-kmeans", "unisvq", "e2e", "unisvq3",
              "e2e-unisvq3", "unisvq4", "e2e-unisvq4"]
-    saved = {k: read_rows(k) for k in order}
+    saved = {k: store.read(k) for k in order}
     missing = [k for k, v in saved.items() if v is None]
     if saved["fp32"] is None:
         raise ValueError(f"{rows_dir}: no fp32 row for this protocol; run without --table-only.")
     rows = [r for k in order if saved[k] is not None for r in saved[k]["rows"]]
     fp_ppl = saved["fp32"]["rows"][0]["ppl"]
-    header = ("| method | bits/weight (quantized projections) | PPL | PPL / fp32 "
-              "| quant wall s | quant CPU s | median s/block |\n|---|---|---|---|---|---|---|")
-    lines = [header]
-    for r in rows:
-        times = ("– | – | –" if r["method"] == "fp32" else
-                 f"{r['seconds']:.1f} | {r['cpu_seconds']:.1f} | {r['median_block_seconds']:.1f}")
-        lines.append(f"| {r['method']} | {r['bits_per_weight']:.4f} | {r['ppl']:.2f} | "
-                     f"{r['ppl'] / fp_ppl:.2f} | {times} |")
-    table = "\n".join(lines)
+    columns = ["method", "bits/weight (quantized projections)", "PPL", "PPL / fp32",
+               "quant wall s", "quant CPU s", "median s/block"]
+    table = "\n".join(markdown_table(columns, [dict(zip(columns, [
+        r["method"], f"{r['bits_per_weight']:.4f}", f"{r['ppl']:.2f}", f"{r['ppl'] / fp_ppl:.2f}",
+        *(["–"] * 3 if r["method"] == "fp32" else [f"{r[k]:.1f}" for k in (
+            "seconds", "cpu_seconds", "median_block_seconds")])])) for r in rows]))
     print(table)
     if missing:
         print(f"(not in the table yet, run with --only: {', '.join(missing)})")
@@ -344,23 +292,9 @@ def main(argv=None) -> int:
         "missing": missing, "folder": folders.get("unisvq"), "folders": folders,
     }
     atomic_write_text(os.path.join(args.out, "results.json"), json.dumps(result, indent=1))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 3.5))
-        names = [r["method"] for r in rows]
-        ax.bar(range(len(rows)), [r["ppl"] for r in rows], color="tab:blue")
-        ax.set_xticks(range(len(rows)), names, rotation=30, ha="right", fontsize=8)
-        ax.set_yscale("log")
-        ax.set_ylabel("perplexity (log)")
-        ax.set_title(f"{args.model}: {len(layers)}/{n_layers} blocks quantized")
-        fig.tight_layout()
-        fig.savefig(os.path.join(args.out, "perplexity.png"), dpi=120)
-    except Exception as err:  # plotting is optional
-        print(f"(no plot: {err})")
+    plot_bars([r["method"] for r in rows], [r["ppl"] for r in rows],
+              os.path.join(args.out, "perplexity.png"), ylabel="perplexity (log)", yscale="log",
+              title=f"{args.model}: {len(layers)}/{n_layers} blocks quantized")
     print(f"wrote {args.out}/results.json")
     return 0
 

@@ -161,3 +161,32 @@ def test_analyze_command_end_to_end(tmp_path):
     bad = argparse.Namespace(**{**vars(args), "layers": "zzz", "overwrite": True})
     with pytest.raises(ValueError, match="matches no matrix"):
         analyze.run(bad)
+
+
+def test_rewind_curve_counts_the_rewound_heads_and_random_update_baseline():
+    from lowrank_jax.analysis import rewind_curve
+    from lowrank_jax.analysis.report import compare_to_random_update
+
+    _, base = _params(0)
+    _, tuned = _params(1)
+    scores = np.arange(8.0).reshape(2, 4)
+
+    def rewound(params):  # query heads equal to the base's, counted from q_proj
+        q = [np.asarray(params["layers"][i]["self_attn"]["q_proj"]["kernel"]).reshape(16, 4, 4)
+             for i in (0, 1)]
+        b = [np.asarray(base["layers"][i]["self_attn"]["q_proj"]["kernel"]).reshape(16, 4, 4)
+             for i in (0, 1)]
+        return [[bool(np.array_equal(q[i][:, h], b[i][:, h])) for h in range(4)] for i in (0, 1)]
+
+    low = rewind_curve(base, tuned, scores, [0.0, 0.25, 1.0], rewound, num_heads=4,
+                       num_kv_heads=2)
+    assert low[0] == [[False] * 4] * 2 and low[2] == [[True] * 4] * 2
+    assert low[1] == [[True, True, False, False], [False] * 4]  # the 2 lowest scores
+    high = rewind_curve(base, tuned, scores, [0.25], rewound, lowest=False, num_heads=4,
+                        num_kv_heads=2)
+    assert high[0] == [[False] * 4, [False, False, True, True]]
+
+    per_matrix = compare_to_random_update(base, tuned, k=4, seed=0)
+    name = "layers/0/mlp/up_proj/kernel"
+    assert per_matrix[name]["relative_update"] > 0
+    assert 0 <= per_matrix[name]["random_update_spectral_share"] <= 1

@@ -31,3 +31,13 @@ def test_plot_grid_heatmaps_accepts_diverged_cells(tmp_path):
     with pytest.raises(ValueError):
         plot_grid_heatmaps({"a": np.full((2, 2), np.nan)}, str(path), xticks=["x", "y"],
                            yticks=["u", "v"], xlabel="", ylabel="", colorbar="")
+
+
+def test_plot_bars_writes_the_figure_size(tmp_path):
+    from lowrank_jax.analysis.report import plot_bars
+
+    path = tmp_path / "sub" / "bars.png"
+    plot_bars(["fp32", "RTN-2"], [12.0, 340.0], path, ylabel="ppl", yscale="log",
+              figsize=(4, 2), dpi=50)
+    height, width = matplotlib.image.imread(path).shape[:2]
+    assert (width, height) == (200, 100)

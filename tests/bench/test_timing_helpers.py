@@ -54,3 +54,17 @@ def test_decode_rates_time_each_decoder_from_its_state_after_the_warm_up_step():
     assert [len(v) for v in rates.values()] == [2, 2]
     assert min(rates["fast"]) > max(rates["slow"])
     assert max(rates["slow"]) < 3 / 0.03 * 1.01
+
+
+def test_cpu_usage_counts_busy_time_not_sleep():
+    from lowrank_jax.bench import cpu_usage
+
+    with cpu_usage() as idle:
+        time.sleep(0.05)
+    start = time.process_time()
+    with cpu_usage() as busy:
+        while time.process_time() - start < 0.05:
+            pass
+    assert idle["cpu_seconds"] < 0.03
+    assert busy["cpu_seconds"] == pytest.approx(time.process_time() - start, abs=0.03)
+    assert len(busy["load_average"]) == 2 and min(busy["load_average"]) >= 0

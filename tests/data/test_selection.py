@@ -258,3 +258,17 @@ def test_cli_select_embeddings(tmp_path):
     assert idx.shape == w.shape and len(np.unique(idx)) == len(idx) and idx.max() < 600
     assert w.min() > 0 and 0.3 < w.sum() < 3.0
     assert main(["select", "--embeddings", str(emb), "--budget", "0", "--out", str(out)]) == 2
+
+
+def test_weighted_batches_draw_by_weight_up_front_and_shift_targets():
+    chunks = [[0, 1, 2, 3, 4], [10, 11, 12, 13], [20, 21, 22, 23, 24, 25]]
+    probs = [0.5, 0.0, 0.5]
+    batch_of = sel.weighted_batches(chunks, probs, steps=3, batch_size=4, seed=5)
+    rng = np.random.default_rng(5)  # the same draws, step after step
+    expected = [rng.choice(3, size=4, p=probs) for _ in range(3)]
+    for step in (2, 0, 1):  # any call order
+        x, y = batch_of(step)
+        rows = np.asarray([c[:4] for c in chunks])[expected[step]]
+        np.testing.assert_array_equal(x, rows[:, :-1])
+        np.testing.assert_array_equal(y, rows[:, 1:])
+        assert 1 not in expected[step]  # zero weight: never drawn

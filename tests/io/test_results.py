@@ -22,3 +22,17 @@ def test_write_result_writes_json_and_note(tmp_path, capsys):
 
 def test_markdown_table_lines():
     assert markdown_table(["a"], [{"a": 0.5}]) == ["| a |", "|---|", "| 0.5 |"]
+
+
+def test_record_folder_reads_only_its_protocol(tmp_path):
+    from lowrank_jax.io.results import RecordFolder
+
+    store = RecordFolder(tmp_path / "rows", {"model": "tiny", "layers": [0, 1]})
+    assert store.read("fp32") is None
+    store.write("fp32", rows=[{"ppl": 3.25}], folder={"path": "x"})
+    saved = json.loads((tmp_path / "rows" / "fp32.json").read_text())
+    assert saved == {"fingerprint": {"model": "tiny", "layers": [0, 1]},
+                     "rows": [{"ppl": 3.25}], "folder": {"path": "x"}}
+    assert RecordFolder(tmp_path / "rows", {"model": "tiny", "layers": [0, 1]}).read(
+        "fp32")["rows"] == [{"ppl": 3.25}]
+    assert RecordFolder(tmp_path / "rows", {"model": "tiny", "layers": [0]}).read("fp32") is None

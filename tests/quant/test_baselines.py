@@ -9,11 +9,13 @@ from flax import nnx
 
 from lowrank_jax.models.llama import Llama, LlamaConfig
 from lowrank_jax.quant.kmeans_vq import kmeans_vq_quantize, kmeans_vq_weight, vq_dequantize
-from lowrank_jax.quant.layers import VQLinear, round_floats_to_storage
+from lowrank_jax.quant.layers import VQLinear
 from lowrank_jax.quant.model import load_quantized, quantize_model, save_quantized
+from lowrank_jax.quant.pipeline import unfinetuned_model
 from lowrank_jax.quant.packing import rtn_bits_per_weight, storage_bits
 from lowrank_jax.quant.rtn import rtn_dequantize, rtn_from_arrays, rtn_quantize, rtn_to_arrays
 from lowrank_jax.quant.scalar_ldlq import (
+    dividing_sq_group,
     group_scales,
     sq_bits_per_weight,
     sq_ldlq_quantize,
@@ -95,6 +97,14 @@ def test_scalar_ldlq_plain_rounding_lies_on_the_group_grid():
     np.testing.assert_allclose(np.min(np.abs(ratio[..., None] - levels), -1), 0, atol=1e-4)
 
 
+def test_dividing_sq_group_is_the_largest_valid_group_up_to_the_request():
+    assert dividing_sq_group(192, [576, 1536]) == 192  # SmolLM2: unchanged
+    assert dividing_sq_group(192, [64, 128]) == 64  # the tiny preset
+    assert dividing_sq_group(48, [96, 120]) == 24  # gcd 24
+    with pytest.raises(ValueError):
+        dividing_sq_group(192, [64, 90])  # gcd 2: no multiple of 4
+
+
 def test_scalar_ldlq_uses_the_hessian_and_bits_match_unisvq():
     rng = np.random.default_rng(0)
     losses = []
@@ -145,13 +155,10 @@ def test_kmeans_and_scalar_methods_in_the_pipeline_and_no_ft_snapshot(tmp_path):
     ref = _tiny()
     quantize_model(ref, tokens, method="kmeans", cfg=UniSVQConfig(tune_iters=1,
                    finetune_steps=0), progress=False, layers=[1])
-    snap = nnx.clone(model)
-    nnx.update(snap.layers[1], *report["unfinetuned"][1])
-    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        round_floats_to_storage(getattr(snap.layers[1].self_attn, name))
-    for name in ("gate_proj", "up_proj", "down_proj"):
-        round_floats_to_storage(getattr(snap.layers[1].mlp, name))
+    tuned = model(probe)[0]
+    snap = unfinetuned_model(model, report)
     np.testing.assert_allclose(snap(probe)[0], ref(probe)[0], atol=1e-5)
+    np.testing.assert_array_equal(model(probe)[0], tuned)  # the fine-tuned model is unchanged
     save_quantized(model, tmp_path / "vq", report=report)
     loaded, _ = load_quantized(tmp_path / "vq")
     np.testing.assert_allclose(loaded(probe)[0], model(probe)[0], atol=1e-4)

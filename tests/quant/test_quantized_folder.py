@@ -77,3 +77,22 @@ def test_interrupted_save_never_leaves_a_folder_that_loads(tmp_path):
     back, _ = load_quantized(folder)
     x = jnp.asarray([[1, 2, 3]], jnp.int32)
     np.testing.assert_allclose(back(x)[0], model(x)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_save_and_check_weighs_the_folder_against_fp16(tmp_path):
+    import os
+
+    from lowrank_jax.cli import captured, save_and_check
+    from lowrank_jax.models.presets import preset_model
+    from lowrank_jax.quant.pipeline import quantize_model
+
+    model, n_params = preset_model("tiny"), 100_000
+    quantize_model(model, None, method="rtn", bits=4, group_size=16, progress=False)
+    folder = str(tmp_path / "rtn4")
+    got = save_and_check(model, folder, n_params=n_params)
+    files = [os.path.join(folder, f) for f in os.listdir(folder)]
+    on_disk = sum(os.path.getsize(f) for f in files if os.path.isfile(f))
+    assert got["folder_mib"] == on_disk / 2**20 and got["fp16_mib"] == 2 * n_params / 2**20
+    assert got["folder_vs_fp16"] == on_disk / (2 * n_params) and got["answer"] is None
+    code, out = captured([])  # no command: the usage, status 2
+    assert code == 2 and out.startswith("usage")

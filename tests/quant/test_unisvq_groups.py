@@ -135,3 +135,32 @@ def test_grouped_accounting_and_validation():
         quantize_linear_grouped(w, h, CFG, groups=5)
     with pytest.raises(ValueError, match="affine_groups"):
         UniSVQConfig(affine_groups=0)
+
+
+def test_codebook_arms_store_one_lattice_per_group_and_simulate_in_place():
+    from flax import nnx
+
+    from lowrank_jax.models.llama import Llama, LlamaConfig
+    from lowrank_jax.quant.codebooks import codebook_arm
+    from lowrank_jax.quant.pipeline import dequantized_projections
+
+    w = jax.random.normal(jax.random.PRNGKey(0), (32, 32))
+    key = jax.random.PRNGKey(1)
+    w1, bpw1 = codebook_arm("unisvq2", w, None, CFG, key)
+    w2, bpw2 = codebook_arm("unisvq2-blocks", w, None, CFG, key)  # G = 32 / 8 = 4 lattices
+    assert bpw1 == unisvq_bits_per_weight(32, 32)
+    assert bpw2 == pytest.approx(bpw1 + 3 * 20 * 16 / (32 * 32))
+    eye = jnp.eye(32)
+    assert float(proxy_loss(w, w2, eye)) < float(proxy_loss(w, w1, eye)) < 0.2
+    with pytest.raises(ValueError, match="unknown"):
+        codebook_arm("unisvq5", w, None, CFG, key)
+
+    model = Llama(LlamaConfig(vocab_size=16, d_model=8, n_layers=2, n_heads=2, n_kv_heads=2,
+                              d_ff=16), rngs=nnx.Rngs(0))
+    before, other = (model.layers[i].mlp.up_proj.kernel[...] for i in (1, 0))
+    with dequantized_projections(model, [1], lambda i, name, w: (jnp.round(w), 4.0)) as done:
+        np.testing.assert_array_equal(model.layers[1].mlp.up_proj.kernel[...], jnp.round(before))
+        np.testing.assert_array_equal(model.layers[0].mlp.up_proj.kernel[...], other)
+    assert sorted(done) == sorted((1, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj",
+                                                   "gate_proj", "up_proj", "down_proj"))
+    np.testing.assert_array_equal(model.layers[1].mlp.up_proj.kernel[...], before)  # restored
