@@ -141,6 +141,19 @@ def _typecheck_switch(request):
 _DOCTEST_EXAMPLES = [0]
 
 
+@pytest.fixture(autouse=True)
+def _xdist_groups_hold(request):
+    """``--dist loadgroup`` must send each ``xdist_group`` to one worker: pytest-xdist marks
+    such a test by a ``@group`` suffix of its node id, which some pytest releases drop (9.2 with
+    xdist 3.8); then every module fixture is built once per worker and the suite runs longer.
+    Each grouped test fails then, saying so."""
+    if (getattr(request.config.option, "loadgroup", False)
+            and request.node.get_closest_marker("xdist_group") and "@" not in request.node.nodeid):
+        pytest.fail(f"pytest-xdist's --dist loadgroup did not group {request.node.nodeid}: pytest "
+                    f"{pytest.__version__} and this pytest-xdist do not work together; install "
+                    "the versions the test extra pins: pip install -e '.[test]'")
+
+
 def pytest_runtest_logreport(report):
     # runs on the controller under xdist too: user_properties travel with the report
     if report.when == "call":

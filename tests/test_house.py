@@ -79,3 +79,8 @@ def test_every_block_sizes_follows_the_one_policy():
         first = dataclasses.fields(tiles)[0].name
         with pytest.raises(ValueError, match=rf"BlockSizes.{first}=12 must be a power of two"):
             tiles(**{first: 12})
+
+
+def test_scripts_shrank_by_at_least_1500_lines(counts):
+    # issue 37 acceptance 2: library logic moves out of scripts/ (8,090 lines when it began)
+    assert 1000 < counts["script_lines"] <= 8090 - 1500, counts["script_lines"]

@@ -53,6 +53,7 @@ from lowrank_jax.optim.loda import (
 )
 from lowrank_jax.train.continual import continual_metrics
 from lowrank_jax.train.losses import adapter_loss, window_evaluator
+from lowrank_jax.train.loop import train_windows
 
 PATTERN = r"self_attn/(q_proj|v_proj)$"
 METHODS = ("lora", "olora", "janus", "loda")
@@ -209,11 +210,9 @@ def run_continual_lora(load_model: Callable[[], nnx.Module], method: str, tasks,
         opt = tx.init(lora)
         if subspaces is not None:
             opt = set_subspaces(opt, subspaces)
-        losses = []
-        for _ in range(cfg.steps):
-            idx = rng.integers(0, len(task.train), cfg.batch)
-            lora, opt, loss = step(lora, opt, rest, jnp.asarray(task.train[idx]), *extra)
-            losses.append(float(loss))
+        lora, _, losses, _ = train_windows(
+            lambda lora, opt, batch: step(lora, opt, rest, batch, *extra), lora, opt,
+            task.train, steps=cfg.steps, batch_size=cfg.batch, rng=rng)
         info["losses"].append(losses)
         nnx.update(model, lora)
         # task end: method bookkeeping on the model's layers

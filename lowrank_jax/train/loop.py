@@ -134,6 +134,47 @@ def train_steps(step: Callable, params, opt_state, tokens, *, steps: int, batch_
     return params, opt_state, losses
 
 
+def train_windows(step: Callable, params, opt_state, windows, *, steps: int, batch_size: int,
+                  rng: np.random.Generator, evaluate: Callable | None = None,
+                  eval_every: int = 0):
+    """``steps`` updates of ``step`` on batches of ``batch_size`` rows of ``windows`` drawn with
+    ``rng.integers`` (with replacement); ``(params, opt_state, losses, curve)``.
+
+    ``step(params, opt_state, batch) -> (params, opt_state, loss)`` (close over the frozen
+    state and extra arguments of a :func:`lowrank_jax.core.step.make_step` step); ``windows``
+    is ``[n, length]`` tokens. ``rng`` is the caller's generator, so a run over several tasks
+    draws one stream. With ``evaluate(params) -> float``, ``curve`` holds ``(0, value)``, then
+    ``(t, value)`` every ``eval_every`` steps and at the last one; training stops after a
+    non-finite evaluation (a diverged run). Without it ``curve`` is empty.
+
+    Example::
+
+        >>> import jax.numpy as jnp, optax
+        >>> from lowrank_jax.core.step import make_step
+        >>> windows = np.arange(40).reshape(10, 4) % 3
+        >>> loss = lambda w, batch: jnp.mean((w * batch[:, :-1] - batch[:, 1:]) ** 2)
+        >>> tx = optax.sgd(0.01)
+        >>> w, _, losses, curve = train_windows(
+        ...     make_step(loss, tx), jnp.float32(0.0), tx.init(0.0), windows, steps=4,
+        ...     batch_size=2, rng=np.random.default_rng(0), evaluate=float, eval_every=2)
+        >>> len(losses), [t for t, _ in curve]
+        (4, [0, 2, 4])
+    """
+    import jax.numpy as jnp
+
+    losses = []
+    curve = [] if evaluate is None else [(0, evaluate(params))]
+    for t in range(1, steps + 1):
+        idx = rng.integers(0, len(windows), batch_size)
+        params, opt_state, loss = step(params, opt_state, jnp.asarray(windows[idx]))
+        losses.append(float(loss))
+        if evaluate is not None and (t % max(eval_every, 1) == 0 or t == steps):
+            curve.append((t, evaluate(params)))
+            if not np.isfinite(curve[-1][1]):
+                break
+    return params, opt_state, losses, curve
+
+
 def plot_losses(metrics_path: pathlib.Path, out_png: pathlib.Path, entropy_bits: float) -> None:
     import matplotlib
 

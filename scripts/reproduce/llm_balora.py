@@ -36,6 +36,7 @@ from lowrank_jax.io.results import RunCache, write_result
 from lowrank_jax.nn import LoRARule, apply_lora, lora_layers, plan_ranks
 from lowrank_jax.optim.balora import balora
 from lowrank_jax.train.losses import adapter_loss, window_evaluator
+from lowrank_jax.train.loop import train_windows
 from lowrank_jax.analysis.report import plot_curves
 from lowrank_jax.train.sweep import best_runs, progress_target, steps_to_target
 
@@ -56,19 +57,10 @@ def train_run(method, lr, task, args, ranks=None):
     evaluate = window_evaluator(graphdef)
     tx = make_tx(method, lr)
     step = make_step(adapter_loss(graphdef), tx)
-    opt = tx.init(lora)
-    rng = np.random.default_rng(args.data_seed)
-    curve = [(0, evaluate(lora, rest, task.heldout)[0])]
-    train_losses = []
-    for i in range(1, args.steps + 1):
-        idx = rng.integers(0, len(task.train), args.batch)
-        lora, opt, loss = step(lora, opt, rest, jnp.asarray(task.train[idx]))
-        train_losses.append(float(loss))
-        if i % args.eval_every == 0 or i == args.steps:
-            held = evaluate(lora, rest, task.heldout)[0]
-            curve.append((i, held))
-            if not np.isfinite(held):
-                break
+    lora, _, train_losses, curve = train_windows(
+        lambda lora, opt, batch: step(lora, opt, rest, batch), lora, tx.init(lora), task.train,
+        steps=args.steps, batch_size=args.batch, rng=np.random.default_rng(args.data_seed),
+        evaluate=lambda lora: evaluate(lora, rest, task.heldout)[0], eval_every=args.eval_every)
     print(f"  {method:8s} lr {lr:.0e}: held-out {curve[0][1]:.3f} -> {curve[-1][1]:.3f} "
           f"({n_params} adapter params)", flush=True)
     return {"method": method, "lr": lr, "curve": curve, "train_losses": train_losses,

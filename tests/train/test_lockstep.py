@@ -57,3 +57,30 @@ def test_scan_train_equals_a_loop_of_steps():
         want.append(float(loss))
     np.testing.assert_allclose(losses, want, rtol=1e-5)
     np.testing.assert_allclose(w, p, rtol=1e-5)
+
+
+def test_train_windows_draws_from_the_callers_stream_and_stops_after_a_non_finite_eval():
+    from lowrank_jax.train.loop import train_windows
+
+    windows = np.arange(30, dtype=np.float32).reshape(10, 3)
+    seen = []
+
+    def step(w, opt, batch):  # records the rows it was given; "loss" is their mean
+        seen.append(np.asarray(batch))
+        return w + 1.0, opt, jnp.mean(batch)
+
+    rng = np.random.default_rng(5)
+    w, _, losses, curve = train_windows(step, 0.0, None, windows, steps=6, batch_size=2,
+                                        rng=rng, evaluate=lambda w: w, eval_every=4)
+    want = np.random.default_rng(5)  # the same stream: the same rows, in order
+    for batch in seen:
+        np.testing.assert_array_equal(batch, windows[want.integers(0, 10, 2)])
+    assert rng.integers(0, 10**6) == want.integers(0, 10**6)  # the caller's rng moved on
+    assert losses == [float(b.mean()) for b in seen] and len(losses) == 6
+    assert curve == [(0, 0.0), (4, 4.0), (6, 6.0)]  # every 4 steps and the last one
+    # a diverged run: the evaluation at step 2 is inf, so step 3 never runs
+    w, _, losses, curve = train_windows(step, 0.0, None, windows, steps=6, batch_size=2,
+                                        rng=np.random.default_rng(0),
+                                        evaluate=lambda w: math.inf if w == 2 else w,
+                                        eval_every=2)
+    assert w == 2.0 and len(losses) == 2 and curve == [(0, 0.0), (2, math.inf)]
