@@ -41,7 +41,7 @@ html_static_path = []
 if os.path.exists(os.path.join(os.path.dirname(__file__), "_static", "mathjax", "tex-svg.js")):
     html_static_path = ["_static"]
     mathjax_path = "mathjax/tex-svg.js"
-html_theme_options = {"navigation_depth": 3, "collapse_navigation": False}
+html_theme_options = {"navigation_depth": 3, "collapse_navigation": True}
 
 
 # --- Public constants re-exported by a package ----------------------------------------------

@@ -243,9 +243,25 @@ def _assert_trees_close(got, want, rtol=1e-5, atol=1e-6):
 
 
 ALL = sorted(exported_transforms())
+# The state/dtype/sharding/hyperparameter checks of a ``scale_by_m`` that the public method
+# ``m`` chains (and is checked in the default run) are in the slow tier.
+CHAINED = {f"scale_by_{m}" for m in ("balora", "crispedit", "gao", "janus", "lordo", "salaad",
+                                     "spectron")}
+COMPOSITES = [pytest.param(n, marks=pytest.mark.slow) if n in CHAINED else n for n in ALL]
 
 
 # ----------------------------------------------------------------------------- the battery
+
+
+def test_each_chained_scale_by_is_built_into_its_public_method():
+    # what lets COMPOSITES leave those checks of a chained scale_by_m to the slow tier
+    import inspect
+
+    factories = exported_transforms()
+    for name in CHAINED:
+        m = name.removeprefix("scale_by_")
+        method = factories.get(m) or factories[f"{m}.{m}"]
+        assert f"{name}(" in inspect.getsource(method), (name, method)
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -262,7 +278,7 @@ def test_jit_and_no_jit_agree_and_move_the_params(name):
     assert any(float(jnp.abs(x).max()) > 0 for x in jax.tree.leaves(jitted[-1]))
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", COMPOSITES)
 def test_inject_hyperparams_changes_nothing(name):
     case = _case(name)
     params = _params(case)
@@ -293,7 +309,7 @@ def test_same_inside_chain_and_partition(name):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", COMPOSITES)
 def test_state_and_update_dtypes_are_stable(name, dtype):
     case = _case(name)
     params = _params(case, dtype)
@@ -304,7 +320,7 @@ def test_state_and_update_dtypes_are_stable(name, dtype):
         assert jax.tree.map(lambda x: x.dtype, out) == jax.tree.map(lambda x: x.dtype, params)
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", COMPOSITES)
 def test_sharded_state_keeps_its_sharding(name):
     assert jax.device_count() == 8  # tests/conftest.py simulates 8 CPU devices
     case = _case(name)
