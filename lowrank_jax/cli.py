@@ -117,12 +117,7 @@ def _run(args) -> int:
 
 
 def captured(argv: list[str]) -> tuple[int, str]:
-    """``(exit status, stdout)`` of ``lowrank-jax ARGV`` run in this process.
-
-    Example::
-
-        >>> code, out = captured(["--help"])  # doctest: +SKIP
-    """
+    """``(exit status, stdout)`` of ``lowrank-jax ARGV`` run in this process."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         code = main(argv)

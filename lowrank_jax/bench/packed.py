@@ -145,8 +145,11 @@ def sequential_lora_jobs(base_fn: Callable[[], Llama], tokens, *, ranks, lrs, ba
         graph, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
         tx = optax.adamw(lrs[k], weight_decay=weight_decay)
         update = make_step(adapter_loss(graph), tx)
-        step = lambda lora, opt, window, update=update, rest=rest: (  # noqa: E731
-            lambda new, opt, loss: ((new, opt), loss))(*update(lora, opt, rest, window))
+
+        def step(lora, opt, window, update=update, rest=rest):
+            lora, opt, loss = update(lora, opt, rest, window)
+            return (lora, opt), loss
+
         windows = [(jnp.asarray(np.concatenate([x, y[:, -1:]], 1)),)  # [batch, seq_len + 1]
                    for x, y in (batch_at(tokens, t, batch, seq_len, seed=k)
                                 for t in range(steps + 1))]

@@ -15,6 +15,8 @@ import platform
 import sys
 from collections.abc import Sequence
 
+from lowrank_jax.io.outputs import atomic_write_text
+
 
 def machine_line() -> str:
     """``host arch N cores, JAX x.y.z (backend)``: where a result was measured."""
@@ -141,7 +143,8 @@ class RunCache:
         if key not in self.runs:
             self.runs[key] = run()
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text(json.dumps(self.payload, default=float))
+            # atomic: a run stopped while writing keeps the cache it had, not half a file
+            atomic_write_text(self.path, json.dumps(self.payload, default=float))
         elif announce:
             print(f"  {key}: reused from {self.path}")
         return self.runs[key]
@@ -172,8 +175,6 @@ class RecordFolder:
 
     def write(self, key: str, **record) -> None:
         """Store ``record`` (JSON-able keyword fields) under ``key``, with the fingerprint."""
-        from lowrank_jax.io.outputs import atomic_write_text
-
         self.folder.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.folder / f"{key}.json", json.dumps(
             {"fingerprint": self.fingerprint, **record}, indent=1))

@@ -335,7 +335,7 @@ def decode_step(model, provider: ReconstructDecodeKV, token):
     if int(provider.tail_length) >= provider.tail_keys.shape[2]:
         raise ValueError(f"the exact tail is full ({provider.tail_keys.shape[2]} tokens); start "
                          "decoding with a larger max_new_tokens.")
-    return cache_step(model, provider, jnp.asarray(token))
+    return cache_step(model, provider, token)
 
 
 def start_kv_decode(model, keys, values, *, method: str, ratio: float | None,

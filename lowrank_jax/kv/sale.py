@@ -41,10 +41,6 @@ def sale_vs_dense(model, ids, qkv, taus, cfg, *, desc: str | None = None):
         ``(per_layer, nll)``: one ``{"layer", "rel_err", "density"}`` per layer
         (``‖O_sale − O_dense‖ / ‖O_dense‖`` and the fraction of causal key blocks SALE
         computes), and the mean NLL of ``ids`` with SALE in every layer.
-
-    Example::
-
-        >>> per_layer, nll = sale_vs_dense(model, ids, qkv, taus, cfg)  # doctest: +SKIP
     """
     sale_fn = jax.jit(lambda q, k, v, tau: sale_api.sale_prefill_attention(
         q, k, v, tau, cfg, implementation="xla", return_mask=True))
