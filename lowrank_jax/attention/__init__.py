@@ -4,7 +4,10 @@ Every implementation takes ``q [batch, q_len, heads, head_dim]`` and ``k, v [bat
 kv_heads, head_dim]`` (grouped-query attention when ``kv_heads < heads``) and returns
 ``[batch, q_len, heads, head_dim]``. Query ``i`` sits at absolute position ``q_offset + i``; with
 ``causal=True`` it sees keys ``j <= q_offset + i``, and only keys ``j < kv_length`` are valid (the
-rest of a preallocated KV cache is ignored).
+rest of a preallocated KV cache is ignored). Three optional keywords are passed only when set, so
+an implementation that does not take them keeps working on models that do not use them:
+``window`` (sliding-window layers), ``logit_softcap`` (Gemma 2) and ``segment_ids`` (packed rows);
+see :func:`~pallas_kernels.flash_attention.reference.attention_reference` for their meaning.
 
 ``"reference"`` is the one attention reference,
 :func:`pallas_kernels.flash_attention.reference.attention_reference`. The kernels

@@ -18,17 +18,22 @@ from pallas_kernels.flash_attention.api import flash_attention
 from pallas_kernels.sparse_attention.api import DEFAULT_TAU, sale_prefill_attention
 
 
-def flash_dispatch(q, k, v, *, causal=True, q_offset=0, kv_length=None, scale=None):
-    """The ``"flash"`` entry: the flash kernel for prefill, the reference for KV-cache decode."""
+def flash_dispatch(q, k, v, *, causal=True, q_offset=0, kv_length=None, scale=None, **masks):
+    """The ``"flash"`` entry: the flash kernel for prefill, the reference for KV-cache decode.
+
+    ``masks`` are the reference's optional ``window`` / ``logit_softcap`` / ``segment_ids``;
+    until the kernel takes them, a call that sets one runs the reference.
+    """
     plain_prefill = (
-        kv_length is None
+        not any(value is not None for value in masks.values())
+        and kv_length is None
         and isinstance(q_offset, int)
         and q_offset == 0
         and (not causal or q.shape[1] <= k.shape[1])
     )
     if not plain_prefill:
         return reference_attention(q, k, v, causal=causal, q_offset=q_offset,
-                                   kv_length=kv_length, scale=scale)
+                                   kv_length=kv_length, scale=scale, **masks)
     return flash_attention(q, k, v, causal=causal, scale=scale)
 
 
@@ -44,12 +49,14 @@ def make_sale_attention(
         >>> unregister_attention("sale_strict")
     """
 
-    def sale_attention(q, k, v, *, causal=True, q_offset=0, kv_length=None, scale=None):
-        prefill = (causal and kv_length is None and isinstance(q_offset, int) and q_offset == 0
+    def sale_attention(q, k, v, *, causal=True, q_offset=0, kv_length=None, scale=None,
+                       **masks):
+        prefill = (not any(value is not None for value in masks.values())
+                   and causal and kv_length is None and isinstance(q_offset, int) and q_offset == 0
                    and q.shape[1] == k.shape[1])
         if not prefill:
             return reference_attention(q, k, v, causal=causal, q_offset=q_offset,
-                                       kv_length=kv_length, scale=scale)
+                                       kv_length=kv_length, scale=scale, **masks)
         return sale_prefill_attention(q, k, v, tau, cfg, scale=scale,
                                       implementation=implementation)
 

@@ -117,3 +117,27 @@ def test_flash_lowers_for_accelerators(platform):
     assert [a.shape for a in fwd.out_avals] == [(1, 4, 512, 128), (1, 4, 512, 1)]
     assert [a.shape for a in bwd.out_avals] == [(1, 4, 512, 128), (1, 2, 512, 128)] + [
         (1, 2, 512, 128)]
+
+
+def test_reference_window_softcap_and_segments_against_loops():
+    """The reference's sliding window, soft-cap and segment ids equal a per-query loop."""
+    rng = np.random.default_rng(0)
+    b, t, h, hk, d, window, cap = 2, 9, 4, 2, 8, 3, 0.5
+    q, k, v = (jnp.asarray(rng.normal(size=(b, t, n, d)), jnp.float32) for n in (h, hk, hk))
+    seg = jnp.asarray([[0, 0, 0, 0, 1, 1, 1, 1, 1], [0] * 9])
+    got = reference_attention(q, k, v, window=window, logit_softcap=cap, segment_ids=(seg, seg))
+    want = np.zeros((b, t, h, d))
+    for bi in range(b):
+        for i in range(t):
+            keys = [j for j in range(t) if j <= i and j > i - window and seg[bi, j] == seg[bi, i]]
+            for head in range(h):
+                kv_head = head // (h // hk)
+                s = np.array([float(q[bi, i, head] @ k[bi, j, kv_head]) for j in keys]) * d ** -0.5
+                s = cap * np.tanh(s / cap)
+                p = np.exp(s - s.max()) / np.exp(s - s.max()).sum()
+                want[bi, i, head] = p @ np.asarray(v[bi, keys, kv_head])
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
+    with pytest.raises(ValueError, match="window=0"):
+        reference_attention(q, k, v, window=0)
+    with pytest.raises(ValueError, match="segment_ids shapes"):
+        reference_attention(q, k, v, segment_ids=(seg[:, :3], seg))
