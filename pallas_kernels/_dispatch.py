@@ -43,15 +43,27 @@ import jax
 IMPLEMENTATIONS = ("auto", "pallas", "xla")
 
 
+def target_backend() -> str:
+    """The backend the current trace compiles for.
+
+    Under an abstract mesh that names a device (``jax.sharding.use_abstract_mesh`` with an
+    ``AbstractDevice``, as :mod:`pallas_kernels.aot` sets when it compiles for a TPU topology or
+    lowers for a GPU from a CPU host) its platform; otherwise ``jax.default_backend()``.
+    """
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    platform = getattr(device, "platform", None)
+    return platform if platform else jax.default_backend()
+
+
 def has_accelerator() -> bool:
-    """Whether the default backend is a GPU or TPU (a Pallas kernel can be compiled for it)."""
-    return jax.default_backend() in ("gpu", "cuda", "rocm", "tpu")
+    """Whether the target backend is a GPU or TPU (a Pallas kernel can be compiled for it)."""
+    return target_backend() in ("gpu", "cuda", "rocm", "tpu")
 
 
 def backend_platform() -> str:
-    """The Pallas lowering of the default backend: ``"gpu"`` (Triton), ``"tpu"`` (Mosaic) or
+    """The Pallas lowering of the target backend: ``"gpu"`` (Triton), ``"tpu"`` (Mosaic) or
     ``"interpret"`` (no accelerator), the default of every op's ``platform=``."""
-    backend = jax.default_backend()
+    backend = target_backend()
     if backend == "tpu":
         return "tpu"
     if backend in ("gpu", "cuda", "rocm"):
@@ -85,7 +97,7 @@ def resolve(implementation: str, interpret: bool | None, *, op: str = "op") -> t
     if not interpret and not accelerator:
         raise ValueError(
             f"{op}: interpret=False asks to compile the Pallas kernel, but the backend is "
-            f"{jax.default_backend()!r}; pass interpret=True (or None) or implementation='xla'."
+            f"{target_backend()!r}; pass interpret=True (or None) or implementation='xla'."
         )
     return "pallas", bool(interpret)
 

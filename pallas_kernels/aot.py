@@ -18,6 +18,7 @@ when an op silently fell back to XLA.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from typing import Any, Callable, Sequence
@@ -178,6 +179,64 @@ def memory_report(compiled) -> dict[str, int]:
     }
 
 
-__all__ = ["GPU_KINDS", "KERNEL_TARGETS", "TOPOLOGY_ALIASES", "TopologyError", "compile_for_tpu",
-           "export_for_gpu", "has_libtpu", "kernel_calls", "memory_report", "module_text",
-           "topology_name", "tpu_devices", "tpu_mesh"]
+#: One compile-only device of each TPU generation the compile tier proves kernels on.
+TPU_TARGETS = {"v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileCase:
+    """One public entry point of an op, at one shape, to prove on the hardware.
+
+    Each op's ``pallas_kernels/<op>/cases.py`` lists its cases (``compile_cases(size)``, size
+    ``"production"`` for an 8B-class layer or ``"small"`` for odd small shapes); the compile tier
+    and ``scripts/gpu/compile_matrix.py`` run every case on every target.
+
+    Attributes:
+      op: the op's package name (``"flash_attention"``).
+      entry: the entry point (``"forward"``, ``"backward"``, ``"shrink"``…).
+      fn: calls the op's public function with its defaults (``implementation="auto"``): on a
+        TPU/GPU target that must run the Pallas kernel, never a silent XLA fallback.
+      args: the inputs as ``jax.ShapeDtypeStruct``.
+      gpu_backend: the Pallas GPU backend the op chose (``"triton"`` or ``"mosaic_gpu"``).
+      targets: where the case must compile (``TPU_TARGETS`` keys, ``"h100"``, ``"h200"``).
+    """
+
+    op: str
+    entry: str
+    fn: Callable
+    args: tuple
+    gpu_backend: str = "triton"
+    targets: tuple[str, ...] = ("v5e", "v5p", "v6e", "h100", "h200")
+
+    @property
+    def name(self) -> str:
+        shapes = ", ".join("x".join(map(str, a.shape)) for a in self.args)
+        return f"{self.op}.{self.entry}[{shapes}]"
+
+
+def check_case(case: CompileCase, target: str) -> dict[str, Any]:
+    """Compile (TPU) or lower (GPU) ``case`` for ``target`` and prove a kernel is in the module.
+
+    Returns ``{"kernels": n, **memory_report}`` (memory only for TPU, where the module is
+    compiled). Raises the compiler's error, or ``AssertionError`` when no Pallas kernel is in the
+    module (the op fell back to XLA).
+    """
+    if target in TPU_TARGETS:
+        compiled = compile_for_tpu(case.fn, *case.args, topology=TPU_TARGETS[target])
+        found, backend, extra = kernel_calls(compiled, "tpu"), "tpu", memory_report(compiled)
+    elif target in GPU_KINDS:
+        exported = export_for_gpu(case.fn, *case.args, device=target)
+        found, backend, extra = kernel_calls(exported, case.gpu_backend), case.gpu_backend, {}
+    else:
+        raise ValueError(f"check_case: target {target!r} is not one of "
+                         f"{sorted(TPU_TARGETS) + sorted(GPU_KINDS)}.")
+    if not found:
+        raise AssertionError(f"{case.name} on {target}: no {backend} Pallas kernel in the "
+                             "compiled module (the op fell back to XLA).")
+    return {"kernels": found, **extra}
+
+
+__all__ = ["CompileCase", "GPU_KINDS", "KERNEL_TARGETS", "TOPOLOGY_ALIASES", "TPU_TARGETS",
+           "TopologyError", "check_case", "compile_for_tpu", "export_for_gpu", "has_libtpu",
+           "kernel_calls", "memory_report", "module_text", "topology_name", "tpu_devices",
+           "tpu_mesh"]
