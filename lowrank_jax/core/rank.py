@@ -92,6 +92,9 @@ def energy_rank(s: Float[Array, " k"], energy: float = 0.9) -> Array:
       s: singular values (any order; sorted descending here).
       energy: threshold in (0, 1].
 
+    Returns:
+      an int32 count; 0 when every value is 0.
+
     Example::
 
         >>> import jax.numpy as jnp
@@ -101,9 +104,11 @@ def energy_rank(s: Float[Array, " k"], energy: float = 0.9) -> Array:
     _check_spectrum(s)
     if not 0.0 < float(energy) <= 1.0:
         raise ValueError(f"energy={energy} must lie in (0, 1].")
-    s2 = jnp.sort(jnp.square(s))[::-1]
-    cumulative = jnp.cumsum(s2) / jnp.sum(s2)
-    return jnp.minimum(jnp.sum(cumulative < energy * (1 - 1e-12)) + 1, s.shape[0])
+    s2 = jnp.sort(jnp.square(s.astype(jnp.float32)))[::-1]
+    total = jnp.sum(s2)
+    cumulative = jnp.cumsum(s2) / jnp.where(total > 0, total, 1.0)
+    count = jnp.minimum(jnp.sum(cumulative < energy * (1 - 1e-12)) + 1, s.shape[0])
+    return jnp.where(total > 0, count, 0).astype(jnp.int32)  # a zero spectrum has rank 0
 
 
 def rankme(embeddings: Float[Array, "n d"], *, eps: float = 1e-7) -> Float[Array, ""]:

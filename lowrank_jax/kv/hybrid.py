@@ -99,13 +99,13 @@ class QuantizedXKVCache:
         raise ValueError(f"layer={layer} is outside the cache's {self.n_layers} layers.")
 
 
-def hadamard_matrix(n: int) -> np.ndarray:
+def randomized_hadamard(n: int) -> np.ndarray:
     """The orthonormal randomized Hadamard matrix ``H_n diag(s) / sqrt(n)`` (Sylvester ``H_n``,
     fixed random signs ``s``: nothing to store), ``n`` a power of two.
 
     Example::
 
-        >>> h = hadamard_matrix(8)
+        >>> h = randomized_hadamard(8)
         >>> bool(np.allclose(h @ h.T, np.eye(8), atol=1e-6))
         True
     """
@@ -122,9 +122,9 @@ def hadamard_matrix(n: int) -> np.ndarray:
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def hadamard_rotate(x: jax.Array, axis: int, n: int, inverse: bool = False) -> jax.Array:
     """Rotate ``x`` along ``axis`` in consecutive blocks of ``n`` (``x.shape[axis] % n == 0``)
-    by :func:`hadamard_matrix` (QuaRot-style: spreads outliers over the block so that min/max
+    by :func:`randomized_hadamard` (QuaRot-style: spreads outliers over the block so that min/max
     quantization wastes fewer levels); ``inverse=True`` undoes it."""
-    h = jnp.asarray(hadamard_matrix(n).T if inverse else hadamard_matrix(n))
+    h = jnp.asarray(randomized_hadamard(n).T if inverse else randomized_hadamard(n))
     moved = jnp.moveaxis(x, axis, -1)
     blocks = moved.reshape(moved.shape[:-1] + (moved.shape[-1] // n, n)) @ h
     return jnp.moveaxis(blocks.reshape(moved.shape), -1, axis)
@@ -273,7 +273,8 @@ def xkv_quant_compress(
         raise ValueError(f"recent_tokens={recent_tokens!r} must be an int in "
                          f"[0, {length - sink_tokens}) (prompt minus sink tokens).")
     if hadamard:
-        hadamard_matrix(quant_group), hadamard_matrix(min(quant_group, d))  # power-of-2 check
+        # power-of-two check of both sizes
+        randomized_hadamard(quant_group), randomized_hadamard(min(quant_group, d))
     dt = jnp.dtype(dtype)
     groups = layer_groups(n_layers, group_size)
     end = length - recent_tokens
@@ -393,6 +394,6 @@ def _rebuild(factor, basis, sink, recent, factored: int, hadamard: bool):
 
 __all__ = [
     "DEFAULT_BASIS_BITS", "DEFAULT_FACTOR_BITS", "DEFAULT_QUANT_GROUP", "FULL_BITS",
-    "QuantizedXKVCache", "hadamard_matrix", "hadamard_rotate", "xkv_quant_compress",
+    "QuantizedXKVCache", "randomized_hadamard", "hadamard_rotate", "xkv_quant_compress",
     "xkv_quant_reconstruct",
 ]

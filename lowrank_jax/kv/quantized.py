@@ -47,14 +47,14 @@ def check_kv_bits(bits) -> int:
     return int(bits)
 
 
-def pack_codes(codes: jax.Array, bits: int) -> jax.Array:
+def pack_bits(codes: jax.Array, bits: int) -> jax.Array:
     """Pack integer codes in ``[0, 2^bits)`` into a flat ``uint8`` array (``8 // bits`` per
     byte, zero-padded at the end).
 
     Example::
 
         >>> import jax.numpy as jnp
-        >>> pack_codes(jnp.asarray([1, 2, 3, 0, 3], jnp.uint8), 2).tolist()
+        >>> pack_bits(jnp.asarray([1, 2, 3, 0, 3], jnp.uint8), 2).tolist()
         [57, 3]
     """
     bits = check_kv_bits(bits)
@@ -66,8 +66,8 @@ def pack_codes(codes: jax.Array, bits: int) -> jax.Array:
     return jnp.sum(flat << shifts, axis=1, dtype=jnp.uint32).astype(jnp.uint8)
 
 
-def unpack_codes(packed: jax.Array, bits: int, size: int) -> jax.Array:
-    """Inverse of :func:`pack_codes`: the first ``size`` codes as ``uint8``."""
+def unpack_bits(packed: jax.Array, bits: int, size: int) -> jax.Array:
+    """Inverse of :func:`pack_bits`: the first ``size`` codes as ``uint8``."""
     bits = check_kv_bits(bits)
     per = 8 // bits
     shifts = jnp.arange(per, dtype=jnp.uint8) * bits
@@ -180,7 +180,7 @@ def _quantize(x, bits: int, axis: int, group_size: int, dtype,
             lo16, scale = jnp.where(better, m2, lo16), jnp.where(better, s2, scale)
             best = jnp.minimum(e2, best)
     codes = jax.lax.slice_in_dim(codes.reshape(padded.shape), 0, n, axis=axis)
-    return QuantizedArray(codes=pack_codes(codes.astype(jnp.uint8), bits), scale=scale,
+    return QuantizedArray(codes=pack_bits(codes.astype(jnp.uint8), bits), scale=scale,
                           minimum=lo16, shape=tuple(x.shape), bits=bits, axis=axis,
                           group_size=int(group_size))
 
@@ -190,7 +190,7 @@ def dequantize(q: QuantizedArray) -> Float[Array, "..."]:
     """The fp32 array a :class:`QuantizedArray` stands for (jitted)."""
     n, axis, size = q.shape[q.axis], q.axis, q.group_size
     groups = -(-n // size)
-    codes = unpack_codes(q.codes, q.bits, math.prod(q.shape)).reshape(q.shape)
+    codes = unpack_bits(q.codes, q.bits, math.prod(q.shape)).reshape(q.shape)
     codes = jnp.pad(codes, [(0, groups * size - n if i == axis else 0)
                             for i in range(len(q.shape))])
     grouped = codes.reshape(q.shape[:axis] + (groups, size) + q.shape[axis + 1:])
@@ -388,6 +388,6 @@ __all__ = [
     "DEFAULT_BITS", "DEFAULT_GROUP_SIZE", "DEFAULT_RESIDUAL", "KIVICache", "QuantizedArray",
     "STORAGE_DTYPE", "SUPPORTED_BITS", "check_kv_bits", "choose_kivi_settings", "dequantize",
     "kivi_compress",
-    "kivi_reconstruct", "kivi_stored_bytes", "pack_codes", "quantize", "quantized_nbytes",
-    "unpack_codes",
+    "kivi_reconstruct", "kivi_stored_bytes", "pack_bits", "quantize", "quantized_nbytes",
+    "unpack_bits",
 ]

@@ -39,6 +39,7 @@ import optax
 
 from lowrank_jax.optim.factors import normalize_path
 from lowrank_jax.optim.linalg import Numeric
+from lowrank_jax.core.rank import energy_rank
 from lowrank_jax.core.sharding import place_like, replicate_like
 
 Select = Callable[[tuple, Any], bool]
@@ -128,14 +129,6 @@ def svt(matrix: jax.Array, threshold) -> tuple[jax.Array, jax.Array]:
 def soft_threshold(matrix: jax.Array, threshold) -> jax.Array:
     """Elementwise ``sign(z) max(|z| − t, 0)`` (prox of ``t‖·‖_1``)."""
     return jnp.sign(matrix) * jnp.maximum(jnp.abs(matrix) - threshold, 0.0)
-
-
-def energy_rank(sigma: jax.Array, energy: float) -> jax.Array:
-    """Smallest ``k`` with ``Σ_{i≤k} σ_i² ≥ energy·Σσ²`` (0 when all ``σ`` are 0); int32."""
-    power = jnp.cumsum(sigma.astype(jnp.float32) ** 2)
-    total = power[-1]
-    k = jnp.sum(power < energy * total) + 1
-    return jnp.where(total > 0, k, 0).astype(jnp.int32)
 
 
 def _selected_paths(params, select: Select) -> set:
@@ -383,7 +376,6 @@ __all__ = [
     "SalaadState",
     "ScaleBySalaadState",
     "default_select",
-    "energy_rank",
     "find_salaad_state",
     "penalty_gradient",
     "salaad",

@@ -28,9 +28,9 @@ def _kv(shape, seed=0):
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_pack_unpack_round_trip(bits):
     codes = np.random.default_rng(bits).integers(0, 2 ** bits, 37).astype(np.uint8)
-    packed = quantized.pack_codes(jnp.asarray(codes), bits)
+    packed = quantized.pack_bits(jnp.asarray(codes), bits)
     assert packed.dtype == jnp.uint8 and packed.size == -(-37 * bits // 8)
-    np.testing.assert_array_equal(quantized.unpack_codes(packed, bits, 37), codes)
+    np.testing.assert_array_equal(quantized.unpack_bits(packed, bits, 37), codes)
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
@@ -281,9 +281,9 @@ def test_smollm2_chat_answer_from_every_compressed_cache(name, ratio, smollm2):
 
 
 def test_hadamard_rotation_is_orthonormal_and_spreads_outliers():
-    from lowrank_jax.kv.hybrid import hadamard_matrix, hadamard_rotate
+    from lowrank_jax.kv.hybrid import hadamard_rotate, randomized_hadamard
 
-    h = hadamard_matrix(32)
+    h = randomized_hadamard(32)
     np.testing.assert_allclose(h @ h.T, np.eye(32), atol=1e-6)
     x = jnp.asarray(np.random.default_rng(8).standard_normal((3, 64, 5)), jnp.float32)
     x = x.at[:, 7].multiply(40.0)  # one outlier token per group of 32
@@ -294,7 +294,7 @@ def test_hadamard_rotation_is_orthonormal_and_spreads_outliers():
         quantized.quantize(y, 4, axis=1, group_size=32)) - y))  # noqa: E731
     assert err(rotated) < 0.5 * err(x)
     with pytest.raises(ValueError, match="power of two"):
-        hadamard_matrix(24)
+        randomized_hadamard(24)
 
 
 def test_recent_window_and_sinks_are_exact_and_hadamard_factors_are_counted():

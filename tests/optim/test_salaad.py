@@ -8,10 +8,10 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from lowrank_jax.core.rank import energy_rank
 from lowrank_jax.optim import (
     SalaadConfig,
     apply_surrogate,
-    energy_rank,
     find_salaad_state,
     hpa_allocate,
     hpa_materialize,
