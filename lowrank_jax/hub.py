@@ -209,7 +209,8 @@ def save_model(model: Llama, folder: str | os.PathLike, *, tokenizer=None,
     Adapters are merged first, into a copy (:func:`lowrank_jax.nn.merge.merge_adapters`, the
     one merge; ``merge="fp"``: a quantized base becomes dense, exactly; ``"quantized"``: it is
     re-quantized). Dense, factorized or merged models become a HF ``LlamaForCausalLM`` folder; a
-    model with quantized projections becomes a quantized folder.
+    model with quantized projections becomes a quantized folder. A byte-level model (vocab 256)
+    saved without a tokenizer gets the byte-tokenizer marker, so ``generate --model`` reads it.
 
     Example::
 
@@ -232,8 +233,17 @@ def save_model(model: Llama, folder: str | os.PathLike, *, tokenizer=None,
     if quantized:
         from lowrank_jax.quant.io import save_quantized
 
-        return save_quantized(model, folder, tokenizer=tokenizer, report=report)
-    folder = save_hf_checkpoint(model, folder, tokenizer=tokenizer)
+        folder = save_quantized(model, folder, tokenizer=tokenizer, report=report)
+    else:
+        folder = save_hf_checkpoint(model, folder, tokenizer=tokenizer)
+    if not hasattr(tokenizer, "save") and model.cfg.vocab_size == 256:  # a byte-level model
+        import json
+
+        from lowrank_jax.io.outputs import atomic_write_text
+        from lowrank_jax.models.tokenizer import BYTE_TOKENIZER_FILE
+
+        atomic_write_text(os.path.join(os.fspath(folder), BYTE_TOKENIZER_FILE),
+                          json.dumps({"tokenizer": "bytes", "vocab_size": 256}))
     return folder
 
 

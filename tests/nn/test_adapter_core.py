@@ -102,6 +102,9 @@ def test_factors_carry_the_base_kernels_logical_axes():
         lup = LoRALinear.from_linear(up, rank=4, rngs=nnx.Rngs(1))
         nf4 = QLoRALinear(QuantizedProjection.from_projection(q, "nf4"), rank=4,
                           rngs=nnx.Rngs(1))
+        meta = {"kernel_metadata": {"out_sharding": ("embed", "mlp")}}
+        packed = MultiLoRALinear(D, 2 * D, ranks=(2, 4), rngs=nnx.Rngs(1), **meta)
+        lokra = LoKRAPlusLinear(D, 2 * D, rank1=2, rank2=2, rngs=nnx.Rngs(1), **meta)
     # contracted axes -> the input axis name (leading named one), free -> output, rank: None
     assert lq.lora_a.out_sharding == ("embed", None) and lq.lora_b.out_sharding == (None, "heads")
     assert lo.lora_a.out_sharding == ("kv", None) and lo.lora_b.out_sharding == (None, "embed")
@@ -110,6 +113,11 @@ def test_factors_carry_the_base_kernels_logical_axes():
     # a quantized base keeps the names of the kernel it replaced, for the adapters put on it
     assert nf4.lora_a.out_sharding == ("embed", None)
     assert nf4.lora_b.out_sharding == (None, "heads")
+    # the packed and Khatri-Rao adapters share the plumbing: same names, adapter axes unsharded
+    assert packed.lora_a.out_sharding == (None, "embed", None)
+    assert packed.lora_b.out_sharding == (None, None, "mlp")
+    assert lokra.lora_a2.out_sharding == ("embed", None)
+    assert lokra.lora_b1.out_sharding == (None, "mlp")
     # a kernel without names gives factors without names (replicated, as before)
     plain = LoRAProjection(nnx.Einsum("BTD,DNH->BTNH", (D, N, H), rngs=nnx.Rngs(0)), rank=4,
                            rngs=nnx.Rngs(1))
@@ -231,3 +239,29 @@ def test_nn_never_imports_quant():
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             offenders += [f"{path.name}: {n}" for n in names if n.startswith("lowrank_jax.quant")]
     assert offenders == []
+
+
+def test_finetune_quantize_nf4_save_merged_round_trips(tmp_path):
+    """``finetune --model tiny --quantize nf4 --save-merged DIR`` then ``generate --model DIR``:
+    the merged folder loads and gives the adapted (QLoRA) model's logits."""
+    from lowrank_jax.cli import main
+    from lowrank_jax.hub import load_model
+    from lowrank_jax.io.peft import import_peft
+    from lowrank_jax.models.presets import preset_model
+    from lowrank_jax.quant.qlora_base import quantize_base
+
+    out, merged = tmp_path / "run", tmp_path / "merged"
+    assert main(["finetune", "--model", "tiny", "--quantize", "nf4", "--steps", "2",
+                 "--batch-size", "2", "--seq-len", "16", "--rank", "4", "--lr", "0.05",
+                 "--out", str(out), "--save-merged", str(merged), "--no-progress"]) == 0
+    assert main(["generate", "--model", str(merged), "--raw", "--prompt", "ab",
+                 "--max-new-tokens", "2"]) == 0
+    adapted = preset_model("tiny")  # the same NF4 base, with the trained adapter on it
+    quantize_base(adapted, "nf4")
+    import_peft(adapted, out / "adapter")
+    assert any(float(jnp.abs(m.lora_b[...]).max()) > 0 for _, m in lora_layers(adapted))
+    loaded, _ = load_model(str(merged))
+    assert not lora_layers(loaded)
+    tokens = jnp.arange(12, dtype=jnp.int32)[None] % 256
+    np.testing.assert_allclose(np.asarray(loaded(tokens)[0]), np.asarray(adapted(tokens)[0]),
+                               atol=2e-4)
