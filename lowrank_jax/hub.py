@@ -206,7 +206,7 @@ def save_model(model: Llama, folder: str | os.PathLike, *, tokenizer=None,
                report: dict | None = None, merge: str = "fp") -> str:
     """Write ``model`` where :func:`load_model` (and ``--model``) reads it back.
 
-    Adapters are merged first, into a copy (:func:`lowrank_jax.nn.merge.merge_adapters`, the
+    Adapters are merged first, into a copy (:func:`lowrank_jax.nn.merge_adapters`, the
     one merge; ``merge="fp"``: a quantized base becomes dense, exactly; ``"quantized"``: it is
     re-quantized). Dense, factorized or merged models become a HF ``LlamaForCausalLM`` folder; a
     model with quantized projections becomes a quantized folder. A byte-level model (vocab 256)

@@ -131,12 +131,9 @@ class FactorizedLinear(ReadsThrough, nnx.Module):
             layer.bias[...] = bias
         return layer
 
-    def dense_kernel(self) -> Float[Array, "m n"]:
-        """The equivalent dense weight ``a @ b`` (for analysis and export, not the forward)."""
-        return self.a[...] @ self.b[...]
-
     def dense_matrix(self) -> Float[Array, "m n"]:
-        """The dense weight as the matrix ``[in, out]``: ``a @ b``."""
+        """The equivalent dense weight ``[in, out]``: ``a @ b`` (for analysis and export, never
+        formed in the forward)."""
         return self.a[...] @ self.b[...]
 
     def __call__(self, inputs: Float[ArrayLike, "... in"]) -> Float[Array, "... out"]:
@@ -211,12 +208,9 @@ class FactorizedProjection(ReadsThrough, nnx.Module):
                    replaced_attributes=public_attributes(module),
                    replaced_type=type(module).__name__)
 
-    def dense_kernel(self):
-        """The equivalent dense kernel (in the original layout; for analysis and export)."""
-        return self.view.matrix_kernel(self.a[...] @ self.b[...])
-
     def dense_matrix(self):
-        """The dense weight as the matrix view ``[in, out]``: ``a @ b``."""
+        """The equivalent dense weight as the matrix view ``[in, out]``: ``a @ b`` (the kernel
+        in the original layout is ``self.view.matrix_kernel(self.dense_matrix())``)."""
         return self.a[...] @ self.b[...]
 
     @property

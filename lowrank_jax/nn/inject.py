@@ -187,7 +187,7 @@ def apply_lora(
 def merge_lora(model: nnx.Module) -> int:
     """Fold every adapter into its kernel in place (the layers stay adapted layers, see
     :func:`unmerge_lora`); returns how many were merged. A quantized base refuses: use
-    :func:`lowrank_jax.nn.merge.merge_adapters`."""
+    :func:`lowrank_jax.nn.merge_adapters`."""
     layers = [m for _, m in lora_layers(model) if not m.merged]
     for m in layers:
         m.merge()
@@ -204,7 +204,7 @@ def unmerge_lora(model: nnx.Module) -> int:
 
 def remove_lora(model: nnx.Module, *, merge: bool = True) -> int:
     """Put back the module each adapted layer replaced (in place): with ``merge`` the adapter is
-    folded in (:func:`lowrank_jax.nn.merge.merge_adapters`, into fp: a quantized base becomes a
+    folded in (:func:`lowrank_jax.nn.merge_adapters`, into fp: a quantized base becomes a
     dense one), without it the adapter is dropped (a layer merged in place is unmerged first).
     Returns how many layers were replaced."""
     if merge:

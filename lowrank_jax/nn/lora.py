@@ -11,14 +11,14 @@ and the merge / unmerge / PiSSA split over the base's matrix view. Used alone it
   einsum module), the adapter over the matrix view of :mod:`lowrank_jax.nn.projection`;
 - :class:`QLoRALinear` — a frozen base without a dense kernel (a quantized one, registered with
   :func:`~lowrank_jax.nn.register_projection`), dequantized on the fly, merged with
-  :func:`lowrank_jax.nn.merge.merge_adapters`.
+  :func:`lowrank_jax.nn.merge_adapters`.
 
 The factors sit on the adapted layer itself (``.../q_proj/lora_a``), not in a ``lora/``
 sub-module as in flax: that is the layout PEFT export, the pair finder
 (:mod:`lowrank_jax.optim.factors`), the per-layer optimizers and saved checkpoints read, so the
 adapted layers inherit the body instead of holding it. They carry logical axis metadata
 (``out_sharding``) taken from the base kernel's: ``A`` the contracted axes' name, ``B`` the free
-axes', the rank axis unsharded (:func:`~lowrank_jax.nn.projection.factor_axis_names`).
+axes', the rank axis unsharded (``factor_axis_names``).
 
 .. math:: y = \\mathrm{base}(x) + s\\,\\mathrm{dropout}(x) A B
 
@@ -397,7 +397,7 @@ class QLoRALinear(LoRAProjection):
     Same adapter names, layout and scale as :class:`LoRALinear` (``lora_a`` ``[in, r]``,
     ``lora_b`` ``[r, out]``), so PEFT export / import and :func:`~lowrank_jax.nn.lora_layers`
     treat both alike. The adapter cannot be folded into integer codes in place: merge with
-    :func:`lowrank_jax.nn.merge.merge_adapters` (into fp, exact, or into a re-quantized base).
+    :func:`lowrank_jax.nn.merge_adapters` (into fp, exact, or into a re-quantized base).
 
     Example::
 
@@ -430,7 +430,7 @@ class QLoRALinear(LoRAProjection):
         super().__init__(base, rank=rank, init=init, param_dtype=param_dtype, **kwargs)
 
     def merge(self) -> None:
-        """Refused: see :func:`lowrank_jax.nn.merge.merge_adapters`."""
+        """Refused: see :func:`lowrank_jax.nn.merge_adapters`."""
         self.add_to_base(None)
 
     def unmerge(self) -> None:

@@ -221,7 +221,7 @@ class ProjectionType:
     @property
     def frozen(self) -> bool:
         """Whether the base holds no dense kernel (an adapter cannot be folded into it in place:
-        :func:`lowrank_jax.nn.merge.merge_adapters` merges into fp or re-quantizes)."""
+        :func:`lowrank_jax.nn.merge_adapters` merges into fp or re-quantizes)."""
         return not self.kernel
 
 

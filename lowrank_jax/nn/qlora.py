@@ -7,7 +7,7 @@ A LoRA adapter on a frozen quantized projection is the one adapter body
 :mod:`lowrank_jax.quant` with :func:`~lowrank_jax.nn.register_projection`, so this package never
 imports ``quant``. Quantize a model's projections with
 :func:`lowrank_jax.quant.quantize_projections`; merge with
-:func:`lowrank_jax.nn.merge.merge_adapters`.
+:func:`lowrank_jax.nn.merge_adapters`.
 
 References:
     Dettmers et al, `QLoRA <https://arxiv.org/abs/2305.14314>`_, 2023.

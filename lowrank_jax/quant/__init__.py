@@ -20,7 +20,6 @@ from lowrank_jax.quant.rtn import (
     rtn_quantize,
 )
 from lowrank_jax.quant.projections import (
-    PROJECTION_QUANTIZERS,
     QuantizedProjection,
     quantize_matrix,
     quantize_projections,
@@ -37,7 +36,6 @@ from lowrank_jax.quant.unisvq import (
 )
 
 __all__ = [
-    "PROJECTION_QUANTIZERS",
     "QuantizedProjection",
     "quantize_matrix",
     "quantize_projections",

@@ -4,7 +4,7 @@ Each matched projection (``nnx.Linear``, ``nnx.LinearGeneral``, ``nnx.Einsum``, 
 module: see :mod:`lowrank_jax.nn.projection`) becomes a :class:`QuantizedProjection` — the
 matrix view's weight held by a quantized linear (NF4 or RTN 4-bit) — that keeps the original's
 layout and public attributes. Then :func:`lowrank_jax.nn.apply_lora` puts a
-:class:`~lowrank_jax.nn.QLoRALinear` on it and :func:`lowrank_jax.nn.merge.merge_adapters` merges
+:class:`~lowrank_jax.nn.QLoRALinear` on it and :func:`lowrank_jax.nn.merge_adapters` merges
 into fp or a re-quantized base. The quantized types register themselves with
 :func:`~lowrank_jax.nn.register_projection`, so ``lowrank_jax.nn`` never imports this package.
 
@@ -49,7 +49,7 @@ class QuantizedProjection(ReadsThrough, nnx.Module):
     ``unflat(quantized(flat(x))) (+ bias)``.
 
     It keeps the replaced module's interface: its public plain attributes (``.shape``,
-    ``.einsum_str``, sizes, dtypes) read through (:class:`~lowrank_jax.nn.projection.ReadsThrough`),
+    ``.einsum_str``, sizes, dtypes) read through (:class:`~lowrank_jax.nn.ReadsThrough`),
     and its kernel's logical axes are kept (``kernel_axes``) for the adapters put on it.
 
     Example::
@@ -66,10 +66,10 @@ class QuantizedProjection(ReadsThrough, nnx.Module):
     Args:
         quantized: a quantized linear (registered with ``register_projection``) holding the
             ``[out, in]`` weight.
-        view: the :class:`~lowrank_jax.nn.projection.ProjectionView` of the original projection.
+        view: the :class:`~lowrank_jax.nn.ProjectionView` of the original projection.
         bias: the original bias over the output's kernel axes, kept in fp.
         replaced_attributes, replaced_type: what the original exposed (see
-            :func:`~lowrank_jax.nn.projection.public_attributes`).
+            ``public_attributes``).
         kernel_axes: the original kernel's logical axis names.
     """
 
