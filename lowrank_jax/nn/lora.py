@@ -297,8 +297,9 @@ class LoRAProjection(ReadsThrough, LoRA):
 
     The base module is kept as it is (``base``) and called with the same arguments, so the
     wrapper keeps its call signature, and every public attribute it does not define reads
-    through to the base (``.shape``, ``.einsum_str``, ``.kernel_shape``, ``.dtype``...);
-    ``in_features`` / ``out_features`` are the matrix view's sizes. ``lora_a`` ``[in, rank]`` and
+    through to the base (``.shape``, ``.einsum_str``, ``.kernel_shape``, ``.dtype``,
+    ``in_features``...; the matrix view's sizes are ``view.in_features`` / ``view.out_features``).
+    ``lora_a`` ``[in, rank]`` and
     ``lora_b`` ``[rank, out]`` are matrices over the grouped axes of
     :func:`lowrank_jax.nn.projection_view` (for an attention kernel ``[D, N, H]``: ``A [D, r]``,
     ``B [r, N·H]``), the layout PEFT stores.
@@ -339,18 +340,28 @@ class LoRAProjection(ReadsThrough, LoRA):
     ):
         self.base = base
         self.view = projection_view(base, f"{type(self).__name__}({type(base).__name__}): ")
-        self.in_features, self.out_features = self.view.in_features, self.view.out_features
         kernel = projection_kernel(base)
         kdt = jnp.float32 if kernel is None else kernel[...].dtype
         pdt = param_dtype or (kdt if jnp.issubdtype(kdt, jnp.floating) else jnp.float32)
         self.param_dtype = pdt
         a_axes, b_axes = factor_axis_names(kernel_axis_names(base), self.view)
-        self.init_adapter(self.in_features, self.out_features, rank=rank, alpha=alpha,
+        self.init_adapter(self.view.in_features, self.view.out_features, rank=rank, alpha=alpha,
                           use_rslora=use_rslora, dropout=dropout, init=init, param_dtype=pdt,
                           a_initializer=a_initializer, b_initializer=b_initializer, rngs=rngs,
                           a_axes=a_axes, b_axes=b_axes, like=kernel, inits=self.inits)
         if init == "pissa":
             self.init_pissa()
+
+    @property
+    def in_features(self):
+        """The base's ``in_features`` (a tuple for ``nnx.LinearGeneral``), else the matrix view's
+        rows."""
+        return getattr(self.base, "in_features", self.view.in_features)
+
+    @property
+    def out_features(self):
+        """The base's ``out_features``, else the matrix view's columns."""
+        return getattr(self.base, "out_features", self.view.out_features)
 
     @property
     def kernel(self):

@@ -226,6 +226,7 @@ def test_swapped_in_modules_read_through_the_flax_attributes():
         assert model.q.kernel_shape == (64, 2, 32) and model.q.einsum_str == "BTD,DNH->BTNH"
         assert model.q.param_dtype == jnp.float32 and model.o.use_bias is True
         assert model.o.axis == (-2, -1)
+        assert model.o.in_features == (2, 32) and model.o.out_features == (64,)
 
 
 def test_nn_never_imports_quant():
