@@ -15,6 +15,7 @@ marked by ``quantization.json``). Those two are imported where they are used, so
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import os
 from typing import Any
@@ -202,11 +203,14 @@ def _load_adapter(folder: str, **kwargs) -> tuple[Llama, Any]:
 
 
 def save_model(model: Llama, folder: str | os.PathLike, *, tokenizer=None,
-               report: dict | None = None) -> str:
+               report: dict | None = None, merge: str = "fp") -> str:
     """Write ``model`` where :func:`load_model` (and ``--model``) reads it back.
 
-    Dense, factorized or LoRA models become a HF ``LlamaForCausalLM`` folder (LoRA merged into
-    dense weights); a model with quantized projections becomes a quantized folder.
+    Adapters are merged first, into a copy (:func:`lowrank_jax.nn.merge_adapters`, the
+    one merge; ``merge="fp"``: a quantized base becomes dense, exactly; ``"quantized"``: it is
+    re-quantized). Dense, factorized or merged models become a HF ``LlamaForCausalLM`` folder; a
+    model with quantized projections becomes a quantized folder. A byte-level model (vocab 256)
+    saved without a tokenizer gets the byte-tokenizer marker, so ``generate --model`` reads it.
 
     Example::
 
@@ -219,13 +223,27 @@ def save_model(model: Llama, folder: str | os.PathLike, *, tokenizer=None,
     from lowrank_jax.models.llama import projections
     from lowrank_jax.models.safetensors_io import save_hf_checkpoint
 
+    from lowrank_jax.nn import lora_layers, merge_adapters
+
+    if lora_layers(model):
+        model = copy.deepcopy(model)
+        merge_adapters(model, target=merge)
     quantized = any(type(m).__module__.startswith("lowrank_jax.quant")
                     for _, _, _, m in projections(model))
     if quantized:
         from lowrank_jax.quant.io import save_quantized
 
-        return save_quantized(model, folder, tokenizer=tokenizer, report=report)
-    folder = save_hf_checkpoint(model, folder, tokenizer=tokenizer)
+        folder = save_quantized(model, folder, tokenizer=tokenizer, report=report)
+    else:
+        folder = save_hf_checkpoint(model, folder, tokenizer=tokenizer)
+    if not hasattr(tokenizer, "save") and model.cfg.vocab_size == 256:  # a byte-level model
+        import json
+
+        from lowrank_jax.io.outputs import atomic_write_text
+        from lowrank_jax.models.tokenizer import BYTE_TOKENIZER_FILE
+
+        atomic_write_text(os.path.join(os.fspath(folder), BYTE_TOKENIZER_FILE),
+                          json.dumps({"tokenizer": "bytes", "vocab_size": 256}))
     return folder
 
 

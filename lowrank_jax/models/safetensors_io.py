@@ -242,7 +242,7 @@ def _dense_kernel(linear) -> np.ndarray:
     from lowrank_jax.nn.lora import LoRALinear
 
     if isinstance(linear, FactorizedLinear):
-        return np.asarray(linear.dense_kernel())
+        return np.asarray(linear.dense_matrix())
     if isinstance(linear, LoRALinear) and not linear.merged:  # a merged kernel holds the delta
         return np.asarray(linear.kernel[...] + linear.delta().astype(linear.kernel[...].dtype))
     return np.asarray(linear.kernel[...])

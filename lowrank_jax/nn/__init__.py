@@ -19,7 +19,8 @@ from lowrank_jax.nn.inject import (
 )
 from lowrank_jax.nn.init import gap_direction, init_lora, init_lora_model, peft_lora_state
 from lowrank_jax.nn.lokra import LoKRAPlusLinear, kruskal_penalty, lokra_regularizer
-from lowrank_jax.nn.lora import LoRALinear, LoRAProjection, lora_scaling
+from lowrank_jax.nn.lora import LoRA, LoRALinear, LoRAProjection, QLoRALinear, lora_scaling
+from lowrank_jax.nn.merge import merge_adapters
 from lowrank_jax.nn.multi_lora import (
     AdapterIds,
     MultiLoRALinear,
@@ -31,13 +32,13 @@ from lowrank_jax.nn.projection import (
     DenseProjection,
     ProjectionView,
     is_projection,
-    kernel_as_matrix,
+    ReadsThrough,
+    dense_matrix,
     projection_paths,
     projection_view,
     register_projection,
     set_kernel_from_matrix,
 )
-from lowrank_jax.nn.qlora import QuantizedProjection, quantize_projections
 from lowrank_jax.nn.rank_plan import allocate_ranks, plan_ranks, probe_importance
 
 __all__ = [
@@ -45,14 +46,16 @@ __all__ = [
     "FactorizedProjection",
     "LoRAProjection",
     "ProjectionView",
-    "QuantizedProjection",
+    "QLoRALinear",
+    "LoRA",
+    "ReadsThrough",
+    "dense_matrix",
+    "merge_adapters",
     "factorize",
     "is_adaptable",
     "is_projection",
-    "kernel_as_matrix",
     "projection_paths",
     "projection_view",
-    "quantize_projections",
     "register_projection",
     "set_kernel_from_matrix",
     "AdapterIds",

@@ -11,6 +11,8 @@ from flax import nnx
 from jax.typing import ArrayLike
 from jaxtyping import Array, Float
 
+from lowrank_jax.nn.projection import ProjectionView, ReadsThrough, public_attributes
+
 default_kernel_init = nnx.initializers.lecun_normal()
 
 
@@ -41,7 +43,7 @@ def balanced_factors(kernel: Float[Array, "m n"], rank: int):
     return u[:, :rank] * root[None, :], root[:, None] * vt[:rank]
 
 
-class FactorizedLinear(nnx.Module):
+class FactorizedLinear(ReadsThrough, nnx.Module):
     """A linear layer stored as two thin factors, ``y = (x @ a) @ b (+ bias)``.
 
     The dense weight ``W = a @ b`` is never formed in ``__call__``, so a rank-``r`` layer costs
@@ -129,8 +131,9 @@ class FactorizedLinear(nnx.Module):
             layer.bias[...] = bias
         return layer
 
-    def dense_kernel(self) -> Float[Array, "m n"]:
-        """The equivalent dense weight ``a @ b`` (for analysis and export, not the forward)."""
+    def dense_matrix(self) -> Float[Array, "m n"]:
+        """The equivalent dense weight ``[in, out]``: ``a @ b`` (for analysis and export, never
+        formed in the forward)."""
         return self.a[...] @ self.b[...]
 
     def __call__(self, inputs: Float[ArrayLike, "... in"]) -> Float[Array, "... out"]:
@@ -143,7 +146,7 @@ class FactorizedLinear(nnx.Module):
         return y
 
 
-class FactorizedProjection(nnx.Module):
+class FactorizedProjection(ReadsThrough, nnx.Module):
     """A projection of any layout stored as two thin factors over its matrix view:
     ``y = unflat(flat(x) a b) (+ bias)``, never forming ``a b``.
 
@@ -168,9 +171,9 @@ class FactorizedProjection(nnx.Module):
         bias: an optional bias of the output's kernel axes.
     """
 
-    def __init__(self, equation: str, kernel_shape, a, b, bias=None, *, dtype: Any = None):
-        from lowrank_jax.nn.projection import ProjectionView
-
+    def __init__(self, equation: str, kernel_shape, a, b, bias=None, *, dtype: Any = None,
+                 replaced_attributes: tuple = (), replaced_type: str | None = None):
+        self.replaced_attributes, self.replaced_type = tuple(replaced_attributes), replaced_type
         self.view = ProjectionView.from_equation(equation, kernel_shape, "FactorizedProjection: ")
         self.equation = self.view.equation
         if a.shape[0] != self.view.in_features or b.shape[1] != self.view.out_features:
@@ -187,11 +190,11 @@ class FactorizedProjection(nnx.Module):
     def from_projection(cls, module, rank: int, *, init: str = "svd") -> "FactorizedProjection":
         """Factorize a projection module (see :func:`factorize` for ``init``)."""
         from lowrank_jax.nn.projection import (
-            kernel_as_matrix, projection_bias, projection_kernel, projection_view)
+            dense_matrix, projection_bias, projection_kernel, projection_view)
 
         view = projection_view(module)
         check_rank(rank, view.in_features, view.out_features, "factorize: ")
-        matrix = kernel_as_matrix(module)
+        matrix = dense_matrix(module)
         a, b = factor_matrix(matrix, rank, init=init)
         bias = projection_bias(module)
         if bias is not None:
@@ -201,11 +204,19 @@ class FactorizedProjection(nnx.Module):
                     f"factorize: the bias of {type(module).__name__} has shape {bias.shape}, not "
                     f"the output's kernel axes {view.out_shape}; only such biases are kept.")
         dtype = projection_kernel(module)[...].dtype
-        return cls(view.equation, view.kernel_shape, a.astype(dtype), b.astype(dtype), bias)
+        return cls(view.equation, view.kernel_shape, a.astype(dtype), b.astype(dtype), bias,
+                   replaced_attributes=public_attributes(module),
+                   replaced_type=type(module).__name__)
 
-    def dense_kernel(self):
-        """The equivalent dense kernel (in the original layout; for analysis and export)."""
-        return self.view.matrix_kernel(self.a[...] @ self.b[...])
+    def dense_matrix(self):
+        """The equivalent dense weight as the matrix view ``[in, out]``: ``a @ b`` (the kernel
+        in the original layout is ``self.view.matrix_kernel(self.dense_matrix())``)."""
+        return self.a[...] @ self.b[...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The dense kernel's shape (what the replaced einsum module's ``.shape`` was)."""
+        return dict(self.replaced_attributes).get("shape", self.view.kernel_shape)
 
     def __call__(self, inputs):
         a, b = self.a[...], self.b[...]
@@ -284,7 +295,7 @@ def factorize(model: nnx.Module, rules, *, rank: int | None = None,
             a rank out of range, an all-zero kernel with ``init="svd"``.
     """
     from lowrank_jax.nn.projection import (
-        kernel_as_matrix, matched_projections, projection_view, set_child)
+        dense_matrix, matched_projections, projection_view, set_child)
 
     if isinstance(rules, str):
         patterns = {rules: rank}
@@ -304,7 +315,7 @@ def factorize(model: nnx.Module, rules, *, rank: int | None = None,
             r = max(1, int(round(float(rank_ratio) * min(view.in_features, view.out_features))))
         if type(module) is nnx.Linear:
             check_rank(r, view.in_features, view.out_features, f"factorize({name}): ")
-            w = kernel_as_matrix(module)
+            w = dense_matrix(module)
             a, b = factor_matrix(w, r, init=init)
             # the layer's shell by shape only: no random init to throw away
             new = nnx.eval_shape(lambda: FactorizedLinear(
@@ -314,8 +325,10 @@ def factorize(model: nnx.Module, rules, *, rank: int | None = None,
             new.b.set_value(b.astype(module.param_dtype))
             if module.bias is not None:
                 new.bias.set_value(module.bias[...])
+            new.replaced_attributes = public_attributes(module)
+            new.replaced_type = type(module).__name__
         else:
-            w = kernel_as_matrix(module)
+            w = dense_matrix(module)
             new = FactorizedProjection.from_projection(module, r, init=init)
         w = jnp.asarray(w, jnp.float32)
         approx = new.a[...].astype(jnp.float32) @ new.b[...].astype(jnp.float32)

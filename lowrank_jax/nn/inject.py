@@ -5,13 +5,20 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 from flax import nnx
 
-from lowrank_jax.nn.lora import LoRALinear, LoRAProjection
-from lowrank_jax.nn.projection import NOT_PROJECTIONS, is_projection, module_path, set_child
+from lowrank_jax.nn.lora import LoRALinear, LoRAProjection, QLoRALinear, lora_layers
+from lowrank_jax.nn.merge import merge_adapters, unwrap
+from lowrank_jax.nn.projection import (
+    is_projection,
+    module_path,
+    outermost_projections,
+    projection_type,
+    set_child,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,60 +63,23 @@ def _check_positive_int(value: Any, name: str) -> None:
         )
 
 
-@dataclasses.dataclass(frozen=True)
-class LinearLike:
-    """How :func:`apply_lora` treats a non-``nnx.Linear`` projection type (e.g. a quantized one).
-
-    ``wrap(module, rank=, alpha=, use_rslora=, dropout=, init=, rngs=)`` returns the adapted
-    layer (it must expose ``lora_a``, ``lora_b``, ``rank``, ``alpha``, ``scaling``, ``merged``);
-    ``dense(module)`` its fp32 weight ``[out, in]``; ``requantize(module, w [out, in])`` a new
-    module of the same kind and settings holding ``w`` (used to merge into a quantized base).
-    """
-
-    wrap: Callable[..., nnx.Module]
-    dense: Callable[[nnx.Module], Any]
-    requantize: Callable[[nnx.Module, Any], nnx.Module]
-    method: str = ""
-
-
-LINEAR_LIKE: dict[type, LinearLike] = {}
-ADAPTER_TYPES: list[type] = [LoRALinear, LoRAProjection]
-NOT_PROJECTIONS.extend([LoRALinear, LoRAProjection])
-
-
-def register_linear_like(cls: type, entry: LinearLike, adapter_type: type | None = None) -> None:
-    """Let :func:`apply_lora` wrap modules of type ``cls`` (the built-in quantized layers are
-    registered by :mod:`lowrank_jax.nn.qlora`)."""
-    LINEAR_LIKE[cls] = entry
-    if adapter_type is not None and adapter_type not in ADAPTER_TYPES:
-        ADAPTER_TYPES.append(adapter_type)
-
-
-def _is_linear_like(module: Any) -> bool:
-    if type(module) is nnx.Linear:
-        return True
-    # the built-in quantized layers are registered when ``lowrank_jax.nn`` imports ``nn.qlora``
-    return type(module) in LINEAR_LIKE
-
-
 def is_adaptable(module: Any) -> bool:
-    """Whether :func:`apply_lora` can adapt ``module``: an ``nnx.Linear``, a registered
-    linear-like (quantized) layer, or any projection of :mod:`lowrank_jax.nn.projection`
-    (``nnx.LinearGeneral``, ``nnx.Einsum``, einsum modules of the ecosystem)."""
-    return _is_linear_like(module) or is_projection(module)
+    """Whether :func:`apply_lora` can adapt ``module``: any projection of
+    :mod:`lowrank_jax.nn.projection` (``nnx.Linear``, ``nnx.LinearGeneral``, ``nnx.Einsum``,
+    einsum modules of the ecosystem, and every type declared with ``register_projection``,
+    such as the quantized linears of :mod:`lowrank_jax.quant`)."""
+    return is_projection(module)
 
 
 def adaptable_modules(model: nnx.Module) -> list[tuple[tuple, nnx.Module]]:
     """``(path, module)`` of every layer :func:`apply_lora` can adapt, outermost only (the
-    quantized linear inside a :class:`~lowrank_jax.nn.QuantizedProjection` is part of it)."""
-    found = [(p, m) for p, m in nnx.iter_modules(model) if is_adaptable(m)]
-    paths = {p for p, _ in found}
-    return [(p, m) for p, m in found if not any(p[:i] in paths for i in range(len(p)))]
+    quantized linear inside a :class:`~lowrank_jax.quant.QuantizedProjection` is part of it, and
+    the base of an adapted layer is already adapted)."""
+    return outermost_projections(model)
 
 
 def linear_paths(model: nnx.Module) -> list[str]:
-    """Paths of every layer :func:`apply_lora` can adapt (not yet adapted): ``nnx.Linear``,
-    registered linear-like layers and the other projections, in model order."""
+    """Paths of every layer :func:`apply_lora` can adapt (not yet adapted), in model order."""
     return [module_path(p) for p, _ in adaptable_modules(model)]
 
 
@@ -136,7 +106,7 @@ def apply_lora(
     """Give every projection whose path matches a rule a LoRA adapter (in place).
 
     An ``nnx.Linear`` becomes a :class:`LoRALinear`, a quantized linear a
-    :class:`~lowrank_jax.nn.qlora.QLoRALinear`, and every other projection (``nnx.LinearGeneral``,
+    :class:`~lowrank_jax.nn.QLoRALinear`, and every other projection (``nnx.LinearGeneral``,
     ``nnx.Einsum``, a user's einsum module: see :mod:`lowrank_jax.nn.projection`) a
     :class:`~lowrank_jax.nn.LoRAProjection` that keeps the module's call signature, with ``A``
     / ``B`` over the kernel's grouped ``[in, out]`` axes.
@@ -185,8 +155,8 @@ def apply_lora(
                     rank = int(rank)
                 if type(linear) is nnx.Linear:
                     wrap = LoRALinear.from_linear
-                elif type(linear) in LINEAR_LIKE:
-                    wrap = LINEAR_LIKE[type(linear)].wrap
+                elif projection_type(linear).frozen:
+                    wrap = QLoRALinear
                 else:
                     wrap = LoRAProjection
                 new = wrap(
@@ -214,14 +184,10 @@ def apply_lora(
     return adapted
 
 
-def lora_layers(model: nnx.Module) -> list[tuple[str, nnx.Module]]:
-    """``(path, layer)`` for every :class:`LoRALinear` (or QLoRA layer) in ``model``."""
-    types = tuple(ADAPTER_TYPES)
-    return [(module_path(p), m) for p, m in nnx.iter_modules(model) if isinstance(m, types)]
-
-
 def merge_lora(model: nnx.Module) -> int:
-    """Fold every adapter into its kernel (in place); returns how many were merged."""
+    """Fold every adapter into its kernel in place (the layers stay adapted layers, see
+    :func:`unmerge_lora`); returns how many were merged. A quantized base refuses: use
+    :func:`lowrank_jax.nn.merge_adapters`."""
     layers = [m for _, m in lora_layers(model) if not m.merged]
     for m in layers:
         m.merge()
@@ -237,24 +203,17 @@ def unmerge_lora(model: nnx.Module) -> int:
 
 
 def remove_lora(model: nnx.Module, *, merge: bool = True) -> int:
-    """Replace each :class:`LoRALinear` by a plain ``nnx.Linear`` and each
-    :class:`~lowrank_jax.nn.LoRAProjection` by its base module (merging first if ``merge``)."""
+    """Put back the module each adapted layer replaced (in place): with ``merge`` the adapter is
+    folded in (:func:`lowrank_jax.nn.merge_adapters`, into fp: a quantized base becomes a
+    dense one), without it the adapter is dropped (a layer merged in place is unmerged first).
+    Returns how many layers were replaced."""
+    if merge:
+        return len(merge_adapters(model, target="fp")) if lora_layers(model) else 0
     count = 0
     for path, m in list(nnx.iter_modules(model)):
-        if isinstance(m, LoRAProjection):
-            if merge and not m.merged:
-                m.merge()
-            elif not merge and m.merged:
+        if isinstance(m, (LoRALinear, LoRAProjection)):
+            if m.merged:
                 m.unmerge()
-            set_child(model, path, m.base)
-            count += 1
-        elif isinstance(m, LoRALinear):
-            if merge and not m.merged:
-                m.merge()
-            lin = nnx.Linear(m.in_features, m.out_features, use_bias=m.bias is not None,
-                             dtype=m.dtype, param_dtype=m.param_dtype, rngs=nnx.Rngs(0))
-            lin.kernel = m.kernel
-            lin.bias = m.bias
-            set_child(model, path, lin)
+            set_child(model, path, unwrap(m))
             count += 1
     return count

@@ -43,7 +43,8 @@ from lowrank_jax.core.kruskal import (  # the one Kruskal module
     kruskal_rank_exact,
 )
 from lowrank_jax.nn.factorized import check_rank
-from lowrank_jax.nn.inject import lora_layers
+from lowrank_jax.nn.lora import lora_layers
+from lowrank_jax.nn.projection import new_param
 
 
 def lokra_regularizer(model: nnx.Module, *, kind: PenaltyKind = "frame",
@@ -82,6 +83,12 @@ def lokra_regularizer(model: nnx.Module, *, kind: PenaltyKind = "frame",
 class LoKRAPlusLinear(nnx.Linear):
     """``nnx.Linear`` plus a Khatri–Rao factored adapter (LoKRA+, parameterisation P1, DERIVED).
 
+    Not a :class:`~lowrank_jax.nn.LoRA` itself: its update is built from four factors
+    (``A = A_1 ⊙ A_2``, ``Bᵀ = B_1ᵀ ⊙ B_2ᵀ``) with their own initialisation (``B_1`` random,
+    ``B_2 = 0``) and scale ``alpha / (r1 r2)``, so the body differs; it shares the plumbing
+    (``nnx.LoRAParam`` factors carrying the kernel's logical axes, the ``delta()`` / ``rank`` /
+    ``scaling`` interface, :meth:`lora_factors` as the equivalent plain ``A``, ``B``).
+
     .. math::
 
         A = A_1 \\odot A_2 \\in \\mathbb R^{r_1 r_2 \\times in},\\quad
@@ -119,13 +126,20 @@ class LoKRAPlusLinear(nnx.Linear):
         self.scaling = float(rank if alpha is None else alpha) / rank
         pdt = self.param_dtype
         std_a = in_features ** -0.25
-        self.lora_a1 = nnx.LoRAParam(std_a * jax.random.normal(rngs.params(), (in_features, rank1),
-                                                               pdt))
-        self.lora_a2 = nnx.LoRAParam(std_a * jax.random.normal(rngs.params(), (in_features, rank2),
-                                                               pdt))
-        self.lora_b1 = nnx.LoRAParam(jax.random.normal(rngs.params(), (rank1, out_features), pdt)
-                                     / jnp.sqrt(out_features))
-        self.lora_b2 = nnx.LoRAParam(jnp.zeros((rank2, out_features), pdt))
+        # the factors carry the kernel's logical axes, as LoRA's (the rank axes unsharded)
+        names = self.kernel.get_metadata().get("out_sharding")
+        a_axes, b_axes = ((names[0], None), (None, names[1])) if names else (None, None)
+
+        def factor(value, axes):
+            return new_param(nnx.LoRAParam, value, axes, self.kernel)
+
+        self.lora_a1 = factor(std_a * jax.random.normal(rngs.params(), (in_features, rank1), pdt),
+                              a_axes)
+        self.lora_a2 = factor(std_a * jax.random.normal(rngs.params(), (in_features, rank2), pdt),
+                              a_axes)
+        self.lora_b1 = factor(jax.random.normal(rngs.params(), (rank1, out_features), pdt)
+                              / jnp.sqrt(out_features), b_axes)
+        self.lora_b2 = factor(jnp.zeros((rank2, out_features), pdt), b_axes)
 
     @classmethod
     def from_linear(cls, linear: nnx.Linear, *, rank1: int, rank2: int, rngs: nnx.Rngs,

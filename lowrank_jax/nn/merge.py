@@ -1,6 +1,9 @@
 """Merge LoRA / QLoRA adapters into fp (exact) or into a re-quantized base (error reported).
 
-Merging into fp replaces every adapted layer by a dense ``nnx.Linear`` with
+One merge for every adapted layer (:func:`merge_adapters`, used by
+:func:`~lowrank_jax.nn.remove_lora`, ``save_merged`` and :func:`lowrank_jax.hub.save_model`). A
+dense base takes ``W' = W + s A B`` into its own kernel (dtype, layout and sharding kept) and
+comes back as the module it was. Merging a quantized base into fp gives a dense fp32 module with
 ``W' = W_base + s A B`` where ``W_base`` is the dequantized base (exactly what the QLoRA forward
 used), so the merged model computes the same function up to fp32 rounding. Merging into a
 quantized base re-quantizes ``W'`` with the base's own method and settings (RTN bits and group,
@@ -23,32 +26,101 @@ from typing import Callable, Literal
 import jax.numpy as jnp
 from flax import nnx
 
-from lowrank_jax.nn.inject import LINEAR_LIKE, lora_layers
-from lowrank_jax.nn.lora import LoRAProjection
-from lowrank_jax.nn.projection import DenseProjection, set_child, set_kernel_from_matrix
+from lowrank_jax.nn.lora import LoRALinear, LoRAProjection, lora_layers
+from lowrank_jax.nn.projection import (
+    DenseProjection,
+    dense_matrix,
+    kernel_axis_names,
+    module_path,
+    new_param,
+    projection_type,
+    projection_view,
+    set_child,
+)
 
 Target = Literal["fp", "quantized"]
+LINEAR_EQUATION = "...i,io->...o"
 
 
-def _dense_of(layer) -> jnp.ndarray:
-    """``[out, in]`` base weight of an adapted layer (dense kernel or dequantized codes)."""
-    if hasattr(layer, "base_weight"):
-        return layer.base_weight().astype(jnp.float32)
-    return layer.kernel[...].astype(jnp.float32).T
+def unwrap(layer) -> nnx.Module:
+    """The module an adapted layer replaced, its adapter dropped as it is (a merged-in-place
+    adapter stays in the kernel): an ``nnx.Linear`` sharing the :class:`LoRALinear`'s kernel
+    and bias (its dtype, precision and sharding), or the base of any other adapted layer."""
+    if not isinstance(layer, LoRALinear):
+        return layer.base
+    bias = layer.bias
+    linear = nnx.eval_shape(lambda: nnx.Linear(
+        layer.in_features, layer.out_features, use_bias=bias is not None, dtype=layer.dtype,
+        param_dtype=layer.param_dtype, precision=layer.precision, rngs=nnx.Rngs(0)))
+    linear.kernel = layer.kernel
+    linear.bias = bias
+    return linear
+
+
+def _dense_module(base, matrix) -> nnx.Module:
+    """A dense module holding ``matrix`` ``[in, out]`` (fp32) in place of the frozen ``base``:
+    an ``nnx.Linear`` for a linear layout, else a :class:`DenseProjection` that keeps the
+    original projection's public attributes."""
+    view = projection_view(base)
+    axes = kernel_axis_names(base)
+    bias = projection_type(base).bias
+    bias = None if bias is None else getattr(base, bias, None)
+    bias = None if bias is None else bias[...]
+    if view.equation == LINEAR_EQUATION:
+        linear = nnx.eval_shape(lambda: nnx.Linear(view.in_features, view.out_features,
+                                                   use_bias=bias is not None, rngs=nnx.Rngs(0)))
+        linear.kernel = new_param(nnx.Param, jnp.asarray(matrix, jnp.float32), axes)
+        if bias is not None:
+            linear.bias = nnx.Param(jnp.asarray(bias, jnp.float32))
+        return linear
+    return DenseProjection(view.equation, view.matrix_kernel(jnp.asarray(matrix, jnp.float32)),
+                           bias, replaced_attributes=getattr(base, "replaced_attributes", ()),
+                           replaced_type=getattr(base, "replaced_type", None), kernel_axes=axes)
+
+
+def _relative_error(approx, exact) -> float:
+    return float(jnp.linalg.norm(approx - exact) / jnp.maximum(jnp.linalg.norm(exact), 1e-30))
+
+
+def merged_module(layer, target: Target = "fp") -> tuple[nnx.Module, float]:
+    """The merged form of one adapted layer and the error re-quantization added.
+
+    A dense base takes ``W + s A B`` in place (its kernel keeps its dtype, layout and sharding)
+    and comes back as the module it was (an ``nnx.Linear``, the user's einsum module...). A
+    base without a dense kernel (quantized) becomes a dense fp32 module holding
+    ``dequant(W) + s A B`` (``target="fp"``, exact) or its own kind re-quantized from it
+    (``target="quantized"``, the error returned)."""
+    base = layer.base if isinstance(layer, LoRAProjection) else None
+    if base is None or not projection_type(base).frozen:
+        if not layer.merged:
+            layer.merge()
+        return unwrap(layer), 0.0
+    w = layer.dense_matrix() + layer.delta().astype(jnp.float32)  # [in, out]
+    if target == "fp":
+        return _dense_module(base, w), 0.0
+    requantize = projection_type(base).requantize
+    if requantize is None:
+        raise ValueError(f"merge_adapters: a {type(base).__name__} base cannot be re-quantized "
+                         "(it registered no requantize); merge with target='fp'.")
+    new = requantize(base, w)
+    return new, _relative_error(jnp.asarray(dense_matrix(new), jnp.float32), w)
 
 
 def merge_adapters(model: nnx.Module, *, target: Target = "fp") -> dict[str, float]:
-    """Replace every adapted layer of ``model`` (in place) by its merged form.
+    """Replace every adapted layer of ``model`` (in place) by its merged form: the one merge,
+    used by :func:`~lowrank_jax.nn.remove_lora`, ``save_merged`` and
+    :func:`lowrank_jax.hub.save_model`.
 
     Args:
-        model: an NNX model with unmerged :class:`~lowrank_jax.nn.LoRALinear` /
-            :class:`~lowrank_jax.nn.qlora.QLoRALinear` layers.
-        target: ``"fp"`` — a dense fp32 ``nnx.Linear`` holding ``W + s A B`` (exact);
-            ``"quantized"`` — the base's quantizer applied to ``W + s A B`` (for a dense base
-            this is the same as ``"fp"``).
+        model: an NNX model with :class:`~lowrank_jax.nn.LoRALinear`,
+            :class:`~lowrank_jax.nn.LoRAProjection` or :class:`~lowrank_jax.nn.QLoRALinear`
+            layers (merged in place or not).
+        target: for a quantized base, ``"fp"`` — a dense fp32 module holding ``W + s A B``
+            (exact) — or ``"quantized"`` — the base's quantizer applied to ``W + s A B``. A dense
+            base always takes ``W + s A B`` into its own kernel (dtype and sharding kept).
 
     Returns:
-        ``{path: relative Frobenius error added by re-quantization}`` (0.0 for fp merges).
+        ``{path: relative Frobenius error added by re-quantization}`` (0.0 for exact merges).
 
     Example::
 
@@ -61,8 +133,8 @@ def merge_adapters(model: nnx.Module, *, target: Target = "fp") -> dict[str, flo
         ...         self.up = NF4Linear(nf4_quantize(jax.random.normal(jax.random.PRNGKey(0),
         ...                                                            (8, 64))))
         >>> m = M(); _ = apply_lora(m, {"up": 2}, rngs=nnx.Rngs(0))
-        >>> merge_adapters(m, target="fp")
-        {'up': 0.0}
+        >>> merge_adapters(m, target="fp"), type(m.up).__name__
+        ({'up': 0.0}, 'Linear')
     """
     if target not in ("fp", "quantized"):
         raise ValueError(f"merge_adapters: target={target!r}; use 'fp' or 'quantized'.")
@@ -70,51 +142,12 @@ def merge_adapters(model: nnx.Module, *, target: Target = "fp") -> dict[str, flo
     if not layers:
         raise ValueError("merge_adapters: the model has no adapter; add one with apply_lora or "
                          "import_peft first.")
-    merged = [p for p, m in layers if m.merged]
-    if merged:
-        raise ValueError(f"merge_adapters: {merged[:4]} are already merged in place; call "
-                         "lowrank_jax.nn.unmerge_lora(model) first.")
-    paths = {p: path for path, m in nnx.iter_modules(model)
-             for p in ["/".join(str(x) for x in path)]}
+    paths = {module_path(path): path for path, _ in nnx.iter_modules(model)}
     errors = {}
     for name, layer in layers:
-        w = _dense_of(layer) + layer.delta().astype(jnp.float32).T  # [out, in]
-        if isinstance(layer, LoRAProjection):
-            new, errors[name] = _merged_projection(layer, w, target)
-            set_child(model, paths[name], new)
-            continue
-        base = getattr(layer, "base", None)
-        entry = LINEAR_LIKE.get(type(base)) if base is not None else None
-        if target == "quantized" and entry is not None:
-            new = entry.requantize(base, w)
-            w_hat = entry.dense(new)
-            errors[name] = float(jnp.linalg.norm(w_hat - w) / jnp.maximum(jnp.linalg.norm(w),
-                                                                          1e-30))
-        else:
-            bias = getattr(layer, "bias", None)
-            new = nnx.Linear(layer.in_features, layer.out_features, use_bias=bias is not None,
-                             rngs=nnx.Rngs(0))
-            new.kernel = nnx.Param(w.T)
-            if bias is not None:
-                new.bias = bias
-            errors[name] = 0.0
+        new, errors[name] = merged_module(layer, target)
         set_child(model, paths[name], new)
     return errors
-
-
-def _merged_projection(layer, w, target):
-    """The merged module of a :class:`LoRAProjection` holding ``w`` ``[out, in]``, and the
-    re-quantization error."""
-    base = layer.base
-    if not hasattr(base, "dense_matrix"):  # a dense base keeps its own type
-        set_kernel_from_matrix(base, w.T)
-        return base, 0.0
-    if target == "quantized":
-        new = base.requantized(w)
-        w_hat = new.dense_matrix().T
-        return new, float(jnp.linalg.norm(w_hat - w) / jnp.maximum(jnp.linalg.norm(w), 1e-30))
-    bias = None if base.bias is None else base.bias[...]
-    return DenseProjection(base.view.equation, base.view.matrix_kernel(w.T), bias), 0.0
 
 
 def merge_report(
@@ -151,16 +184,17 @@ def merge_report(
 
 
 def dequantize_model(model: nnx.Module) -> int:
-    """Replace every quantized projection not under an adapter by a dense fp32 ``nnx.Linear``
-    holding its dequantized weight (in place) — the base HF / PEFT see; returns the count."""
-    found = [(path, m) for path, m in nnx.iter_modules(model)
-             if type(m) in LINEAR_LIKE and "base" not in [str(p) for p in path]]
+    """Replace every quantized projection not under an adapter by a dense fp32 module holding
+    its dequantized weight (in place) — the base HF / PEFT see; returns the count."""
+    found = [(p, m) for p, m in nnx.iter_modules(model)
+             if isinstance(m, (LoRALinear, LoRAProjection))
+             or (projection_type(m) is not None and projection_type(m).frozen)]
+    outer = {p for p, _ in found}
+    found = [(p, m) for p, m in found if not isinstance(m, (LoRALinear, LoRAProjection))
+             and not any(p[:i] in outer for i in range(len(p)))]
     for path, m in found:
-        w = LINEAR_LIKE[type(m)].dense(m).astype(jnp.float32)
-        new = nnx.Linear(m.in_features, m.out_features, use_bias=False, rngs=nnx.Rngs(0))
-        new.kernel = nnx.Param(w.T)
-        set_child(model, path, new)
+        set_child(model, path, _dense_module(m, jnp.asarray(dense_matrix(m), jnp.float32)))
     return len(found)
 
 
-__all__ = ["dequantize_model", "merge_adapters", "merge_report"]
+__all__ = ["dequantize_model", "merge_adapters", "merge_report", "merged_module", "unwrap"]

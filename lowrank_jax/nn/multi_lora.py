@@ -10,6 +10,7 @@ from jax.typing import ArrayLike
 from jaxtyping import Array, Float, Int
 
 from lowrank_jax.nn.lora import default_a_initializer, lora_scaling
+from lowrank_jax.nn.projection import new_param
 
 
 class AdapterIds(nnx.Variable):
@@ -22,6 +23,12 @@ def _round_up(value: int, multiple: int) -> int:
 
 class MultiLoRALinear(nnx.Linear):
     """``nnx.Linear`` plus K stacked LoRA adapters; example ``b`` uses adapter ``ids[b]``.
+
+    Not a :class:`~lowrank_jax.nn.LoRA` itself: its body is K adapters of different ranks packed
+    in ``[K, in, R]`` / ``[K, R, out]`` and routed per example (a grouped kernel), which one
+    ``A [in, r]``, ``B [r, out]`` pair cannot hold; it shares the plumbing (PEFT's scale
+    :func:`~lowrank_jax.nn.lora_scaling`, the initializer, ``nnx.LoRAParam`` factors carrying
+    the kernel's logical axes).
 
     .. math:: y_b = x_b W + c + s_k \\,(x_b A_k \\odot m_k)(B_k),\\quad k = \\mathrm{ids}_b,\\;
         s_k = \\alpha_k / r_k,\\; m_k = [1]^{r_k}[0]^{R - r_k}
@@ -97,8 +104,12 @@ class MultiLoRALinear(nnx.Linear):
         k, r_max, pdt = self.num_adapters, self.r_max, self.param_dtype
         mask = self.rank_mask().astype(pdt)
         a = a_initializer(rngs.params(), (k, in_features, r_max), pdt) * mask[:, None, :]
-        self.lora_a = nnx.LoRAParam(a)
-        self.lora_b = nnx.LoRAParam(jnp.zeros((k, r_max, out_features), pdt))
+        # the factors carry the kernel's logical axes, as LoRA's (adapter and rank axes unsharded)
+        names = self.kernel.get_metadata().get("out_sharding")
+        a_axes, b_axes = ((None, names[0], None), (None, None, names[1])) if names else (None,) * 2
+        self.lora_a = new_param(nnx.LoRAParam, a, a_axes, self.kernel)
+        self.lora_b = new_param(nnx.LoRAParam, jnp.zeros((k, r_max, out_features), pdt), b_axes,
+                                self.kernel)
         self.adapter_ids = AdapterIds(None)
 
     def rank_mask(self) -> Float[Array, "k r"]:

@@ -36,6 +36,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from lowrank_jax.nn.swap import (  # noqa: F401  (re-exported: the protocol's swap helpers)
+    ReadsThrough,
+    assign_keeping_layout,
+    new_param,
+    public_attributes,
+)
+
 
 def _tokens(spec: str) -> list[str]:
     """``'...BD'`` -> ``['...', 'B', 'D']`` (``...`` is one token)."""
@@ -194,12 +201,17 @@ class ProjectionView:
 
 @dataclasses.dataclass(frozen=True)
 class ProjectionType:
-    """How to read one projection module type.
+    """How to read one projection module type (an entry of :func:`register_projection`).
 
-    ``kernel`` is the attribute holding the kernel ``nnx.Param``; ``equation(module)`` its einsum
-    string (input first, kernel second); ``bias`` the attribute of a bias added on the output's
-    kernel axes (``None``: no bias); ``input_arg`` the position of the input in the module's call
-    (gemma's ``Einsum.__call__(eqn, x)`` has ``input_arg=1``).
+    ``kernel`` is the attribute holding the kernel ``nnx.Param`` (``""``: the module holds no
+    dense kernel, e.g. a quantized base); ``equation(module)`` its einsum string (input first,
+    kernel second); ``bias`` the attribute of a bias added on the output's kernel axes (``None``:
+    no bias); ``input_arg`` the position of the input in the module's call (gemma's
+    ``Einsum.__call__(eqn, x)`` has ``input_arg=1``). A base without a dense kernel gives
+    ``shape(module)`` (the kernel shape its equation reads), ``dense(module)`` (its weight as the
+    fp32 matrix view ``[in, out]``, e.g. dequantized) and, when it can hold a new weight the same
+    way, ``requantize(module, matrix [in, out])`` (a new module of the same kind and settings);
+    ``method`` names its kind (``"nf4"``, ``"rtn"``, ...).
     """
 
     name: str
@@ -207,6 +219,16 @@ class ProjectionType:
     equation: Callable[[Any], str]
     bias: str | None = None
     input_arg: int = 0
+    shape: Callable[[Any], tuple] | None = None
+    dense: Callable[[Any], Any] | None = None
+    requantize: Callable[[Any, Any], Any] | None = None
+    method: str = ""
+
+    @property
+    def frozen(self) -> bool:
+        """Whether the base holds no dense kernel (an adapter cannot be folded into it in place:
+        :func:`lowrank_jax.nn.merge_adapters` merges into fp or re-quantizes)."""
+        return not self.kernel
 
 
 def _linear_general_equation(m) -> str:
@@ -246,17 +268,30 @@ KERNEL_ATTRS = ("kernel", "w", "weight")
 NOT_PROJECTIONS: list[type] = []
 
 
-def register_projection(cls: type, *, kernel: str = "kernel", equation: str | Callable = None,
-                        bias: str | None = None, input_arg: int = 0) -> None:
-    """Declare that modules of type ``cls`` are projections (the registration hook).
+def register_projection(cls: type, *, kernel: str | None = "kernel",
+                        equation: str | Callable | None = None, bias: str | None = None,
+                        input_arg: int = 0, shape: Callable | None = None,
+                        dense: Callable | None = None, requantize: Callable | None = None,
+                        method: str = "") -> None:
+    """Declare that modules of type ``cls`` are projections (the one registration hook).
+
+    Every layer kind the library adapts, factorizes, quantizes or merges plugs in here: a user's
+    einsum module, and the quantized linears of :mod:`lowrank_jax.quant` (which register
+    themselves when they are defined, so ``lowrank_jax.nn`` never imports ``quant``).
 
     Args:
         cls: the module class (matched exactly, not its subclasses).
-        kernel: the attribute holding the kernel ``nnx.Param``.
+        kernel: the attribute holding the kernel ``nnx.Param``; ``None`` for a base without a
+            dense kernel (then give ``shape`` and ``dense``).
         equation: the einsum string (``'BTD,DNH->BTNH'``), or ``module -> str`` when it differs
             per instance.
         bias: the attribute of a bias over the output's kernel axes, if any.
         input_arg: the position of the input among the call's positional arguments.
+        shape: ``module -> kernel shape`` (a base without a kernel).
+        dense: ``module -> [in, out]`` fp32 matrix view of its weight (a base without a kernel).
+        requantize: ``(module, matrix [in, out]) -> module`` of the same kind and settings
+            holding ``matrix`` (lets ``merge_adapters(target="quantized")`` merge into it).
+        method: the name of the base's kind (reported by merges).
 
     Example::
 
@@ -274,8 +309,13 @@ def register_projection(cls: type, *, kernel: str = "kernel", equation: str | Ca
     if equation is None:
         raise ValueError("register_projection: pass equation= (an einsum string or a function "
                          "module -> einsum string).")
+    if not kernel and (shape is None or dense is None):
+        raise ValueError(f"register_projection({cls.__name__}): a type without a kernel "
+                         "attribute needs shape= (module -> kernel shape) and dense= (module -> "
+                         "[in, out] matrix).")
     fn = equation if callable(equation) else (lambda _m, e=equation: e)
-    PROJECTION_TYPES[cls] = ProjectionType(cls.__name__, kernel, fn, bias, input_arg)
+    PROJECTION_TYPES[cls] = ProjectionType(cls.__name__, kernel or "", fn, bias, input_arg,
+                                           shape, dense, requantize, method)
 
 
 def _duck_type(module) -> ProjectionType | None:
@@ -300,7 +340,10 @@ def projection_type(module) -> ProjectionType | None:
     if cls in PROJECTION_TYPES:
         return PROJECTION_TYPES[cls]
     if callable(getattr(cls, "projection_view", None)):
-        return ProjectionType(cls.__name__, "", lambda m: m.projection_view().equation)
+        return ProjectionType(
+            cls.__name__, "", lambda m: m.projection_view().equation,
+            shape=lambda m: m.projection_view().kernel_shape, dense=lambda m: m.dense_matrix(),
+            requantize=(lambda m, w: m.requantized(w)) if hasattr(cls, "requantized") else None)
     return _duck_type(module)
 
 
@@ -319,10 +362,12 @@ def projection_view(module, where: str = "") -> ProjectionView:
             f"({'/'.join(KERNEL_ATTRS)}) and an einsum string ({'/'.join(EQUATION_ATTRS)}); "
             "declare others with lowrank_jax.nn.register_projection.")
     if not kind.kernel:
-        return module.projection_view()
-    kernel = getattr(module, kind.kernel)
-    return ProjectionView.from_equation(kind.equation(module), kernel[...].shape,
-                                        where or f"{kind.name}: ")
+        if callable(getattr(type(module), "projection_view", None)):
+            return module.projection_view()
+        shape = kind.shape(module)
+    else:
+        shape = getattr(module, kind.kernel)[...].shape
+    return ProjectionView.from_equation(kind.equation(module), shape, where or f"{kind.name}: ")
 
 
 def projection_kernel(module):
@@ -338,18 +383,36 @@ def projection_bias(module):
     return None if kind.bias is None else getattr(module, kind.bias, None)
 
 
-def kernel_as_matrix(module):
-    """A projection's kernel as the matrix ``[in, out]`` of its :class:`ProjectionView` (a
-    quantized projection's ``dense_matrix()``, dequantized)."""
-    if callable(getattr(module, "dense_matrix", None)):
+def dense_matrix(module):
+    """The one dense-weight accessor: a projection's weight as the matrix ``[in, out]`` of its
+    :class:`ProjectionView`.
+
+    A dense projection gives its kernel regrouped (a transpose and a reshape); a base without a
+    kernel its registered ``dense`` (a quantized one dequantized, fp32); a layer that computes
+    its own (a factorized projection: ``a @ b``; an adapted layer: its base's weight, without the
+    adapter) its ``dense_matrix()`` method.
+
+    Example::
+
+        >>> from flax import nnx
+        >>> o = nnx.LinearGeneral((2, 4), 8, axis=(-2, -1), rngs=nnx.Rngs(0))
+        >>> dense_matrix(o).shape
+        (8, 8)
+    """
+    if callable(getattr(type(module), "dense_matrix", None)):
         return module.dense_matrix()
+    kind = projection_type(module)
+    if kind is None:
+        projection_view(module)  # raises the clear error
+    if kind.dense is not None:
+        return kind.dense(module)
     return projection_view(module).kernel_matrix(projection_kernel(module)[...])
 
 
 def set_kernel_from_matrix(module, matrix) -> None:
-    """Write a matrix ``[in, out]`` into a projection's kernel (in its own layout and dtype)."""
-    kernel = projection_kernel(module)
-    kernel[...] = projection_view(module).matrix_kernel(matrix).astype(kernel[...].dtype)
+    """Write a matrix ``[in, out]`` into a projection's kernel (in its own layout, dtype and
+    sharding)."""
+    assign_keeping_layout(projection_kernel(module), projection_view(module).matrix_kernel(matrix))
 
 
 def module_path(path: tuple) -> str:
@@ -357,9 +420,20 @@ def module_path(path: tuple) -> str:
     return "/".join(str(p) for p in path)
 
 
+def outermost_projections(model: nnx.Module, also: tuple[type, ...] = ()):
+    """``[(path, module)]`` of the projections of ``model`` that no other projection (nor
+    module of a type in ``also``, nor adapted layer) holds: the quantized linear inside a
+    :class:`~lowrank_jax.quant.QuantizedProjection`, or an adapter's base, is part of it."""
+    found = [(p, m) for p, m in nnx.iter_modules(model)
+             if is_projection(m) or isinstance(m, also + tuple(NOT_PROJECTIONS))]
+    outer = {p for p, _ in found}
+    return [(p, m) for p, m in found if not any(p[:i] in outer for i in range(len(p)))
+            and (is_projection(m) or isinstance(m, also))]
+
+
 def projection_paths(model: nnx.Module) -> list[str]:
     """Paths of every projection of ``model`` (not yet adapted, factorized or quantized)."""
-    return [module_path(p) for p, m in nnx.iter_modules(model) if is_projection(m)]
+    return [module_path(p) for p, m in outermost_projections(model)]
 
 
 def matched_projections(model: nnx.Module, patterns, where: str, *,
@@ -383,8 +457,8 @@ def matched_projections(model: nnx.Module, patterns, where: str, *,
     """
     import re
 
-    candidates = [(p, m) for p, m in nnx.iter_modules(model)
-                  if is_projection(m) and not isinstance(m, skip)]
+    candidates = [(p, m) for p, m in outermost_projections(model, skip)
+                  if not isinstance(m, skip)]
     hits = {k: 0 for k in patterns}
     found = []
     for path, module in candidates:
@@ -413,9 +487,41 @@ def set_child(model: nnx.Module, path: tuple, new: Any) -> None:
         setattr(parent, last, new)
 
 
-class DenseProjection(nnx.Module):
+def kernel_axis_names(module) -> tuple | None:
+    """The logical axis names of a projection's kernel (its ``out_sharding`` metadata, one name
+    or ``None`` per kernel axis), or ``None`` when it carries none. A base without a kernel (a
+    quantized one) gives the names it kept from the kernel it replaced (``kernel_axes``)."""
+    kind = projection_type(module)
+    if kind is not None and kind.kernel:
+        names = getattr(module, kind.kernel).get_metadata().get("out_sharding")
+    else:
+        names = getattr(module, "kernel_axes", None)
+    return tuple(names) if names else None
+
+
+def factor_axis_names(names: tuple | None, view: ProjectionView) -> tuple[tuple, tuple]:
+    """Logical axes of the factors ``A [in, r]`` and ``B [r, out]`` over ``view`` from the
+    kernel's axis names: ``A`` takes the name of the leading contracted axis, ``B`` that of the
+    leading free axis (the flattened axis is sharded like its leading component: contiguous
+    blocks), the rank axis is never sharded. ``((None, None), (None, None))`` without names.
+
+    Example::
+
+        >>> from flax import nnx
+        >>> view = ProjectionView.from_equation("BTD,DNH->BTNH", (8, 2, 4))
+        >>> factor_axis_names(("embed", "heads", "kv"), view)
+        (('embed', None), (None, 'heads'))
+    """
+    if not names or len(names) != len(view.kernel_shape):
+        return (None, None), (None, None)
+    first = lambda axes: next((names[a] for a in axes if names[a] is not None), None)  # noqa: E731
+    return (first(view.in_axes), None), (None, first(view.out_axes))
+
+
+class DenseProjection(ReadsThrough, nnx.Module):
     """A plain projection ``einsum(equation, x, kernel) (+ bias)``: what a merge writes back for
-    a projection whose base was quantized (the original module type cannot be rebuilt).
+    a projection whose base was quantized (the original module type cannot be rebuilt; its
+    public attributes read through, see :class:`ReadsThrough`).
 
     Example::
 
@@ -425,10 +531,12 @@ class DenseProjection(nnx.Module):
         (1, 5, 2, 3)
     """
 
-    def __init__(self, equation: str, kernel, bias=None):
+    def __init__(self, equation: str, kernel, bias=None, *, replaced_attributes: tuple = (),
+                 replaced_type: str | None = None, kernel_axes: tuple | None = None):
         self.view = ProjectionView.from_equation(equation, jnp.shape(kernel), "DenseProjection: ")
         self.equation = self.view.equation
-        self.kernel = nnx.Param(jnp.asarray(kernel))
+        self.replaced_attributes, self.replaced_type = tuple(replaced_attributes), replaced_type
+        self.kernel = new_param(nnx.Param, jnp.asarray(kernel), kernel_axes)
         self.bias = nnx.Param(jnp.asarray(bias)) if bias is not None else nnx.data(None)
 
     def __call__(self, inputs):
@@ -438,8 +546,10 @@ class DenseProjection(nnx.Module):
         return y
 
 
-__all__ = ["DenseProjection", "PROJECTION_TYPES", "ProjectionType", "ProjectionView",
-           "is_projection", "kernel_as_matrix", "matched_projections", "module_path",
-           "projection_bias",
-           "projection_kernel", "projection_paths", "projection_type", "projection_view",
+__all__ = ["DenseProjection", "NOT_PROJECTIONS", "PROJECTION_TYPES", "ProjectionType",
+           "ProjectionView", "ReadsThrough", "assign_keeping_layout", "dense_matrix",
+           "factor_axis_names", "is_projection", "kernel_axis_names", "matched_projections",
+           "module_path", "new_param", "outermost_projections", "projection_bias",
+           "projection_kernel",
+           "projection_paths", "projection_type", "projection_view", "public_attributes",
            "register_projection", "set_child", "set_kernel_from_matrix"]

@@ -19,6 +19,11 @@ from lowrank_jax.quant.rtn import (
     rtn_dequantize,
     rtn_quantize,
 )
+from lowrank_jax.quant.projections import (
+    QuantizedProjection,
+    quantize_matrix,
+    quantize_projections,
+)
 from lowrank_jax.quant.scalar_ldlq import sq_bits_per_weight, sq_ldlq_quantize
 from lowrank_jax.quant.lattice import initial_lattice, make_grid, nearest_codeword
 from lowrank_jax.quant.rounding import hessian, inverse_rht, ldlq, ldlq_quantize, proxy_loss, rht
@@ -31,6 +36,9 @@ from lowrank_jax.quant.unisvq import (
 )
 
 __all__ = [
+    "QuantizedProjection",
+    "quantize_matrix",
+    "quantize_projections",
     "RTNWeight",
     "SUPPORTED_BITS",
     "UniSVQConfig",

@@ -9,8 +9,9 @@ from flax import nnx
 from jaxtyping import Array, Float
 
 from lowrank_jax.quant.packing import rtn_bits_per_weight, unisvq_bits_per_weight
-from lowrank_jax.quant.rtn import RTNWeight, rtn_dequantize
-from lowrank_jax.quant.unisvq import UniSVQWeight
+from lowrank_jax.nn.projection import register_projection
+from lowrank_jax.quant.rtn import RTNWeight, rtn_dequantize, rtn_quantize
+from lowrank_jax.quant.unisvq import UniSVQConfig, UniSVQWeight, dequantize, quantize_linear
 from pallas_kernels.lattice_matmul.api import lattice_matmul
 from pallas_kernels.lattice_matmul.reference import block_hadamard, code_bits
 
@@ -153,6 +154,28 @@ def round_floats_to_storage(layer) -> None:
                                          else ("affine", "offset"))
     for name in names:
         getattr(layer, name).set_value(_fp16(getattr(layer, name)[...]))
+
+
+def _rtn_requantize(layer: RTNLinear, matrix) -> RTNLinear:
+    return RTNLinear(rtn_quantize(jnp.asarray(matrix, jnp.float32).T, layer.bits,
+                                  layer.group_size, zero_point=layer.zero_point))
+
+
+def _unisvq_requantize(layer: QuantizedLinear, matrix) -> QuantizedLinear:
+    """Nearest-codeword UniSVQ (no calibration Hessians) with the layer's Hadamard block."""
+    cfg = UniSVQConfig(hadamard_block=max(layer.block_in, layer.block_out))
+    weight = quantize_linear(jnp.asarray(matrix, jnp.float32).T, None, cfg)
+    return QuantizedLinear(weight, mode=layer.mode, implementation=layer.implementation)
+
+
+# the quantized linears are projections of the protocol (lowrank_jax.nn.projection): apply_lora
+# puts a QLoRALinear on them, merge_adapters merges into fp or re-quantizes with these
+_LINEAR = dict(kernel=None, equation="...i,io->...o",
+               shape=lambda m: (m.in_features, m.out_features))
+register_projection(RTNLinear, dense=lambda m: rtn_dequantize(m.weight()).T,
+                    requantize=_rtn_requantize, method="rtn", **_LINEAR)
+register_projection(QuantizedLinear, dense=lambda m: dequantize(m.weight()).T,
+                    requantize=_unisvq_requantize, method="unisvq", **_LINEAR)
 
 
 def dense_weight(linear) -> Array:

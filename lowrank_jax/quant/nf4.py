@@ -30,6 +30,7 @@ import scipy.stats
 from flax import nnx
 from jaxtyping import Array, Float
 
+from lowrank_jax.nn.projection import register_projection
 from lowrank_jax.quant.layers import QuantCodes, QuantScale
 
 NF4_OFFSET = 0.9677083  # QLoRA's offset: (1 - 1/(2·15) + 1 - 1/(2·16)) / 2
@@ -199,6 +200,17 @@ class NF4Linear(nnx.Module):
         w = nf4_dequantize(self.weight())
         return jnp.einsum("...n,mn->...m", x.astype(jnp.float32), w).astype(x.dtype)
 
+
+def _nf4_requantize(layer: NF4Linear, matrix) -> NF4Linear:
+    return NF4Linear(nf4_quantize(jnp.asarray(matrix, jnp.float32).T, layer.block_size,
+                                  double_quant=layer.double_quant))
+
+
+# a projection of the protocol (lowrank_jax.nn.projection): adaptable, mergeable, re-quantizable
+register_projection(NF4Linear, kernel=None, equation="...i,io->...o",
+                    shape=lambda m: (m.in_features, m.out_features),
+                    dense=lambda m: nf4_dequantize(m.weight()).T, requantize=_nf4_requantize,
+                    method="nf4")
 
 __all__ = ["NF4Linear", "NF4Weight", "NF4_BLOCK", "nf4_bits_per_weight", "nf4_codes",
            "nf4_dequantize", "nf4_levels", "nf4_quantize"]

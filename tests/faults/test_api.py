@@ -119,7 +119,7 @@ CASES = {
         lambda: _nn().apply_lora(_Model(), {"zzz": 2}, rngs=nnx.Rngs(1)), ValueError,
         ("rule pattern 'zzz' matches no projection", "Available layer paths: q_proj")),
     "quantize_projections a rule matching nothing": (
-        lambda: _nn().quantize_projections(_Model(), "int3"), ValueError,
+        lambda: _quant().quantize_projections(_Model(), "int3"), ValueError,
         ("rule 'int3' matches no projection", "projections: ['q_proj']")),
     "kv_cache_factory unknown method": (
         lambda: _kv().kv_cache_factory("nope", 8.0, 4, 1), ValueError,

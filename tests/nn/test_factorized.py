@@ -12,7 +12,7 @@ from lowrank_jax.nn import FactorizedLinear, LowRankFactor
 def test_full_rank_fits_any_dense_matrix():
     w = jax.random.normal(jax.random.key(0), (12, 7))
     layer = FactorizedLinear.from_dense(w, rank=7)
-    np.testing.assert_allclose(layer.dense_kernel(), w, atol=1e-5)
+    np.testing.assert_allclose(layer.dense_matrix(), w, atol=1e-5)
     x = jax.random.normal(jax.random.key(1), (3, 12))
     np.testing.assert_allclose(layer(x), x @ w, atol=1e-5)
 
@@ -21,7 +21,7 @@ def test_truncation_is_best_low_rank_approximation():
     w = jax.random.normal(jax.random.key(0), (16, 10))
     layer = FactorizedLinear.from_dense(w, rank=3)
     s = np.linalg.svd(np.asarray(w), compute_uv=False)
-    err = np.linalg.norm(np.asarray(layer.dense_kernel() - w), 2)
+    err = np.linalg.norm(np.asarray(layer.dense_matrix() - w), 2)
     np.testing.assert_allclose(err, s[3], rtol=1e-4)  # Eckart–Young
 
 

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from lowrank_jax.models.llama import Llama, LlamaConfig
-from lowrank_jax.nn import apply_lora, lora_layers
+from lowrank_jax.nn import apply_lora, dense_matrix, lora_layers
 from lowrank_jax.nn.merge import merge_adapters, merge_report
 from lowrank_jax.nn.qlora import QLoRALinear
 from lowrank_jax.quant.qlora_base import quantize_base
@@ -72,7 +72,7 @@ def test_merge_to_fp_is_exact(method):
     model, paths = qlora_model(method)
     expect = logits(model)
     layer = dict(lora_layers(model))["layers/0/self_attn/q_proj"]
-    w_expect = np.asarray(layer.base_weight().T + layer.delta())
+    w_expect = np.asarray(layer.dense_matrix() + layer.delta())
     errors = merge_adapters(model, target="fp")
     assert errors == {p: 0.0 for p in paths}
     assert not lora_layers(model)
@@ -86,7 +86,7 @@ def test_merge_to_fp_is_exact(method):
 def test_merge_to_quantized_reports_its_error(method):
     model, paths = qlora_model(method)
     layer = dict(lora_layers(model))["layers/0/self_attn/q_proj"]
-    w = layer.base_weight() + layer.delta().T
+    w = (layer.dense_matrix() + layer.delta()).T
     kind = type(layer.base)
 
     @nnx.jit
@@ -101,9 +101,7 @@ def test_merge_to_quantized_reports_its_error(method):
     assert lora_layers(model)  # the input model keeps its adapters
     q = merged.layers[0].self_attn.q_proj
     assert type(q) is kind  # re-quantized with the base's own method
-    from lowrank_jax.nn.qlora import linear_like_of
-
-    w_hat = linear_like_of(q).dense(q)
+    w_hat = dense_matrix(q).T
     rel = float(jnp.linalg.norm(w_hat - w) / jnp.linalg.norm(w))
     assert rel > 1e-3  # re-quantization is not free...
     assert report["layer_error_max"] >= rel - 1e-6

@@ -21,17 +21,16 @@ from lowrank_jax.nn import (
     LoRARule,
     apply_lora,
     factorize,
-    kernel_as_matrix,
+    dense_matrix,
     lora_layers,
     merge_lora,
     projection_paths,
     projection_view,
-    quantize_projections,
     unmerge_lora,
 )
 from lowrank_jax.nn.merge import merge_adapters
-from lowrank_jax.nn.qlora import QuantizedProjection
 from lowrank_jax.optim import balora, factor_pairs, lora_pairs, spectron_with_adamw
+from lowrank_jax.quant import QuantizedProjection, quantize_projections
 
 D, N, K, H, F, V, LAYERS = 64, 4, 2, 16, 128, 97, 2
 ZEROS = nnx.initializers.zeros_init()
@@ -142,12 +141,12 @@ def test_the_protocol_sees_all_seven_projections_and_their_hf_layout():
     assert projection_paths(model) == PATHS
     q = model.layers[0].attn.q_proj
     # [D, N, H] viewed as [in, out] = [D, N*H]: transposed, HF's q_proj.weight [N*H, D]
-    np.testing.assert_array_equal(kernel_as_matrix(q), q.w[...].reshape(D, N * H))
+    np.testing.assert_array_equal(dense_matrix(q), q.w[...].reshape(D, N * H))
     o = model.layers[0].attn.o_proj
-    np.testing.assert_array_equal(kernel_as_matrix(o), o.kernel[...].reshape(N * H, D))
+    np.testing.assert_array_equal(dense_matrix(o), o.kernel[...].reshape(N * H, D))
     assert projection_view(model.layers[0].attn.k_proj).out_shape == (K, H)
     view = projection_view(q)
-    np.testing.assert_array_equal(view.matrix_kernel(kernel_as_matrix(q)), q.w[...])
+    np.testing.assert_array_equal(view.matrix_kernel(dense_matrix(q)), q.w[...])
 
 
 def test_lora_adapts_every_projection_unchanged_at_init_and_trains_attention():
