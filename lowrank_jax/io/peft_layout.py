@@ -153,6 +153,8 @@ def export_modules(adapters, slots: dict[str, Slot], use_rslora: bool) -> dict:
         if any(g[0].part is None or g[0].parts != target.parts for g in group):
             raise ValueError(f"PEFT export: the HF module {name!r} is both whole and a fused "
                              "module's part in the name map; fix the map.")
+        group.sort(key=lambda g: g[0].part)  # A = [A_q; A_k; A_v] in the module's row order
+        target = group[0][0]
         widths = _check_parts(name, target.parts, part_widths.get(name, {}))
         offsets = np.cumsum([0] + widths)
         sources = list(dict.fromkeys(g[1] for g in group))  # each adapter's A once
