@@ -1,0 +1,222 @@
+"""The library on NNX LLMs it did not write: tunix's Llama 3, Qwen 3 and Gemma (tiny random
+configs), three projection layouts.
+
+- Llama 3 / Qwen 3: ``q/k/v_proj`` einsums ``'BTD,DNH->BTNH'`` (kernel ``[D, N, H]``),
+  ``o_proj`` ``'BTNH,NHD->BTD'``, an ``nnx.Linear`` MLP, an einsum ``lm_head``; Qwen 3 adds
+  per-head q/k norms, and its MoE variant keeps the experts as bare ``nnx.Param [E, D, F]``.
+- Gemma: ``q_einsum`` ``'BTD,NDH->BTNH'`` (``[N, D, H]``) plus the fused ``kv_einsum``
+  ``'BSD,CKDH->CBSKH'``, or one fused ``qkv_einsum`` ``'BTD,SNDH->SBTNH'`` when every query head
+  has its own k/v; ``attn_vec_einsum``; tied embeddings.
+
+The models' own forward reads public attributes of its projection modules (``o_proj.shape[1]``
+is the head dim), so these tests also hold every swapped-in module to the interface of the one
+it replaces. The models come from the ``google-tunix`` package (``pip install --no-deps
+google-tunix``); only its model files are imported (its package ``__init__`` pulls in training
+dependencies).
+"""
+
+import copy
+import importlib
+import importlib.machinery
+import importlib.util
+import os
+import sys
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from lowrank_jax.io import export_peft, import_peft
+from lowrank_jax.nn import (
+    LoRARule,
+    apply_lora,
+    factorize,
+    lora_layers,
+    projection_paths,
+    quantize_projections,
+)
+from lowrank_jax.optim import balora, factor_pairs, lora_pairs, spectron_with_adamw
+
+INSTALL = "pip install --no-deps google-tunix"
+V, D, N, K, H, F = 64, 32, 4, 2, 8, 64
+EVERY = "."  # a rule that matches every projection
+
+
+def tunix_module(family: str):
+    """``tunix.models.<family>.model`` without running ``tunix/__init__.py`` (which imports
+    tunix's trainers and their dependencies): the packages on the way are empty stand-ins."""
+    if "tunix" in sys.modules:
+        root = list(sys.modules["tunix"].__path__)[0]
+    else:
+        spec = importlib.util.find_spec("tunix")
+        if spec is None:
+            pytest.fail(f"these tests run tunix's NNX models; install them with `{INSTALL}`.")
+        root = os.path.dirname(spec.origin)
+    for sub in ("", "models", "generate", "utils", f"models/{family}"):
+        name = "tunix" + ("." + sub.replace("/", ".") if sub else "")
+        if name not in sys.modules:
+            package = types.ModuleType(name)
+            package.__path__ = [os.path.join(root, sub)]
+            package.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+            package.__spec__.submodule_search_locations = package.__path__
+            sys.modules[name] = package
+    return importlib.import_module(f"tunix.models.{family}.model")
+
+
+def build(kind: str, seed: int = 0):
+    """A tiny tunix model of ``kind`` with every weight random (a loaded checkpoint; tunix
+    zero-initialises some of them), and its name map."""
+    if kind in ("llama3", "qwen3", "qwen3_moe"):
+        family = "llama3" if kind == "llama3" else "qwen3"
+        lib = tunix_module(family)
+        extra = {"num_experts": 4, "num_experts_per_tok": 2} if kind == "qwen3_moe" else {}
+        config = lib.ModelConfig(num_layers=1, vocab_size=V, embed_dim=D, hidden_dim=F,
+                                 num_heads=N, head_dim=H, num_kv_heads=K, rope_theta=10_000,
+                                 norm_eps=1e-5, **extra)
+        model = (lib.Llama3 if family == "llama3" else lib.Qwen3)(config, rngs=nnx.Rngs(0))
+        name_map = "llama" if family == "llama3" else "qwen"
+    else:
+        lib = tunix_module("gemma")
+        config = lib.ModelConfig(
+            num_layers=1, num_embed=V, embed_dim=D, hidden_dim=F, num_heads=N, head_dim=H,
+            num_kv_heads=N if kind == "gemma_qkv" else 1, final_logit_softcap=None,
+            use_post_attn_norm=False, use_post_ffw_norm=False,
+            attention_types=(lib.AttentionType.GLOBAL,))
+        model, name_map = lib.Gemma(config, rngs=nnx.Rngs(0)), "gemma"
+    graphdef, state = nnx.split(model)
+    rng = np.random.default_rng(seed)
+    state = jax.tree.map(lambda x: jnp.asarray(
+        rng.normal(1.0 if x.ndim == 1 else 0.0, 0.1 if x.ndim == 1 else 0.5 / np.sqrt(x.shape[-2]),
+                   x.shape), x.dtype), state)
+    return nnx.merge(graphdef, state), name_map
+
+
+FAMILIES = ["llama3", "qwen3", "gemma_kv", "gemma_qkv"]
+# the fused-qkv Gemma layout runs the factorize / NF4 / BaLoRA checks in the slow tier only
+THREE_FAMILIES = FAMILIES[:3] + [pytest.param("gemma_qkv", marks=pytest.mark.slow)]
+TOKENS = jnp.asarray(np.random.default_rng(1).integers(0, V, (2, 9)), jnp.int32)
+T = TOKENS.shape[1] - 1
+POSITIONS = jnp.broadcast_to(jnp.arange(T), (2, T))
+MASK = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (2, T, T))
+
+
+def forward(model):
+    """The model's own forward (tunix's signature: tokens, positions, cache, mask)."""
+    logits, _ = model(TOKENS[:, :-1], POSITIONS, None, MASK)
+    return logits
+
+
+def loss_fn(model):
+    return optax.softmax_cross_entropy_with_integer_labels(forward(model), TOKENS[:, 1:]).mean()
+
+
+def train(model, tx, wrt, steps):
+    optimizer = nnx.Optimizer(model, tx, wrt=wrt)
+
+    @nnx.jit
+    def step(model, optimizer):
+        loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, wrt))(model)
+        optimizer.update(model, grads)
+        return loss
+
+    return [float(step(model, optimizer)) for _ in range(steps)]
+
+
+def attention_paths(model):
+    return [p for p in projection_paths(model) if "/attn/" in p]
+
+
+def test_the_protocol_sees_every_projection_of_each_layout():
+    seen = {kind: [p.split("/", 2)[-1] for p in projection_paths(build(kind)[0])
+                   if p.startswith("layers/0/")] for kind in FAMILIES}
+    mlp = ["mlp/down_proj", "mlp/gate_proj", "mlp/up_proj"]
+    assert seen["llama3"] == seen["qwen3"] == [f"attn/{n}_proj" for n in "koqv"] + mlp
+    assert seen["gemma_kv"] == ["attn/attn_vec_einsum", "attn/kv_einsum", "attn/q_einsum"] + mlp
+    assert seen["gemma_qkv"] == ["attn/attn_vec_einsum", "attn/qkv_einsum"] + mlp
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_lora_on_every_projection_keeps_the_output_and_trains(kind):
+    model, _ = build(kind)
+    before = np.asarray(forward(model))
+    paths = projection_paths(model)
+    assert apply_lora(model, LoRARule(EVERY, rank=4), rngs=nnx.Rngs(1)) == paths
+    np.testing.assert_allclose(np.asarray(forward(model)), before, atol=1e-6)  # B = 0
+    assert len(lora_pairs(nnx.state(model, nnx.LoRAParam))) == len(paths)
+    losses = train(model, optax.adam(1e-2), nnx.LoRAParam, 3)
+    assert losses[-1] < losses[0], losses
+    for path, layer in lora_layers(model):
+        assert float(jnp.abs(layer.lora_b[...]).max()) > 0, path  # every adapter trained
+
+
+@pytest.mark.parametrize("kind", THREE_FAMILIES)
+def test_factorize_is_exact_at_full_rank_and_trains_with_spectron(kind):
+    model, _ = build(kind)
+    before, paths = np.asarray(forward(model)), projection_paths(model)
+    exact = factorize(copy.deepcopy(model), EVERY, rank_ratio=1.0)
+    assert max(r["error"] for r in exact.values()) < 1e-5
+    report = factorize(model, EVERY, rank_ratio=0.5)
+    assert list(report) == paths
+    assert len(factor_pairs(nnx.state(model, nnx.Param))) == len(report)
+    assert np.isfinite(np.asarray(forward(model))).all()
+    assert not np.allclose(np.asarray(forward(model)), before)  # rank 1/2 is an approximation
+    losses = train(model, spectron_with_adamw(0.05, 1e-3, ns_coeffs="exact"), nnx.Param, 3)
+    assert losses[-1] < losses[0], losses
+
+
+@pytest.mark.parametrize("kind", THREE_FAMILIES)
+def test_nf4_base_plus_lora_keeps_the_quantized_output_and_trains(kind):
+    model, _ = build(kind)
+    dense, paths = np.asarray(forward(model)), projection_paths(model)
+    errors = quantize_projections(model, EVERY, "nf4", group_size=32)
+    assert list(errors) == paths
+    assert all(0 < e < 0.15 for e in errors.values())
+    quantized = np.asarray(forward(model))
+    assert 0 < np.abs(quantized - dense).max() < 1.0
+    apply_lora(model, LoRARule(EVERY, rank=4), rngs=nnx.Rngs(2))
+    np.testing.assert_allclose(np.asarray(forward(model)), quantized, atol=1e-6)
+    losses = train(model, optax.adam(1e-2), nnx.LoRAParam, 3)
+    assert losses[-1] < losses[0], losses
+
+
+@pytest.mark.parametrize("kind", THREE_FAMILIES)
+def test_balora_trains_every_adapter_balanced(kind):
+    from lowrank_jax.optim.balora import balancing_gap
+
+    model, _ = build(kind)
+    apply_lora(model, LoRARule(EVERY, rank=4, init="gaussian"), rngs=nnx.Rngs(1))
+    losses = train(model, balora(optax.adam(1e-2)), nnx.LoRAParam, 3)
+    assert losses[-1] < losses[0], losses
+    for path, layer in lora_layers(model):
+        assert float(balancing_gap(layer.lora_a[...], layer.lora_b[...])) < 1e-3, path
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_peft_round_trip_with_hf_names_and_widths(kind, tmp_path):
+    from safetensors.numpy import load_file
+
+    model, name_map = build(kind)
+    apply_lora(model, LoRARule(EVERY, rank=4), rngs=nnx.Rngs(3))
+    for i, (_, layer) in enumerate(lora_layers(model)):
+        layer.lora_b[...] = 0.1 * jax.random.normal(jax.random.key(i), layer.lora_b[...].shape)
+    config = export_peft(model, tmp_path, name_map=name_map)
+    names = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    assert config["target_modules"] == sorted(names + (["lm_head"] if "qwen" in kind or
+                                                       "llama" in kind else []))
+    tensors = load_file(tmp_path / "adapter_model.safetensors")
+    kv_heads = {"gemma_kv": 1, "gemma_qkv": N}.get(kind, K)
+    pre = "base_model.model.model.layers.0."
+    widths = {"q_proj": N * H, "k_proj": kv_heads * H, "v_proj": kv_heads * H, "o_proj": D}
+    for name, width in widths.items():  # HF's [out, in] widths, fused kernels split
+        assert tensors[pre + f"self_attn.{name}.lora_B.weight"].shape == (width, 4), name
+    assert tensors[pre + "self_attn.o_proj.lora_A.weight"].shape == (4, N * H)
+    assert tensors[pre + "mlp.down_proj.lora_A.weight"].shape == (4, F)
+    expected = np.asarray(forward(model))
+    fresh, _ = build(kind)
+    assert sorted(import_peft(fresh, tmp_path, name_map=name_map)) == sorted(
+        p for p, _ in lora_layers(model))
+    np.testing.assert_allclose(np.asarray(forward(fresh)), expected, atol=1e-5)
