@@ -36,7 +36,13 @@ from lowrank_jax.io.peft_names import (
     name_mapper,
     our_module_path,
 )
-from lowrank_jax.nn.inject import LoRARule, adaptable_modules, apply_lora, lora_layers
+from lowrank_jax.nn.inject import (
+    LoRARule,
+    adaptable_modules,
+    apply_lora,
+    expert_kernels,
+    lora_layers,
+)
 from lowrank_jax.nn.lora import LoRALinear, lora_scaling
 from lowrank_jax.nn.projection import module_path, projection_view
 
@@ -355,6 +361,15 @@ def import_peft(model: nnx.Module, folder: str | os.PathLike, *,
         stored[hf_name] = (a_t, b_t, alpha)
     found, used = import_modules(stored, slots, use_rslora)
     unknown = sorted(set(stored) - used)
+    experts = expert_kernels(model)
+    if experts and any(".experts." in n for n in unknown):
+        shown = ", ".join(f"{p} {list(s)}" for p, s in experts[:3])
+        raise ValueError(
+            f"import_peft: the adapter adapts experts of an MoE layer ({unknown[0]!r} ...), but "
+            f"this model keeps its experts as bare parameters ({shown}) and lowrank_jax has no "
+            "LoRA per expert. Train the adapter without the experts (target_modules leaving "
+            "them out), or merge it into the base weights first (PEFT merge_and_unload) and "
+            "load those.")
     if unknown:
         raise ValueError(
             f"import_peft: the adapter targets module {unknown[0]!r} (our path "

@@ -89,6 +89,7 @@ def _entries(attention, mlp) -> tuple:
                                       (_MLP, MLP_SPELLINGS, mlp)):
         for roles, names in spellings.items():
             out.append((prefix + "(?:" + "|".join(names) + ")", target(roles)))
+    out.append((_MLP + "(?:router|gate)", r"model.layers.\1.mlp.gate"))  # an MoE router
     out.append((r"(?:.*/)?lm_head", "lm_head"))
     return tuple(out)
 

@@ -220,3 +220,41 @@ def test_peft_round_trip_with_hf_names_and_widths(kind, tmp_path):
     assert sorted(import_peft(fresh, tmp_path, name_map=name_map)) == sorted(
         p for p, _ in lora_layers(model))
     np.testing.assert_allclose(np.asarray(forward(fresh)), expected, atol=1e-5)
+
+
+def test_moe_expert_kernels_are_refused_by_name_never_skipped(tmp_path):
+    """The decision for expert kernels (bare ``nnx.Param [E, D, F]`` the MoE layer indexes
+    itself): no LoRA per expert; a rule that matches one is an error naming it and the way
+    out, also when the rule matches projections too; the same for an adapter that holds them."""
+    from safetensors.numpy import save_file
+
+    model, name_map = build("qwen3_moe")
+    for rule in (EVERY, r"mlp/(gate|up|down)_proj"):
+        with pytest.raises(ValueError, match=r"matches expert kernels: layers/0/mlp/down_proj "
+                                             r"\[4, 64, 32\].*narrow the rule"):
+            apply_lora(model, LoRARule(rule, rank=4), rngs=nnx.Rngs(1))
+    assert not lora_layers(model)  # nothing was half-adapted
+    before = np.asarray(forward(model))
+    assert apply_lora(model, LoRARule("attn/|router", rank=4), rngs=nnx.Rngs(1)) == [
+        "layers/0/attn/k_proj", "layers/0/attn/o_proj", "layers/0/attn/q_proj",
+        "layers/0/attn/v_proj", "layers/0/mlp/router"]
+    np.testing.assert_allclose(np.asarray(forward(model)), before, atol=1e-6)
+    losses = train(model, optax.adam(1e-2), nnx.LoRAParam, 3)
+    assert losses[-1] < losses[0], losses
+    # export: the router is HF Qwen3-MoE's mlp.gate; the experts are not claimed
+    config = export_peft(model, tmp_path / "adapter", name_map=name_map)
+    assert config["target_modules"] == ["gate", "k_proj", "o_proj", "q_proj", "v_proj"]
+    fresh, _ = build("qwen3_moe")
+    import_peft(fresh, tmp_path / "adapter", name_map=name_map)
+    np.testing.assert_allclose(np.asarray(forward(fresh)), np.asarray(forward(model)), atol=1e-5)
+    # import: an adapter trained on HF's per-expert Linear modules is refused by name
+    folder = tmp_path / "experts"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 2, "lora_alpha": 2}')
+    key = "base_model.model.model.layers.0.mlp.experts.0.gate_proj"
+    save_file({f"{key}.lora_A.weight": np.zeros((2, D), np.float32),
+               f"{key}.lora_B.weight": np.zeros((F, 2), np.float32)},
+              str(folder / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match=r"experts of an MoE layer .*layers/0/mlp/down_proj "
+                                         r"\[4, 64, 32\].*no LoRA per expert"):
+        import_peft(build("qwen3_moe")[0], folder, name_map=name_map)
