@@ -258,3 +258,70 @@ def test_moe_expert_kernels_are_refused_by_name_never_skipped(tmp_path):
     with pytest.raises(ValueError, match=r"experts of an MoE layer .*layers/0/mlp/down_proj "
                                          r"\[4, 64, 32\].*no LoRA per expert"):
         import_peft(build("qwen3_moe")[0], folder, name_map=name_map)
+
+
+# ------------------------------------------------------------------ hf tier: real PEFT loads it
+HF_INSTALL = "pip install torch transformers peft (CPU wheels are enough)"
+
+
+def _hf_model(kind):
+    """The HF architecture matching ``build(kind)`` (random weights: only names and widths
+    matter here)."""
+    try:
+        import transformers
+    except ImportError as err:
+        raise AssertionError(f"the hf tier needs torch, transformers and peft: {HF_INSTALL}") \
+            from err
+    common = dict(vocab_size=V, hidden_size=D, intermediate_size=F, num_hidden_layers=1,
+                  num_attention_heads=N, head_dim=H, pad_token_id=0)
+    if kind == "llama3":
+        config = transformers.LlamaConfig(num_key_value_heads=K, tie_word_embeddings=False,
+                                          **common)
+    elif kind == "qwen3":
+        config = transformers.Qwen3Config(num_key_value_heads=K, tie_word_embeddings=False,
+                                          **common)
+    elif kind == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(
+            num_key_value_heads=K, tie_word_embeddings=False, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=F, decoder_sparse_step=1,
+            mlp_only_layers=[], **common)
+    else:
+        config = transformers.GemmaConfig(num_key_value_heads=1 if kind == "gemma_kv" else N,
+                                          **common)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("kind", FAMILIES + ["qwen3_moe"])
+def test_hf_peft_loads_the_export_with_no_missing_or_unexpected_keys(kind, tmp_path):
+    import torch
+    from peft import PeftModel
+    from safetensors.numpy import load_file
+
+    model, name_map = build(kind)
+    rules = [LoRARule("attn/", rank=4, alpha=8.0)] if kind == "qwen3_moe" else [  # experts:
+        LoRARule("mlp/down_proj", rank=2), LoRARule(EVERY, rank=4, alpha=8.0)]  # see above
+    apply_lora(model, rules, rngs=nnx.Rngs(3))
+    for i, (_, layer) in enumerate(lora_layers(model)):
+        layer.lora_b[...] = 0.1 * jax.random.normal(jax.random.key(i), layer.lora_b[...].shape)
+    export_peft(model, tmp_path, name_map=name_map)
+    tensors = load_file(tmp_path / "adapter_model.safetensors")
+    peft_model = PeftModel.from_pretrained(_hf_model(kind), str(tmp_path))
+    result = peft_model.load_adapter(str(tmp_path), adapter_name="again")
+    assert not result.unexpected_keys, result.unexpected_keys[:4]
+    missing = [k for k in result.missing_keys if "lora_" in k and ".again." in k]
+    assert not missing, missing[:4]
+    loaded = {}
+    for name, module in peft_model.named_modules():
+        if hasattr(module, "lora_A") and "again" in module.lora_A:
+            hf = name.removeprefix("base_model.model.")
+            loaded[hf] = module
+            a = tensors[f"base_model.model.{hf}.lora_A.weight"]
+            b = tensors[f"base_model.model.{hf}.lora_B.weight"]
+            assert tuple(module.lora_B["again"].weight.shape) == b.shape  # PEFT's widths
+            scale = 1.0 if hf.endswith("down_proj") else 2.0  # r / alpha / patterns read right
+            with torch.no_grad():
+                np.testing.assert_allclose(module.get_delta_weight("again").numpy(),
+                                           scale * b @ a, rtol=1e-5, atol=1e-6)
+    assert {k.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for k in tensors} == set(
+        loaded)
