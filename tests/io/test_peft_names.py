@@ -270,3 +270,69 @@ def test_a_user_map_with_fused_parts(tmp_path):
     fresh = _llama()
     import_peft(fresh, tmp_path, name_map=user_map)
     np.testing.assert_allclose(fresh(TOKENS)[0], expected, atol=1e-5)
+
+
+# ------------------------------------------------------------------ hf tier: logits in real PEFT
+HF_INSTALL = "pip install torch transformers peft (CPU wheels are enough)"
+
+
+def _hf_llama_and_phi3(base, folder):
+    """HF Llama from our base (``save_model``) and the Phi-3 model holding the same weights
+    fused (``qkv_proj`` = q; k; v rows, ``gate_up_proj`` = gate; up rows)."""
+    try:
+        import torch
+        import transformers
+    except ImportError as err:
+        raise AssertionError(f"the hf tier needs torch, transformers and peft: {HF_INSTALL}") \
+            from err
+    from lowrank_jax.hub import save_model
+
+    save_model(base, folder)
+    llama = transformers.AutoModelForCausalLM.from_pretrained(str(folder),
+                                                               torch_dtype=torch.float32)
+    c = llama.config
+    phi3 = transformers.Phi3ForCausalLM(transformers.Phi3Config(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads, rms_norm_eps=c.rms_norm_eps,
+        max_position_embeddings=c.max_position_embeddings, pad_token_id=0,
+        tie_word_embeddings=c.tie_word_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0}))
+    state = dict(llama.state_dict())
+    for i in range(c.num_hidden_layers):
+        pre = f"model.layers.{i}."
+        state[pre + "self_attn.qkv_proj.weight"] = torch.cat(
+            [state.pop(pre + f"self_attn.{n}_proj.weight") for n in "qkv"])
+        state[pre + "mlp.gate_up_proj.weight"] = torch.cat(
+            [state.pop(pre + f"mlp.{n}_proj.weight") for n in ("gate", "up")])
+    missing, unexpected = phi3.load_state_dict(state, strict=False)
+    assert not unexpected and all("rotary" in k or "lm_head" in k for k in missing), (
+        missing, unexpected)
+    if c.tie_word_embeddings:
+        phi3.tie_weights()
+    return llama.eval(), phi3.eval()
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("name_map", [None, "phi3"])
+def test_our_llama_adapter_gives_our_logits_in_hf_peft(tmp_path, name_map):
+    """Our Llama ↔ HF Llama: the base weights map, so PEFT's logits are ours; with
+    ``name_map="phi3"`` the q/k/v and gate/up adapters go onto a Phi-3 model's fused modules."""
+    import torch
+    from peft import PeftModel
+
+    model = _llama()
+    apply_lora(model, [LoRARule(r"(q|k|v|o)_proj", rank=2, alpha=4.0),
+                       LoRARule(r"(gate|up|down)_proj", rank=3)], rngs=nnx.Rngs(1))
+    _randomize(model)
+    ours = np.asarray(model(TOKENS)[0])
+    export_peft(model, tmp_path / "adapter", name_map=name_map)
+    llama, phi3 = _hf_llama_and_phi3(_llama(), tmp_path / "base")
+    target = phi3 if name_map == "phi3" else llama
+    peft_model = PeftModel.from_pretrained(target, str(tmp_path / "adapter")).eval()
+    result = peft_model.load_adapter(str(tmp_path / "adapter"), adapter_name="again")
+    assert not result.unexpected_keys
+    assert not [k for k in result.missing_keys if "lora_" in k and ".again." in k]
+    with torch.no_grad():
+        theirs = peft_model(torch.tensor(np.asarray(TOKENS), dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(theirs, ours, rtol=1e-4, atol=1e-4)
