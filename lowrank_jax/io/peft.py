@@ -93,10 +93,11 @@ def export_peft(
               \\texttt{lora\\_B.weight} = B^\\top\\ [out, r]
 
     The config carries ``peft_type="LORA"``, ``task_type``, ``r`` and ``lora_alpha`` (the most
-    common values), ``rank_pattern`` / ``alpha_pattern`` keyed by HF module name for layers that
-    differ, ``use_rslora``, ``use_dora=false`` and ``target_modules``: the list of short names
-    when every layer with such a name is adapted, else a regex that fully matches exactly the
-    adapted module names (PEFT ``re.fullmatch``es a string ``target_modules``).
+    common values), ``rank_pattern`` / ``alpha_pattern`` keyed by HF module name for modules
+    that differ, ``use_rslora``, ``use_dora=false`` and ``target_modules``: the list of short HF
+    names when every module of the model with such a name is adapted, else a regex that fully
+    matches exactly the adapted HF module names (PEFT ``re.fullmatch``es a string
+    ``target_modules``).
 
     PiSSA / OLoRA adapters change the base kernel; pass ``initial_adapters={path: (A0, B0)}``
     (the adapter right after initialisation) to export PEFT's conversion to a plain LoRA on the
@@ -112,11 +113,18 @@ def export_peft(
         initial_adapters: optional ``{path: (A0 [in, r], B0 [r, out])}`` for PiSSA/OLoRA.
         task_type: PEFT task type (``"CAUSAL_LM"``).
         dtype: numpy dtype of the stored tensors (float32 default; bfloat16 via ml_dtypes).
-        name_map: how module paths become HF module names (see :func:`name_mapper`): default
-            our Llama's; ``"llama"`` / ``"qwen"`` / ``"gemma"`` for a user model with the usual
-            JAX names; a function or a ``{regex: template}`` mapping otherwise. Adapters of
-            multi-dimensional kernels (``[D, N, H]``) are stored flattened over their grouped
-            axes, the ``[out, in]`` layout of the equivalent HF ``Linear``.
+        name_map: how module paths become HF module names (see
+            ``lowrank_jax.io.peft_names``): default our Llama's; ``"llama"`` / ``"qwen"`` /
+            ``"gemma"`` / ``"mistral"`` / ``"hf"`` for a model named as HF, tunix, gemma or
+            MaxText name their projections; ``"phi3"`` for Phi-3's fused ``qkv_proj`` /
+            ``gate_up_proj``; a function or a ``{regex: target}`` mapping otherwise. The keys,
+            ``target_modules`` and ``rank_pattern`` / ``alpha_pattern`` all use the mapped
+            names. Adapters of multi-dimensional kernels (``[D, N, H]``) are stored flattened
+            over their grouped axes, the ``[out, in]`` layout of the equivalent HF ``Linear``;
+            a fused kernel (``kv_einsum``) is split over its HF modules or stored on the fused
+            one, and separate adapters stacked onto a fused module
+            (``lowrank_jax.io.peft_layout``); a fused kernel mapped to one plain HF name is
+            refused.
 
     Returns:
         The config dict that was written.
@@ -284,7 +292,10 @@ def import_peft(model: nnx.Module, folder: str | os.PathLike, *,
         model: an NNX model with HF ``LlamaForCausalLM`` module names.
         folder: a directory with ``adapter_config.json`` and ``adapter_model.safetensors``.
         rngs: keys for wrapping new layers (their random init is overwritten anyway).
-        name_map: as :func:`export_peft` (the same map reads the names back).
+        name_map: as :func:`export_peft`; the same map reads the names back (the slices of a
+            split fused kernel become one adapter again; a fused HF module's row blocks go to
+            the projections the map names as its parts). An adapter of HF expert modules is
+            refused by name (see ``lowrank_jax.nn.inject.expert_kernels``).
 
     Returns:
         The adapted module paths (ours, e.g. ``layers/0/self_attn/q_proj``).
