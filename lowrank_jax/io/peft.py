@@ -51,6 +51,14 @@ WEIGHTS_NAME = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 
 
+def _default_map(model: nnx.Module, name_map: Any) -> Any:
+    """``name_map``, or for our Llama built for a family with fused modules (``cfg.family ==
+    "phi3"``) that family's map."""
+    if name_map is None and getattr(getattr(model, "cfg", None), "family", None) == "phi3":
+        return "phi3"
+    return name_map
+
+
 def _slots(model: nnx.Module, name_map: Any, adapted: set[str]):
     """The name map's view of every projection of ``model``, adapted or not."""
     modules = [(p, m) for p, m in lora_layers(model)]
@@ -114,7 +122,8 @@ def export_peft(
         task_type: PEFT task type (``"CAUSAL_LM"``).
         dtype: numpy dtype of the stored tensors (float32 default; bfloat16 via ml_dtypes).
         name_map: how module paths become HF module names (see
-            ``lowrank_jax.io.peft_names``): default our Llama's; ``"llama"`` / ``"qwen"`` /
+            ``lowrank_jax.io.peft_names``): default our Llama's (Phi-3's fused names when its
+            ``cfg.family`` is ``"phi3"``); ``"llama"`` / ``"qwen"`` /
             ``"gemma"`` / ``"mistral"`` / ``"hf"`` for a model named as HF, tunix, gemma or
             MaxText name their projections; ``"phi3"`` for Phi-3's fused ``qkv_proj`` /
             ``gate_up_proj``; a function or a ``{regex: target}`` mapping otherwise. The keys,
@@ -143,6 +152,7 @@ def export_peft(
     """
     from safetensors.numpy import save_file
 
+    name_map = _default_map(model, name_map)
     layers = lora_layers(model)
     if not layers:
         raise ValueError("export_peft: model has no LoRA adapter; add adapters with "
@@ -321,6 +331,7 @@ def import_peft(model: nnx.Module, folder: str | os.PathLike, *,
     """
     from safetensors.numpy import load_file
 
+    name_map = _default_map(model, name_map)
     config_path = os.path.join(folder, CONFIG_NAME)
     weights_path = os.path.join(folder, WEIGHTS_NAME)
     for p in (config_path, weights_path):

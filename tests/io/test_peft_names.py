@@ -336,3 +336,26 @@ def test_our_llama_adapter_gives_our_logits_in_hf_peft(tmp_path, name_map):
     with torch.no_grad():
         theirs = peft_model(torch.tensor(np.asarray(TOKENS), dtype=torch.long)).logits.numpy()
     np.testing.assert_allclose(theirs, ours, rtol=1e-4, atol=1e-4)
+
+
+def test_our_llama_of_the_phi3_family_fuses_by_default(tmp_path):
+    """``cfg.family == "phi3"`` (the HF ``model_type`` our Llama was built for) picks Phi-3's
+    fused names without a ``name_map``."""
+
+    class Phi3Config:  # our config, as the loader builds it for a phi3 checkpoint
+        def __init__(self, cfg):
+            self.cfg, self.family = cfg, "phi3"
+
+        def __getattr__(self, name):
+            return getattr(self.cfg, name)
+
+    model = _llama()
+    apply_lora(model, {r"(q|k|v)_proj": 2}, rngs=nnx.Rngs(1))
+    _randomize(model)
+    expected, _ = model(TOKENS)
+    model.cfg = Phi3Config(model.cfg)
+    assert export_peft(model, tmp_path)["target_modules"] == ["qkv_proj"]
+    fresh = _llama()
+    fresh.cfg = Phi3Config(fresh.cfg)
+    assert len(import_peft(fresh, tmp_path)) == 6
+    np.testing.assert_allclose(fresh(TOKENS)[0], expected, atol=1e-5)
