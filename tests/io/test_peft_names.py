@@ -187,6 +187,29 @@ def test_fused_kernel_to_one_plain_hf_name_is_refused(tmp_path):
     assert not (tmp_path / "adapter_config.json").exists()
 
 
+
+def test_an_hf_q_v_adapter_fills_the_v_slice_of_kv_einsum(tmp_path):
+    """PEFT's default targets (q_proj, v_proj) on HF Gemma, imported into gemma's layout: the
+    kv_einsum adapter gets v's rows of B, and zeros for k."""
+    from safetensors.numpy import save_file
+
+    model = _adapted_gemma(kv_heads=1)
+    export_peft(model, tmp_path, name_map="gemma")
+    tensors = load_file(tmp_path / "adapter_model.safetensors")
+    kept = {k: v for k, v in tensors.items() if "k_proj" not in k and ".mlp." not in k
+            and "o_proj" not in k}
+    save_file(kept, str(tmp_path / "adapter_model.safetensors"), metadata={"format": "pt"})
+    fresh = GemmaLM(kv_heads=1)
+    assert import_peft(fresh, tmp_path, name_map="gemma") == [
+        f"layers/{i}/attn/{n}" for i in range(2) for n in ("kv_einsum", "q_einsum")]
+    for i in range(2):
+        src, dst = model.layers[i].attn.kv_einsum, fresh.layers[i].attn.kv_einsum
+        assert dst.rank == src.rank
+        delta, expected = np.asarray(dst.delta()), np.asarray(src.delta())
+        assert not delta[:, :H].any()  # k: not in the adapter
+        np.testing.assert_allclose(delta[:, H:], expected[:, H:], atol=1e-6)
+
+
 def _llama(seed=0):
     return Llama(LlamaConfig(vocab_size=V, d_model=D, n_layers=2, n_heads=4, n_kv_heads=2,
                              d_ff=F), rngs=nnx.Rngs(seed))
