@@ -82,7 +82,12 @@ def model_slots(modules, mapper, adapted: set[str]) -> dict[str, Slot]:
             if path in adapted:
                 raise
             continue
-        in_f, out_f, stacked = _sizes(module)
+        try:
+            in_f, out_f, stacked = _sizes(module)
+        except (AttributeError, ValueError):
+            if path in adapted:
+                raise
+            continue  # a layer whose sizes cannot be read is not in the adapter
         if len(found) > 1:
             if stacked != len(found):
                 how = "not stacked" if stacked == 1 else f"stacked {stacked} times"
