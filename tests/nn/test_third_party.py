@@ -325,3 +325,40 @@ def test_hf_peft_loads_the_export_with_no_missing_or_unexpected_keys(kind, tmp_p
                                            scale * b @ a, rtol=1e-5, atol=1e-6)
     assert {k.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for k in tensors} == set(
         loaded)
+
+
+@pytest.mark.hf
+def test_an_adapter_saved_by_hf_peft_imports_into_gemmas_fused_layout(tmp_path):
+    """The import direction on a file PEFT itself wrote: separate k_proj / v_proj adapters (each
+    its own A) become one kv_einsum adapter of rank 2r whose k and v slices are PEFT's deltas."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    hf = get_peft_model(_hf_model("gemma_kv"), LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"]))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if "lora_B" in name:
+                param.normal_()
+    hf.save_pretrained(str(tmp_path))
+    model, name_map = build("gemma_kv")
+    assert sorted(import_peft(model, tmp_path, name_map=name_map)) == [
+        "layers/0/attn/attn_vec_einsum", "layers/0/attn/kv_einsum", "layers/0/attn/q_einsum",
+        "layers/0/mlp/up_proj"]
+    attn = model.layers[0].attn
+    layers = dict(hf.base_model.model.model.layers[0].self_attn.named_children())
+    with torch.no_grad():
+        theirs = {n: layers[n].get_delta_weight("default").numpy()
+                  for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
+        up = hf.base_model.model.model.layers[0].mlp.up_proj.get_delta_weight("default").numpy()
+    assert attn.kv_einsum.rank == 8  # k and v had their own A
+    kv = np.asarray(attn.kv_einsum.delta()).T
+    np.testing.assert_allclose(kv[:H], theirs["k_proj"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(kv[H:], theirs["v_proj"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(attn.q_einsum.delta()).T, theirs["q_proj"], rtol=1e-5,
+                               atol=1e-6)
+    np.testing.assert_allclose(np.asarray(attn.attn_vec_einsum.delta()).T, theirs["o_proj"],
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(model.layers[0].mlp.up_proj.delta()).T, up,
+                               rtol=1e-5, atol=1e-6)
