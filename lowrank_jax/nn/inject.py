@@ -281,12 +281,15 @@ def expert_kernels(model: nnx.Module) -> list[tuple[str, tuple[int, ...]]]:
         >>> expert_kernels(MoE())
         [('up_proj', (4, 8, 16))]
     """
-    owners = tuple(ADAPTER_TYPES) + tuple(NOT_PROJECTIONS)
+    from lowrank_jax.nn.projection import NOT_PROJECTIONS, module_path
+
     found, skip = [], []
     for path, module in nnx.iter_modules(model):
         if any(path[:len(s)] == s for s in skip):
             continue
-        if is_adaptable(module) or isinstance(module, owners):
+        # projections, adapters and factorized / quantized layers own their kernels
+        if (is_adaptable(module) or isinstance(module, tuple(NOT_PROJECTIONS))
+                or hasattr(module, "lora_a")):
             skip.append(path)
             continue
         for name, value in sorted(vars(module).items()):
