@@ -31,15 +31,13 @@ import pytest
 from flax import nnx
 
 from lowrank_jax.io import export_peft, import_peft
-from lowrank_jax.nn import (
-    LoRARule,
-    apply_lora,
-    factorize,
-    lora_layers,
-    projection_paths,
-    quantize_projections,
-)
+from lowrank_jax.nn import LoRARule, apply_lora, factorize, lora_layers, projection_paths
 from lowrank_jax.optim import balora, factor_pairs, lora_pairs, spectron_with_adamw
+
+try:  # the adapter core moves it to lowrank_jax.quant (nn never imports quant)
+    from lowrank_jax.quant import quantize_projections
+except ImportError:
+    from lowrank_jax.nn import quantize_projections
 
 INSTALL = "pip install --no-deps google-tunix"
 V, D, N, K, H, F = 64, 32, 4, 2, 8, 64
