@@ -15,7 +15,8 @@ whole. Separate adapters that are row blocks of one fused HF module are stacked:
 (``s`` the first block's scale, ``√r_f`` instead of ``r_f`` with rsLoRA; a block no adapter
 covers is zero), so three rank-r, alpha-α adapters give rank 3r and alpha 3α, the same scale.
 Import undoes both: the slices of a stacked kernel sharing one ``lora_A`` become one adapter
-again; a fused module's row block keeps the rank components its ``B`` block uses. A map that
+again; a fused module's row block keeps the rank components its ``B`` block uses (all of them
+when ``B`` is still zero everywhere, an adapter at init). A map that
 sends a stacked kernel to one plain HF module is refused: its ``B`` would be 2-3× too wide.
 """
 
@@ -204,8 +205,10 @@ def import_modules(modules: dict, slots: dict[str, Slot], use_rslora: bool):
                         f"import_peft: {target.name} has lora_B {lora_b.shape}; its parts "
                         f"{target.parts} need {sum(widths)} rows in this model.")
                 start = sum(widths[:target.part])
+                untrained = not lora_b.any()  # B = 0 everywhere: every block keeps all of A
                 lora_b = lora_b[start:start + widths[target.part]]
-                keep = np.flatnonzero(np.any(lora_b != 0, axis=0))
+                keep = (np.arange(rank) if untrained
+                        else np.flatnonzero(np.any(lora_b != 0, axis=0)))
                 if keep.size == 0:  # this block was not adapted
                     pieces.append(None)
                     continue

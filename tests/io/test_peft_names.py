@@ -260,6 +260,10 @@ def test_phi3_parts_no_adapter_covers_are_zero_and_stay_unadapted(tmp_path):
     assert sorted(import_peft(fresh, tmp_path, name_map="phi3")) == sorted(
         p for p, _ in lora_layers(model))
     np.testing.assert_allclose(fresh(TOKENS)[0], expected, atol=1e-5)
+    at_init = _llama()  # B = 0 everywhere: which blocks were adapted is unknown, all are
+    apply_lora(at_init, {r"(q|v)_proj": 2}, rngs=nnx.Rngs(1))
+    export_peft(at_init, tmp_path / "init", name_map="phi3")
+    assert len(import_peft(_llama(), tmp_path / "init", name_map="phi3")) == 6
 
 
 def test_gemma_qkv_einsum_exports_whole_onto_phi3_qkv_proj(tmp_path):
