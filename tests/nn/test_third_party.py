@@ -271,7 +271,12 @@ def _hf_model(kind):
         raise AssertionError(f"the hf tier needs torch, transformers and peft: {HF_INSTALL}") \
             from err
     common = dict(vocab_size=V, hidden_size=D, intermediate_size=F, num_hidden_layers=1,
-                  num_attention_heads=N, head_dim=H, pad_token_id=0)
+                  num_attention_heads=N, head_dim=H, pad_token_id=0, attn_implementation="eager",
+                  rms_norm_eps=1e-6 if kind.startswith("gemma") else 1e-5,
+                  # tunix's Llama 3 / Qwen 3 rotate with base 1e6 whatever config.rope_theta
+                  # says (apply_rope's default; found by the logits test below)
+                  rope_parameters={"rope_type": "default", "rope_theta": 10_000.0 if
+                                   kind.startswith("gemma") else 1_000_000.0})
     if kind == "llama3":
         config = transformers.LlamaConfig(num_key_value_heads=K, tie_word_embeddings=False,
                                           **common)
@@ -360,3 +365,64 @@ def test_an_adapter_saved_by_hf_peft_imports_into_gemmas_fused_layout(tmp_path):
                                rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(model.layers[0].mlp.up_proj.delta()).T, up,
                                rtol=1e-5, atol=1e-6)
+
+
+def _hf_state(model, name_map, kind):
+    """The HF state dict holding the tunix model's base weights: every projection through the
+    same name map as the adapters (a fused kernel split into its HF modules), plus the
+    embeddings and norms by hand."""
+    import torch
+
+    from lowrank_jax.io.peft_names import targets
+    from lowrank_jax.nn import projection_view
+    from lowrank_jax.nn.inject import adaptable_modules
+    from lowrank_jax.nn.projection import module_path
+
+    state = {}
+    for path, module in adaptable_modules(model):
+        path = module_path(path)
+        found = targets(path, name_map)
+        kernel = module.w if hasattr(module, "w") else module.kernel  # tunix / nnx.Linear
+        matrix = np.asarray(projection_view(module).kernel_matrix(kernel[...]))  # [in, out]
+        for target, block in zip(found, np.split(matrix, len(found), axis=1)):
+            state[f"{target.name}.weight"] = block.T
+    gemma = kind.startswith("gemma")
+    state["model.embed_tokens.weight"] = model.embedder.input_embedding[...]
+    norm = "scale" if gemma else "w"
+    state["model.norm.weight"] = getattr(model.final_norm, norm)[...]
+    layer, pre = model.layers[0], "model.layers.0."
+    names = (("pre_attention_norm", "input_layernorm"), ("pre_ffw_norm", "post_attention_layernorm")
+             ) if gemma else (("input_layernorm", "input_layernorm"),
+                              ("post_attention_layernorm", "post_attention_layernorm"))
+    for ours, theirs in names:
+        state[pre + theirs + ".weight"] = getattr(getattr(layer, ours), norm)[...]
+    if kind == "qwen3":
+        for n in ("q_norm", "k_norm"):
+            state[pre + f"self_attn.{n}.weight"] = getattr(layer.attn, n).w[...]
+    return {k: torch.tensor(np.asarray(v, np.float32)) for k, v in state.items()}
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_the_tunix_adapter_gives_tunix_logits_in_hf_peft(kind, tmp_path):
+    """End to end on a third-party model: tunix's weights through the name map into the HF
+    architecture, the adapter through export_peft into PEFT: PEFT's logits are tunix's."""
+    import torch
+    from peft import PeftModel
+
+    base, name_map = build(kind)
+    hf = _hf_model(kind)
+    missing, unexpected = hf.load_state_dict(_hf_state(base, name_map, kind), strict=False)
+    assert not unexpected and all("rotary" in k or k == "lm_head.weight" for k in missing), (
+        missing, unexpected)
+    hf.tie_weights()
+    model, _ = build(kind)
+    apply_lora(model, LoRARule(EVERY, rank=4, alpha=8.0), rngs=nnx.Rngs(3))
+    for i, (_, layer) in enumerate(lora_layers(model)):
+        layer.lora_b[...] = 0.1 * jax.random.normal(jax.random.key(i), layer.lora_b[...].shape)
+    ours = np.asarray(forward(model))
+    export_peft(model, tmp_path, name_map=name_map)
+    peft_model = PeftModel.from_pretrained(hf.eval(), str(tmp_path)).eval()
+    with torch.no_grad():
+        theirs = peft_model(torch.tensor(np.asarray(TOKENS[:, :-1]), dtype=torch.long))
+    np.testing.assert_allclose(theirs.logits.numpy(), ours, rtol=2e-4, atol=2e-4)
