@@ -6,5 +6,7 @@ from lowrank_jax.io.peft import (
     import_peft,
     our_module_path,
 )
+from lowrank_jax.io.peft_names import Fused, name_mapper
 
-__all__ = ["export_peft", "hf_module_name", "import_peft", "our_module_path"]
+__all__ = ["Fused", "export_peft", "hf_module_name", "import_peft", "name_mapper",
+           "our_module_path"]

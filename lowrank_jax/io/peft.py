@@ -28,96 +28,53 @@ import numpy as np
 from flax import nnx
 
 from lowrank_jax.io.outputs import staged_folder
-from lowrank_jax.nn.inject import LoRARule, apply_lora, linear_paths, lora_layers
+from lowrank_jax.io.peft_layout import export_modules, import_modules, model_slots
+from lowrank_jax.io.peft_names import (
+    HF_DECODER_MAP,
+    NAME_MAPS,
+    hf_module_name,
+    name_mapper,
+    our_module_path,
+)
+from lowrank_jax.nn.inject import (
+    LoRARule,
+    adaptable_modules,
+    apply_lora,
+    expert_kernels,
+    lora_layers,
+)
 from lowrank_jax.nn.lora import LoRALinear, lora_scaling
-from lowrank_jax.nn.projection import projection_view
+from lowrank_jax.nn.projection import module_path, projection_view
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 
 
-def hf_module_name(path: str) -> str:
-    """Our module path → the module name in HF ``LlamaForCausalLM``.
-
-    ``layers/3/self_attn/q_proj`` → ``model.layers.3.self_attn.q_proj``; ``lm_head`` stays.
-
-    Example::
-
-        >>> hf_module_name("layers/0/mlp/up_proj")
-        'model.layers.0.mlp.up_proj'
-    """
-    dotted = path.replace("/", ".")
-    return dotted if dotted == "lm_head" else "model." + dotted
+def _default_map(model: nnx.Module, name_map: Any) -> Any:
+    """``name_map``, or for our Llama built for a family with fused modules (``cfg.family ==
+    "phi3"``) that family's map."""
+    if name_map is None and getattr(getattr(model, "cfg", None), "family", None) == "phi3":
+        return "phi3"
+    return name_map
 
 
-def our_module_path(hf_name: str) -> str:
-    """Inverse of :func:`hf_module_name`: ``model.layers.3.mlp.up_proj`` → ``layers/3/mlp/up_proj``.
-
-    Example::
-
-        >>> our_module_path("model.layers.2.self_attn.v_proj")
-        'layers/2/self_attn/v_proj'
-    """
-    name = hf_name[len("model."):] if hf_name.startswith("model.") else hf_name
-    return name.replace(".", "/")
+def _slots(model: nnx.Module, name_map: Any, adapted: set[str]):
+    """The name map's view of every projection of ``model``, adapted or not."""
+    modules = [(p, m) for p, m in lora_layers(model)]
+    modules += [(module_path(p), m) for p, m in adaptable_modules(model)]
+    return model_slots(modules, name_mapper(name_map), adapted)
 
 
-#: HF decoder naming (Llama, Qwen2/3, Gemma, Mistral all use it) from the names JAX models give
-#: their projections (tunix / gemma / MaxText / ours): ``[(regex on our path, HF template)]``.
-_ATTN = r"(?:.*/)?layers/(\d+)/(?:self_attn|attn|attention)/"
-_MLP = r"(?:.*/)?layers/(\d+)/(?:mlp|feed_forward|ffn)/"
-HF_DECODER_MAP = (
-    (_ATTN + r"(q|k|v|o)_proj", r"model.layers.\1.self_attn.\2_proj"),
-    (_ATTN + "query", r"model.layers.\1.self_attn.q_proj"),
-    (_ATTN + "key", r"model.layers.\1.self_attn.k_proj"),
-    (_ATTN + "value", r"model.layers.\1.self_attn.v_proj"),
-    (_ATTN + "(?:out|o)", r"model.layers.\1.self_attn.o_proj"),
-    (_MLP + r"(gate|up|down)_proj", r"model.layers.\1.mlp.\2_proj"),
-    (_MLP + "wi_0", r"model.layers.\1.mlp.gate_proj"),
-    (_MLP + "wi_1", r"model.layers.\1.mlp.up_proj"),
-    (_MLP + "wo", r"model.layers.\1.mlp.down_proj"),
-    (r"(?:.*/)?lm_head", "lm_head"),
-)
-#: built-in name maps for ``name_map=``; ``"lowrank_jax"`` is our Llama's (the default)
-NAME_MAPS = {"llama": HF_DECODER_MAP, "qwen": HF_DECODER_MAP, "gemma": HF_DECODER_MAP,
-             "mistral": HF_DECODER_MAP, "hf": HF_DECODER_MAP}
-
-
-def name_mapper(name_map=None):
-    """``path -> HF module name`` for ``name_map``: ``None`` / ``"lowrank_jax"`` (our Llama:
-    :func:`hf_module_name`), a built-in key of :data:`NAME_MAPS` (``"llama"``, ``"qwen"``,
-    ``"gemma"``, ``"mistral"``: HF decoder naming from the usual JAX names), a function, or a
-    ``{regex: template}`` mapping / ``[(regex, template)]`` list (``re.fullmatch`` on the ``/``
-    path, ``re.sub`` template). A path no entry maps is a ``ValueError`` naming it.
-
-    Example::
-
-        >>> name_mapper("llama")("layers/2/attn/q_proj")
-        'model.layers.2.self_attn.q_proj'
-        >>> name_mapper({r"blocks/(\\d+)/fc1": r"h.\\1.mlp.c_fc"})("blocks/0/fc1")
-        'h.0.mlp.c_fc'
-    """
-    if name_map is None or name_map == "lowrank_jax":
-        return hf_module_name
-    if callable(name_map):
-        return name_map
-    if isinstance(name_map, str):
-        if name_map not in NAME_MAPS:
-            raise ValueError(f"name_map={name_map!r} is unknown; use one of "
-                             f"{', '.join(['lowrank_jax', *NAME_MAPS])}, a function or a "
-                             "{regex: template} mapping.")
-        name_map = NAME_MAPS[name_map]
-    entries = list(name_map.items()) if isinstance(name_map, Mapping) else list(name_map)
-
-    def mapped(path: str) -> str:
-        for pattern, template in entries:
-            if re.fullmatch(pattern, path):
-                return re.sub(pattern, template, path)
-        raise ValueError(
-            f"PEFT name map: no entry maps the module path {path!r} to a HF module name; add "
-            "one ({regex: template}) or pass name_map=a function path -> HF name.")
-    return mapped
+def _target_modules(names: set[str], slots) -> Any:
+    r"""PEFT's ``target_modules`` for the exported HF module ``names``: their short names when
+    every module of the model with such a short name is exported, else a regex that fully
+    matches exactly ``names`` (PEFT ``re.fullmatch``\ es a string)."""
+    short = sorted({n.rsplit(".", 1)[-1] for n in names})
+    every = {t.name for slot in slots.values() for t in slot.targets} | names
+    if all(n in names for n in every if n.rsplit(".", 1)[-1] in short):
+        return short
+    return "|".join(re.escape(n) for n in sorted(names))
 
 
 def _effective_alpha(layer: LoRALinear) -> float:
@@ -144,10 +101,11 @@ def export_peft(
               \\texttt{lora\\_B.weight} = B^\\top\\ [out, r]
 
     The config carries ``peft_type="LORA"``, ``task_type``, ``r`` and ``lora_alpha`` (the most
-    common values), ``rank_pattern`` / ``alpha_pattern`` keyed by HF module name for layers that
-    differ, ``use_rslora``, ``use_dora=false`` and ``target_modules``: the list of short names
-    when every layer with such a name is adapted, else a regex that fully matches exactly the
-    adapted module names (PEFT ``re.fullmatch``es a string ``target_modules``).
+    common values), ``rank_pattern`` / ``alpha_pattern`` keyed by HF module name for modules
+    that differ, ``use_rslora``, ``use_dora=false`` and ``target_modules``: the list of short HF
+    names when every module of the model with such a name is adapted, else a regex that fully
+    matches exactly the adapted HF module names (PEFT ``re.fullmatch``es a string
+    ``target_modules``).
 
     PiSSA / OLoRA adapters change the base kernel; pass ``initial_adapters={path: (A0, B0)}``
     (the adapter right after initialisation) to export PEFT's conversion to a plain LoRA on the
@@ -163,11 +121,19 @@ def export_peft(
         initial_adapters: optional ``{path: (A0 [in, r], B0 [r, out])}`` for PiSSA/OLoRA.
         task_type: PEFT task type (``"CAUSAL_LM"``).
         dtype: numpy dtype of the stored tensors (float32 default; bfloat16 via ml_dtypes).
-        name_map: how module paths become HF module names (see :func:`name_mapper`): default
-            our Llama's; ``"llama"`` / ``"qwen"`` / ``"gemma"`` for a user model with the usual
-            JAX names; a function or a ``{regex: template}`` mapping otherwise. Adapters of
-            multi-dimensional kernels (``[D, N, H]``) are stored flattened over their grouped
-            axes, the ``[out, in]`` layout of the equivalent HF ``Linear``.
+        name_map: how module paths become HF module names (see
+            ``lowrank_jax.io.peft_names``): default our Llama's (Phi-3's fused names when its
+            ``cfg.family`` is ``"phi3"``); ``"llama"`` / ``"qwen"`` /
+            ``"gemma"`` / ``"mistral"`` / ``"hf"`` for a model named as HF, tunix, gemma or
+            MaxText name their projections; ``"phi3"`` for Phi-3's fused ``qkv_proj`` /
+            ``gate_up_proj``; a function or a ``{regex: target}`` mapping otherwise. The keys,
+            ``target_modules`` and ``rank_pattern`` / ``alpha_pattern`` all use the mapped
+            names. Adapters of multi-dimensional kernels (``[D, N, H]``) are stored flattened
+            over their grouped axes, the ``[out, in]`` layout of the equivalent HF ``Linear``;
+            a fused kernel (``kv_einsum``) is split over its HF modules or stored on the fused
+            one, and separate adapters stacked onto a fused module
+            (``lowrank_jax.io.peft_layout``); a fused kernel mapped to one plain HF name is
+            refused.
 
     Returns:
         The config dict that was written.
@@ -186,7 +152,7 @@ def export_peft(
     """
     from safetensors.numpy import save_file
 
-    to_hf = name_mapper(name_map)
+    name_map = _default_map(model, name_map)
     layers = lora_layers(model)
     if not layers:
         raise ValueError("export_peft: model has no LoRA adapter; add adapters with "
@@ -212,7 +178,7 @@ def export_peft(
             "gather them first: lowrank_jax.train.finetune.export_adapter(model, folder) (every "
             "process calls it, process 0 writes) or export_peft("
             "lowrank_jax.train.multihost.host_copy(model), folder) on process 0.")
-    tensors, ranks, alphas = {}, {}, {}
+    adapters = []
     for path, layer in layers:
         a = np.asarray(layer.lora_a[...], np.float32)
         b = np.asarray(layer.lora_b[...], np.float32)
@@ -227,20 +193,17 @@ def export_peft(
             a, b = np.concatenate([a, a0], axis=1), np.concatenate([b, -b0], axis=0)
             alpha = alpha * (math.sqrt(2.0) if use_rslora else 2.0)
             rank = 2 * rank
-        name = to_hf(path)
-        tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"] = np.ascontiguousarray(a.T).astype(dtype)
-        tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"] = np.ascontiguousarray(b.T).astype(dtype)
+        adapters.append((path, a, b, rank, alpha))
+    slots = _slots(model, name_map, {p for p, _ in layers})
+    tensors, ranks, alphas = {}, {}, {}
+    for name, (lora_a, lora_b, rank, alpha) in export_modules(adapters, slots,
+                                                               use_rslora).items():
+        tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"] = np.ascontiguousarray(lora_a).astype(dtype)
+        tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"] = np.ascontiguousarray(lora_b).astype(dtype)
         ranks[name], alphas[name] = rank, alpha
     r = collections.Counter(ranks.values()).most_common(1)[0][0]
     alpha = collections.Counter(alphas.values()).most_common(1)[0][0]
-    adapted = {p for p, _ in layers}
-    short = sorted({p.rsplit("/", 1)[-1] for p in adapted})
-    every_linear = set(linear_paths(model)) | adapted
-    covers_all = all(p in adapted for p in every_linear if p.rsplit("/", 1)[-1] in short)
-    if covers_all:
-        target_modules: Any = short
-    else:
-        target_modules = "|".join(re.escape(n) for n in sorted(ranks))
+    target_modules = _target_modules(set(ranks), slots)
     dropouts = {float(m.lora_dropout.rate) if m.lora_dropout is not None else 0.0
                 for _, m in layers}
     config = {
@@ -339,7 +302,10 @@ def import_peft(model: nnx.Module, folder: str | os.PathLike, *,
         model: an NNX model with HF ``LlamaForCausalLM`` module names.
         folder: a directory with ``adapter_config.json`` and ``adapter_model.safetensors``.
         rngs: keys for wrapping new layers (their random init is overwritten anyway).
-        name_map: as :func:`export_peft` (the same map reads the names back).
+        name_map: as :func:`export_peft`; the same map reads the names back (the slices of a
+            split fused kernel become one adapter again; a fused HF module's row blocks go to
+            the projections the map names as its parts). An adapter of HF expert modules is
+            refused by name (see ``lowrank_jax.nn.inject.expert_kernels``).
 
     Returns:
         The adapted module paths (ours, e.g. ``layers/0/self_attn/q_proj``).
@@ -365,6 +331,7 @@ def import_peft(model: nnx.Module, folder: str | os.PathLike, *,
     """
     from safetensors.numpy import load_file
 
+    name_map = _default_map(model, name_map)
     config_path = os.path.join(folder, CONFIG_NAME)
     weights_path = os.path.join(folder, WEIGHTS_NAME)
     for p in (config_path, weights_path):
@@ -393,57 +360,65 @@ def import_peft(model: nnx.Module, folder: str | os.PathLike, *,
             raise ValueError(f"import_peft: unexpected tensor {key!r}; expected "
                              "'base_model.model.<module>.lora_A.weight' / '.lora_B.weight'.")
         modules.setdefault(match.group(1), {})[match.group(2)] = value
-    existing = {p: m for p, m in lora_layers(model)}
-    plain = set(linear_paths(model))
-    available = sorted(set(existing) | plain)
-    to_hf = name_mapper(name_map)
-    by_hf_name = {}
-    for p in available:
-        try:
-            by_hf_name[to_hf(p)] = p
-        except ValueError:
-            continue  # a module the map does not name cannot be in the adapter
-    r_default, alpha_default = int(config.get("r", 8)), config.get("lora_alpha", 8)
-    use_rslora = bool(config.get("use_rslora", False))
-    plan = []
-    for hf_name in sorted(modules):
-        pair = modules[hf_name]
-        path = by_hf_name.get(hf_name, our_module_path(hf_name) if name_map is None else None)
-        if path not in available:
-            raise ValueError(
-                f"import_peft: the adapter targets module {hf_name!r} (our path {path!r}) "
-                f"which this model does not have. Available modules: {', '.join(available)}"
-            )
+    for hf_name, pair in modules.items():
         if set(pair) != {"lora_A", "lora_B"}:
             raise ValueError(f"import_peft: module {hf_name!r} lacks lora_A or lora_B.")
-        a_t, b_t = pair["lora_A"], pair["lora_B"]
-        rank = a_t.shape[0]
-        layer = existing.get(path)
-        if layer is None:
-            layer = next(m for p, m in nnx.iter_modules(model)
-                         if "/".join(str(x) for x in p) == path)
+        if pair["lora_A"].ndim != 2 or pair["lora_B"].ndim != 2 or (
+                pair["lora_A"].shape[0] != pair["lora_B"].shape[1]):
+            raise ValueError(f"import_peft: {hf_name} has lora_A {pair['lora_A'].shape} and "
+                             f"lora_B {pair['lora_B'].shape}; expected [r, in] and [out, r].")
+    existing = {p: m for p, m in lora_layers(model)}
+    slots = _slots(model, name_map, set())
+    available = sorted(slots)
+    r_default, alpha_default = int(config.get("r", 8)), config.get("lora_alpha", 8)
+    use_rslora = bool(config.get("use_rslora", False))
+    stored = {}
+    for hf_name in sorted(modules):
+        a_t, b_t = (np.asarray(modules[hf_name][k], np.float32) for k in ("lora_A", "lora_B"))
+        expected_r = int(pattern_value(hf_name, config.get("rank_pattern") or {}, r_default))
+        if expected_r != a_t.shape[0]:
+            raise ValueError(f"import_peft: {hf_name} stores rank {a_t.shape[0]} but the config "
+                             f"says {expected_r}; the adapter folder is inconsistent.")
+        alpha = float(pattern_value(hf_name, config.get("alpha_pattern") or {}, alpha_default))
+        stored[hf_name] = (a_t, b_t, alpha)
+    found, used = import_modules(stored, slots, use_rslora)
+    unknown = sorted(set(stored) - used)
+    experts = expert_kernels(model)
+    if experts and any(".experts." in n for n in unknown):
+        shown = ", ".join(f"{p} {list(s)}" for p, s in experts[:3])
+        raise ValueError(
+            f"import_peft: the adapter adapts experts of an MoE layer ({unknown[0]!r} ...), but "
+            f"this model keeps its experts as bare parameters ({shown}) and lowrank_jax has no "
+            "LoRA per expert. Train the adapter without the experts (target_modules leaving "
+            "them out), or merge it into the base weights first (PEFT merge_and_unload) and "
+            "load those.")
+    if unknown:
+        raise ValueError(
+            f"import_peft: the adapter targets module {unknown[0]!r} (our path "
+            f"{our_module_path(unknown[0]) if name_map is None else None!r}) which this model "
+            f"does not have. Available modules: {', '.join(available)}")
+    plan = []
+    for path, (a, b, rank, alpha) in found.items():
+        layer = existing.get(path) or next(m for p, m in nnx.iter_modules(model)
+                                           if module_path(p) == path)
         if hasattr(layer, "in_features") and type(layer) is not nnx.LinearGeneral:
             in_f, out_f = layer.in_features, layer.out_features
         else:  # a projection of any layout: the sizes of its [in, out] matrix view
             view = projection_view(layer)
             in_f, out_f = view.in_features, view.out_features
-        if a_t.shape != (rank, in_f) or b_t.shape != (out_f, rank):
+        if a.shape != (in_f, rank) or b.shape != (rank, out_f):
+            names = ", ".join(t.name for t in slots[path].targets)
             raise ValueError(
-                f"import_peft: {hf_name} has lora_A {a_t.shape} and lora_B {b_t.shape}; this "
+                f"import_peft: {names} has lora_A {a.T.shape} and lora_B {b.T.shape}; this "
                 f"model's layer needs [r, {in_f}] and [{out_f}, r]. Was the adapter trained on "
                 "a different base model?"
             )
-        expected_r = int(pattern_value(hf_name, config.get("rank_pattern") or {}, r_default))
-        if expected_r != rank:
-            raise ValueError(f"import_peft: {hf_name} stores rank {rank} but the config says "
-                             f"{expected_r}; the adapter folder is inconsistent.")
         if path in existing and existing[path].rank != rank:
             raise ValueError(
                 f"import_peft: {path} already has a rank-{existing[path].rank} adapter but the "
                 f"PEFT adapter has rank {rank}; remove_lora(model) first or match the rank."
             )
-        alpha = float(pattern_value(hf_name, config.get("alpha_pattern") or {}, alpha_default))
-        plan.append((path, rank, alpha, a_t, b_t))
+        plan.append((path, rank, alpha, a.T, b.T))
     new = [(path, rank, alpha) for path, rank, alpha, _, _ in plan if path not in existing]
     if new:
         rngs = nnx.Rngs(0) if rngs is None else rngs

@@ -139,6 +139,7 @@ def apply_lora(
         ValueError: when a rule matches no layer (the message lists the available paths).
     """
     rules = _as_rules(rules)
+    _refuse_expert_kernels(model, rules)  # issue 49: expert kernels are refused, by name
     candidates = adaptable_modules(model)
     available = [module_path(p) for p, _ in candidates]
     hits: dict[int, int] = {i: 0 for i in range(len(rules))}
@@ -217,3 +218,55 @@ def remove_lora(model: nnx.Module, *, merge: bool = True) -> int:
             set_child(model, path, unwrap(m))
             count += 1
     return count
+
+
+# ---------------------------------------------------------------- expert kernels (issue 49)
+# The decision: a bare ``nnx.Param`` of 3+ axes (an MoE layer's expert kernels ``[E, in, out]``,
+# which the layer indexes and einsums itself) gets no adapter, and a rule that matches one is
+# an error naming it and the way out; it is never skipped silently.
+
+
+def expert_kernels(model: nnx.Module) -> list[tuple[str, tuple[int, ...]]]:
+    """``(path, shape)`` of every bare ``nnx.Param`` of 3 or more axes that is not a
+    projection's kernel: the expert kernels ``[E, in, out]`` of an MoE layer.
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> class MoE(nnx.Module):
+        ...     def __init__(self):
+        ...         self.router = nnx.Linear(8, 4, rngs=nnx.Rngs(0))
+        ...         self.up_proj = nnx.Param(jnp.zeros((4, 8, 16)))
+        >>> expert_kernels(MoE())
+        [('up_proj', (4, 8, 16))]
+    """
+    from lowrank_jax.nn.projection import NOT_PROJECTIONS, module_path
+
+    found, skip = [], []
+    for path, module in nnx.iter_modules(model):
+        if any(path[:len(s)] == s for s in skip):
+            continue
+        # projections, adapters and factorized / quantized layers own their kernels
+        if (is_adaptable(module) or isinstance(module, tuple(NOT_PROJECTIONS))
+                or hasattr(module, "lora_a")):
+            skip.append(path)
+            continue
+        for name, value in sorted(vars(module).items()):
+            if (isinstance(value, nnx.Param) and not isinstance(value, nnx.LoRAParam)
+                    and np.ndim(value[...]) >= 3):
+                found.append((module_path(path + (name,)), tuple(np.shape(value[...]))))
+    return found
+
+
+def _refuse_expert_kernels(model: nnx.Module, rules: list[LoRARule]) -> None:
+    experts = expert_kernels(model)
+    for rule in rules:
+        hit = [f"{p} {list(s)}" for p, s in experts if re.search(rule.pattern, p)]
+        if hit:
+            raise ValueError(
+                f"apply_lora: rule pattern {rule.pattern!r} matches expert kernels: "
+                f"{', '.join(hit[:4])}{' ...' if len(hit) > 4 else ''} (bare nnx.Param with an "
+                "expert axis that the MoE layer indexes itself, not a projection module). "
+                "LoRA per expert is not supported, and they are not skipped silently: narrow "
+                "the rule to the projections (e.g. r'attn/' for the attention, or a pattern "
+                "naming the router), or freeze the experts and train the rest.")
