@@ -116,7 +116,8 @@ def _rope_settings(hf, family, source):
         params = dict(params)
         theta = params.pop("rope_theta", None)
         partial = params.pop("partial_rotary_factor", partial)
-        if params.get("original_max_position_embeddings") is not None and original is None:
+        if (params.get("rope_type") == "longrope" and original is None
+                and params.get("original_max_position_embeddings") is not None):
             original = params["original_max_position_embeddings"]
         scaling = params
     else:

@@ -247,6 +247,12 @@ class ByteTokenizer:
     eos_id: int | None = None
     chat_template = None
 
+    def save(self, folder: str | os.PathLike) -> None:
+        """Write the byte-level marker :data:`BYTE_TOKENIZER_FILE` (what
+        :func:`folder_tokenizer` reads back as a :class:`ByteTokenizer`)."""
+        with open(os.path.join(os.fspath(folder), BYTE_TOKENIZER_FILE), "w") as f:
+            json.dump({"tokenizer": "bytes", "vocab_size": 256}, f)
+
     def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
         del add_bos
         if not isinstance(text, str):
