@@ -298,7 +298,8 @@ def generate(
         top_p: nucleus mass in ``(0, 1]``.
         key: PRNG key for sampling (default ``jax.random.key(0)``).
         stop_at_eos: stop after emitting an end token.
-        eos_ids: end tokens (default: the tokenizer's ``eos_id``).
+        eos_ids: end tokens (default: the tokenizer's ``stop_ids`` — its ``eos_id`` and the
+            chat template's end-of-turn tokens — or its ``eos_id``).
         stream: called as ``stream(token_id, new_text)`` after every token (``new_text`` is the
             newly completed text, possibly empty while a multi-byte character is incomplete).
         return_logits: keep the fp32 logits that chose each new token.
@@ -341,9 +342,9 @@ def generate(
     if bad:
         raise ValueError(f"prompt token ids {bad[:4]} are outside [0, {cfg.vocab_size}).")
     max_new_tokens = min(max_new_tokens, cfg.max_seq_len - len(ids))
-    if eos_ids is None:
+    if eos_ids is None:  # the end token, and the chat template's end-of-turn tokens
         eos = getattr(tokenizer, "eos_id", None)
-        eos_ids = () if eos is None else (eos,)
+        eos_ids = getattr(tokenizer, "stop_ids", None) or (() if eos is None else (eos,))
     eos_set = set(int(i) for i in eos_ids)
     key = jax.random.key(0) if key is None else key
 
