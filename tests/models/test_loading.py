@@ -223,8 +223,8 @@ def test_bad_gguf_files_are_clear_errors(tmp_path):
         load_gguf(not_gguf)
     with pytest.raises(ValueError, match="type I8, which is not supported"):
         load_gguf(write_gguf(model, tmp_path / "i8.gguf", odd_tensor="blk.0.ffn_up.weight"))
-    with pytest.raises(ValueError, match="'qwen2' is not Llama-family"):
-        load_gguf(write_gguf(model, tmp_path / "qwen.gguf", arch="qwen2"))
+    with pytest.raises(ValueError, match="'falcon' is not a supported architecture"):
+        load_gguf(write_gguf(model, tmp_path / "falcon.gguf", arch="falcon"))
 
 
 def test_resolve_model_names_the_install_command(monkeypatch, tmp_path):
