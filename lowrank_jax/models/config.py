@@ -176,6 +176,27 @@ class LlamaConfig:
                 for k, v in self.rope_scaling.items())),
             self.partial_rotary_factor, self.max_seq_len, self.original_max_seq_len)
 
+    def kv_compression_blockers(self) -> list[str]:
+        """The features the compressed KV caches (:mod:`lowrank_jax.kv`) do not implement: they
+        re-rotate keys with plain RoPE of base ``rope_theta`` and attend over the whole prefix
+        with the default score scale. Empty for plain-RoPE families (Llama 2, Mistral without a
+        window, Qwen2/3, Gemma 1)."""
+        out = []
+        if self.rope_scaling:
+            out.append(f"rope_scaling={self.rope_scaling.get('rope_type')!r}")
+        if self.partial_rotary_factor != 1.0:
+            out.append(f"partial_rotary_factor={self.partial_rotary_factor}")
+        if self.rope_local_theta is not None:
+            out.append("rope_local_theta (per-layer RoPE bases)")
+        if any(self.window_for(i) is not None for i in range(self.n_layers)):
+            out.append(f"sliding_window={self.sliding_window}")
+        if self.attn_logit_softcap is not None:
+            out.append(f"attn_logit_softcap={self.attn_logit_softcap}")
+        if self.query_pre_attn_scalar is not None and \
+                self.query_pre_attn_scalar != self.head_dim:
+            out.append(f"query_pre_attn_scalar={self.query_pre_attn_scalar}")
+        return out
+
     @property
     def uniform_layers(self) -> bool:
         """Whether every layer runs the same computation (so the layers may be scanned)."""

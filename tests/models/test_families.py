@@ -355,3 +355,21 @@ def test_unisvq_calibration_follows_each_layers_inputs(name, models):
     np.testing.assert_allclose(last + damp * jnp.eye(last.shape[0]), reference, rtol=1e-3,
                                atol=1e-4)
     assert np.isfinite(logits(model, ids)).all() and logits(model, ids).shape == want.shape
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_kv_compression_is_exact_at_full_rank_or_names_what_it_lacks(name, models):
+    """xKV on a plain-RoPE family at full rank decodes the exact logits; on a family whose
+    RoPE / windows / soft-cap the compressed caches do not implement it refuses by name."""
+    from lowrank_jax.kv import xkv_decode_step, xkv_prefill
+
+    model, ids = models[name], tokens(1, 9)
+    blockers = model.cfg.kv_compression_blockers()
+    assert bool(blockers) == (name in ("llama3", "mistral", "gemma2", "gemma3", "phi3"))
+    if blockers:
+        with pytest.raises(ValueError, match=f"not implemented for a .*{blockers[0][:12]}"):
+            xkv_prefill(model, ids[:, :8], rank=8, group_size=1)
+        return
+    cache = xkv_prefill(model, ids[:, :8], rank=8, group_size=1, sink_tokens=0)
+    got, _ = xkv_decode_step(model, cache, ids[:, 8])
+    np.testing.assert_allclose(np.asarray(got), logits(model, ids)[:, 8], atol=1e-4)
