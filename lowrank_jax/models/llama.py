@@ -459,12 +459,16 @@ def projections(model: Llama) -> list[tuple[int, str, nnx.Module, nnx.Module]]:
 
 
 def layer_norms(model: Llama) -> list[tuple[int, str, nnx.Module]]:
-    """``(layer, name, module)`` for the RMSNorms of every decoder layer (two, or four with
-    sandwich norms)."""
+    """``(layer, name, module)`` for the RMSNorms of every decoder layer (two, four with
+    sandwich norms, and ``self_attn.q_norm`` / ``self_attn.k_norm`` with q/k norms)."""
     names = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
              "post_feedforward_layernorm")
-    return [(i, name, getattr(layer, name)) for i, layer in enumerate(model.layers)
-            for name in names if hasattr(layer, name)]
+    out = []
+    for i, layer in enumerate(model.layers):
+        out += [(i, name, getattr(layer, name)) for name in names if hasattr(layer, name)]
+        out += [(i, f"self_attn.{name}", getattr(layer.self_attn, name))
+                for name in ("q_norm", "k_norm") if hasattr(layer.self_attn, name)]
+    return out
 
 
 def replace_projections(

@@ -182,6 +182,13 @@ def quantize_model(
                 f"calib_tokens has shape {calib_tokens.shape}; expected [n_seq, seq_len]."
             )
 
+    biased = [f"layers/{i}/{name}" for i, name, _, lin in projections(model)
+              if getattr(lin, "bias", None) is not None]
+    if biased:
+        raise ValueError(
+            f"quantize_model: {biased[0]} (and {len(biased) - 1} more) has a bias (e.g. Qwen2's "
+            f"q/k/v), which the bias-free {method} layers would drop; quantize a model without "
+            "projection biases.")
     start = time.perf_counter()
     blocks_report = []
     total_bits = total_weights = 0.0

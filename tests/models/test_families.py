@@ -373,3 +373,23 @@ def test_kv_compression_is_exact_at_full_rank_or_names_what_it_lacks(name, model
     cache = xkv_prefill(model, ids[:, :8], rank=8, group_size=1, sink_tokens=0)
     got, _ = xkv_decode_step(model, cache, ids[:, 8])
     np.testing.assert_allclose(np.asarray(got), logits(model, ids)[:, 8], atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma3"])
+def test_quantized_folder_keeps_the_family_norms(name, models, tmp_path):
+    """A quantized model of a family with q/k and sandwich norms saves and loads exactly."""
+    from lowrank_jax.quant.pipeline import quantize_model
+
+    model, ids = nnx.clone(models[name]), tokens()
+    quantize_model(model, None, method="rtn", bits=8, group_size=16, progress=False)
+    folder = save_model(model, tmp_path / "q")
+    loaded, _ = load_model(folder)
+    np.testing.assert_array_equal(logits(loaded, ids), logits(model, ids))
+
+
+def test_quantizing_away_projection_biases_is_refused(models):
+    from lowrank_jax.quant.pipeline import quantize_model
+
+    with pytest.raises(ValueError, match="layers/0/q_proj.*has a bias"):
+        quantize_model(nnx.clone(models["qwen2"]), None, method="rtn", bits=8, group_size=16,
+                       progress=False)
