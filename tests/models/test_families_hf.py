@@ -43,6 +43,7 @@ FAMILIES = {
     "mistral": dict(model_type="mistral", head_dim=12, sliding_window=5),
     "qwen2": dict(model_type="qwen2", rope_theta=1e6, tie_word_embeddings=True),
     "qwen3": dict(model_type="qwen3", head_dim=12, rope_theta=1e6),
+    "gemma": dict(model_type="gemma", head_dim=12),
     "gemma2": dict(model_type="gemma2", head_dim=12, query_pre_attn_scalar=10,
                    sliding_window=5, attn_logit_softcapping=1.5, final_logit_softcapping=0.8,
                    tie_word_embeddings=True),
