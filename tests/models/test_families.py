@@ -347,7 +347,7 @@ def test_unisvq_calibration_follows_each_layers_inputs(name, models):
     pipeline._capture_hessians = spy
     try:
         quantize_model(model, ids, method="unisvq", bits=4, progress=False,
-                       cfg=UniSVQConfig(finetune_steps=0))
+                       layers=[model.cfg.n_layers - 1], cfg=UniSVQConfig(finetune_steps=0))
     finally:
         pipeline._capture_hessians = original
     last = seen[model.cfg.n_layers - 1]["down_proj"]
