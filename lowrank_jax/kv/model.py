@@ -206,6 +206,11 @@ def prefill_kv(model, tokens: Int[Array, "b t"]):
     tokens = jnp.asarray(tokens)
     if tokens.ndim != 2:
         raise ValueError(f"tokens has shape {tokens.shape}; expected [batch, length].")
+    blockers = getattr(getattr(model, "cfg", None), "kv_compression_blockers", lambda: [])()
+    if blockers:  # the compressed caches re-rotate keys with plain RoPE, attend unwindowed
+        raise ValueError(
+            f"KV-cache compression is not implemented for a {model.cfg.family} model with "
+            f"{', '.join(blockers)}; use the exact cache (generate without --kv).")
     return _prefill_kv(model, tokens)
 
 

@@ -30,7 +30,8 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from lowrank_jax.core.losses import PerplexityResult, window_nll_sum, windowed_perplexity
-from lowrank_jax.models.llama import KVCache, Llama, ScannedLayers, decoder_forward, lm_logits
+from lowrank_jax.models.llama import (KVCache, Llama, ScannedLayers, decoder_forward,
+                                      embedding_scale, lm_logits)
 
 CacheFactory = Callable[..., Any]  # (cfg, batch, max_len) -> a cache the model accepts
 
@@ -58,9 +59,10 @@ class _Static:
     ``mode="full"``: the model's own ``__call__``.
     """
 
-    def __init__(self, mode: str, graphs: tuple, dtype: str):
+    def __init__(self, mode: str, graphs: tuple, dtype: str, embed_scale=None, softcap=None):
         self.mode, self.graphs, self.dtype = mode, graphs, dtype
-        self._hash = hash((mode, dtype) + tuple(
+        self.embed_scale, self.softcap = embed_scale, softcap
+        self._hash = hash((mode, dtype, embed_scale, softcap) + tuple(
             None if g is None else (len(g.nodes), g.num_leaves) for g in graphs))
 
     def __hash__(self):
@@ -69,6 +71,7 @@ class _Static:
     def __eq__(self, other):
         return (
             isinstance(other, _Static) and self.mode == other.mode and self.dtype == other.dtype
+            and self.embed_scale == other.embed_scale and self.softcap == other.softcap
             and len(self.graphs) == len(other.graphs)
             and all(a == b for a, b in zip(self.graphs, other.graphs))
         )
@@ -79,14 +82,17 @@ def prepare(model: Llama, *, scan_layers: bool = True):
 
     Args:
         model: the decoder.
-        scan_layers: stack the layers and ``scan`` over them when they share one structure.
+        scan_layers: stack the layers and ``scan`` over them when they share one structure
+            (not when they differ: per-layer attention names, or ``layer_types`` mixing
+            sliding-window and full layers, e.g. Gemma 2/3 — those run unrolled).
 
     Returns:
         A hashable ``static`` (pass as the static argument) and a ``state`` pytree.
     """
     layers = list(model.layers)
-    # per-layer attention implementations (a tuple in cfg.attention) cannot share one scan body
-    if scan_layers and layers and isinstance(model.cfg.attention, str):
+    # per-layer attention implementations (a tuple in cfg.attention) or layer types (windows,
+    # RoPE bases) cannot share one scan body: such models run unrolled
+    if scan_layers and layers and model.cfg.uniform_layers:
         splits = [nnx.split(layer) for layer in layers]
         graph0 = splits[0][0]
         if all(g == graph0 for g, _ in splits[1:]):
@@ -98,7 +104,8 @@ def prepare(model: Llama, *, scan_layers: bool = True):
                 head_graph, head_state = nnx.split(model.lm_head)
             stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[st for _, st in splits])
             static = _Static("scan", (embed_graph, graph0, norm_graph, head_graph),
-                             str(model.cfg.dtype))
+                             str(model.cfg.dtype), embedding_scale(model.cfg),
+                             model.cfg.final_logit_softcap)
             return static, {"embed": embed_state, "layers": stacked, "norm": norm_state,
                             "head": head_state}
     graph, state = nnx.split(model)
@@ -118,10 +125,10 @@ def forward(static: _Static, state, tokens, cache=None):
     embed = nnx.merge(embed_graph, state["embed"])
     x, cache = decoder_forward(
         embed, ScannedLayers(layer_graph, state["layers"]), nnx.merge(norm_graph, state["norm"]),
-        tokens, cache=cache, dtype=static.dtype,
+        tokens, cache=cache, dtype=static.dtype, embed_scale=static.embed_scale,
     )
     head = None if head_graph is None else nnx.merge(head_graph, state["head"])
-    return lm_logits(x, embed, head), cache
+    return lm_logits(x, embed, head, static.softcap), cache
 
 
 def _default_cache(cfg, batch: int, max_len: int) -> KVCache:
@@ -291,7 +298,8 @@ def generate(
         top_p: nucleus mass in ``(0, 1]``.
         key: PRNG key for sampling (default ``jax.random.key(0)``).
         stop_at_eos: stop after emitting an end token.
-        eos_ids: end tokens (default: the tokenizer's ``eos_id``).
+        eos_ids: end tokens (default: the tokenizer's ``stop_ids`` — its ``eos_id`` and the
+            chat template's end-of-turn tokens — or its ``eos_id``).
         stream: called as ``stream(token_id, new_text)`` after every token (``new_text`` is the
             newly completed text, possibly empty while a multi-byte character is incomplete).
         return_logits: keep the fp32 logits that chose each new token.
@@ -334,9 +342,9 @@ def generate(
     if bad:
         raise ValueError(f"prompt token ids {bad[:4]} are outside [0, {cfg.vocab_size}).")
     max_new_tokens = min(max_new_tokens, cfg.max_seq_len - len(ids))
-    if eos_ids is None:
+    if eos_ids is None:  # the end token, and the chat template's end-of-turn tokens
         eos = getattr(tokenizer, "eos_id", None)
-        eos_ids = () if eos is None else (eos,)
+        eos_ids = getattr(tokenizer, "stop_ids", None) or (() if eos is None else (eos,))
     eos_set = set(int(i) for i in eos_ids)
     key = jax.random.key(0) if key is None else key
 

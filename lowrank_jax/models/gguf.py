@@ -1,4 +1,4 @@
-"""Llama-family GGUF files (llama.cpp's format) into the NNX :class:`Llama`.
+"""GGUF files (llama.cpp's format) of the checkpoint families into the NNX :class:`Llama`.
 
 A GGUF file holds key/value metadata (``llama.block_count``, ``tokenizer.ggml.tokens``, ...) and
 named tensors (``token_embd.weight``, ``blk.N.attn_q.weight``, ..., ``output_norm.weight``,
@@ -17,6 +17,13 @@ the rows of ``W_q`` and ``W_k`` so that its interleaved RoPE (pairs ``(2i, 2i+1)
 (``n_kv_heads`` for ``W_k``). We undo it, so our HF-style :func:`apply_rope` sees HF rows. The
 check: SmolLM2-135M-Instruct gives perplexity ≈ 10 on English with the undo, and hundreds or more
 without it (see ``tests/models/test_loading.py``).
+
+Other families (``general.architecture`` ``qwen2``, ``qwen3``, ``gemma2``, ``gemma3``, ``phi3``)
+run llama.cpp's "NeoX" RoPE, which is HF's pairing: their rows are not permuted. Their converter
+differences are undone here: Gemma's norms are stored as ``1 + w`` (we subtract 1 back), Phi-3
+keeps its fused ``attn_qkv`` / ``ffn_up`` (gate and up) and its longrope factors as the tensors
+``rope_factors_short`` / ``rope_factors_long``; Gemma 3's local layers use base 1e4 and every
+sixth layer is global, as llama.cpp assumes. Mistral files are ``llama`` files.
 """
 
 from __future__ import annotations
@@ -30,7 +37,10 @@ import numpy as np
 from lowrank_jax.models.llama import Llama, LlamaConfig
 from lowrank_jax.models.safetensors_io import check_load_dtype, llama_from_state_dict
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+#: GGUF architecture -> the HF family (``LlamaConfig.family``) it loads as.
+FAMILY_OF_ARCHITECTURE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+                          "gemma2": "gemma2", "gemma3": "gemma3_text", "phi3": "phi3"}
 SUPPORTED_TENSOR_TYPES = (
     "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
@@ -43,11 +53,21 @@ _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+# Gemma 2/3 (sandwich norms): llama.cpp's names for the four norms of a layer.
+_SANDWICH_NAMES = {
+    "attn_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -131,8 +151,8 @@ def config_from_gguf(meta: dict[str, Any], *, source: str = "gguf") -> LlamaConf
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
-            f"{source}: general.architecture={arch!r} is not Llama-family; only "
-            f"{SUPPORTED_ARCHITECTURES} GGUF files can be loaded."
+            f"{source}: general.architecture={arch!r} is not a supported architecture; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}."
         )
 
     def get(key: str, default=None, *, required: bool = False):
@@ -143,35 +163,76 @@ def config_from_gguf(meta: dict[str, Any], *, source: str = "gguf") -> LlamaConf
             return default
         return meta[full]
 
+    family = FAMILY_OF_ARCHITECTURE[arch]
     n_heads = int(get("attention.head_count", required=True))
     d_model = int(get("embedding_length", required=True))
+    n_layers = int(get("block_count", required=True))
     head_dim = int(get("attention.key_length", d_model // n_heads))
     rope_dim = int(get("rope.dimension_count", head_dim))
-    if rope_dim != head_dim:
+    if rope_dim != head_dim and arch != "phi3":
         raise ValueError(
             f"{source}: partial RoPE ({arch}.rope.dimension_count={rope_dim} < head_dim="
-            f"{head_dim}) is not supported."
+            f"{head_dim}) is only implemented for phi3."
         )
-    if get("rope.scaling.type") not in (None, "none"):
-        raise ValueError(f"{source}: RoPE scaling {get('rope.scaling.type')!r} is not supported.")
+    scaling_type = get("rope.scaling.type")
+    scaling = None
+    if arch == "gemma3" and scaling_type == "linear":
+        scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor", 1.0))}
+    elif scaling_type not in (None, "none"):
+        raise ValueError(f"{source}: {arch}.rope.scaling.type={scaling_type!r} is not "
+                         "implemented for GGUF files.")
     vocab = get("vocab_size")
     if vocab is None:
         vocab = len(meta.get("tokenizer.ggml.tokens") or [])
     if not vocab:
         raise ValueError(f"{source}: cannot tell the vocabulary size ({arch}.vocab_size missing).")
+    window = get("attention.sliding_window")
+    window = int(window) if window else None
+    layer_types = None
+    if window and arch == "gemma2":  # llama.cpp: even layers slide
+        layer_types = tuple("sliding_attention" if i % 2 == 0 else "full_attention"
+                            for i in range(n_layers))
+    elif window and arch == "gemma3":  # llama.cpp: every sixth layer is global
+        layer_types = tuple("sliding_attention" if (i + 1) % 6 else "full_attention"
+                            for i in range(n_layers))
+    elif arch in ("qwen2", "qwen3", "llama"):
+        window = None  # llama.cpp runs these with full attention
+    gemma = arch in ("gemma2", "gemma3")
+    original = get("rope.scaling.original_context_length")
     return LlamaConfig(
         vocab_size=int(vocab),
         d_model=d_model,
-        n_layers=int(get("block_count", required=True)),
+        n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=int(get("attention.head_count_kv", n_heads)),
         head_dim=head_dim,
         d_ff=int(get("feed_forward_length", required=True)),
         max_seq_len=int(get("context_length", 2048)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
-        norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5 if not gemma else 1e-6)),
         tie_embeddings=True,
+        family=family,
+        rope_scaling=scaling,
+        rope_local_theta=10000.0 if arch == "gemma3" else None,
+        partial_rotary_factor=rope_dim / head_dim,
+        original_max_seq_len=None if original is None else int(original),
+        qkv_bias=arch == "qwen2",
+        qk_norm=arch in ("qwen3", "gemma3"),
+        norm_offset=1.0 if gemma else 0.0,
+        embed_scale=gemma,
+        hidden_act="gelu_pytorch_tanh" if gemma else "silu",
+        sandwich_norms=gemma,
+        attn_logit_softcap=_positive(get("attn_logit_softcapping")),
+        final_logit_softcap=_positive(get("final_logit_softcapping")),
+        # llama.cpp scales Gemma's scores by 1/sqrt(head_dim) (query_pre_attn_scalar = head_dim)
+        query_pre_attn_scalar=float(head_dim) if gemma else None,
+        sliding_window=window,
+        layer_types=layer_types,
     )
+
+
+def _positive(value):
+    return None if value in (None, 0) else float(value)
 
 
 def dequantize_tensor(tensor, *, source: str = "gguf") -> np.ndarray:
@@ -267,12 +328,17 @@ def gguf_rope_order(model: Llama):
             linear.kernel[...] = kernel
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, family: str = "llama") -> str | None:
     """HF name of a GGUF tensor (``blk.3.attn_q.weight`` → ``model.layers.3.self_attn.q_proj.
-    weight``), or ``None`` for tensors the model does not use."""
+    weight``), or ``None`` for tensors the model does not use. Phi-3's fused ``ffn_up`` (gate
+    and up) is ``mlp.gate_up_proj``; Gemma's norms have their own names."""
     stem, _, kind = gguf_name.rpartition(".")
     if stem.startswith("blk."):
         _, index, part = stem.split(".", 2)
+        if family in ("gemma2", "gemma3_text") and part in _SANDWICH_NAMES:
+            return f"model.layers.{index}.{_SANDWICH_NAMES[part]}.{kind}"
+        if family == "phi3" and part == "ffn_up":
+            return f"model.layers.{index}.mlp.gate_up_proj.{kind}"
         if part in _LAYER_NAMES:
             return f"model.layers.{index}.{_LAYER_NAMES[part]}.{kind}"
         return None
@@ -286,24 +352,31 @@ def hf_state_from_gguf(
 ) -> dict[str, Callable[[], np.ndarray]]:
     """Lazily dequantized HF-named tensors (callables), with Q/K rows un-permuted."""
     state: dict[str, Callable[[], np.ndarray]] = {}
+    permuted = cfg.family == "llama"  # the other families run llama.cpp's NeoX (HF) RoPE
     for tensor in reader.tensors:
-        name = hf_name(tensor.name)
+        if cfg.family == "phi3" and tensor.name in ("rope_factors_short.weight",
+                                                    "rope_factors_long.weight"):
+            continue  # read by load_gguf into cfg.rope_scaling
+        name = hf_name(tensor.name, cfg.family)
         if name is None:
-            if tensor.name == "rope_freqs.weight":
+            if tensor.name in ("rope_freqs.weight", "rope_factors_long.weight",
+                               "rope_factors_short.weight"):
                 raise ValueError(
-                    f"{source}: the file carries rope_freqs (Llama-3.1-style RoPE scaling), "
-                    "which is not supported."
+                    f"{source}: the file carries {tensor.name} (RoPE frequency factors, as "
+                    "Llama 3.1 files do), which is not implemented for GGUF."
                 )
             raise ValueError(
-                f"{source}: unexpected tensor {tensor.name!r}; not a plain Llama GGUF."
+                f"{source}: unexpected tensor {tensor.name!r} for a {cfg.family} GGUF."
             )
 
         def load(tensor=tensor, name=name):
             array = dequantize_tensor(tensor, source=source)
-            if name.endswith("self_attn.q_proj.weight"):
+            if permuted and name.endswith("self_attn.q_proj.weight"):
                 array = unpermute_rope_rows(array, cfg.n_heads)
-            elif name.endswith("self_attn.k_proj.weight"):
+            elif permuted and name.endswith("self_attn.k_proj.weight"):
                 array = unpermute_rope_rows(array, cfg.n_kv_heads)
+            if cfg.norm_offset and name.endswith("norm.weight"):
+                array = array - cfg.norm_offset  # llama.cpp stores Gemma's 1 + w
             return array
 
         state[name] = load
@@ -313,7 +386,8 @@ def hf_state_from_gguf(
 def load_gguf(
     path: str | os.PathLike, *, dtype: str = "float32", attention: str = "reference"
 ) -> tuple[Llama, dict[str, Any]]:
-    """Load a Llama-family GGUF file into a dense :class:`Llama`.
+    """Load a GGUF file of a supported architecture (:data:`SUPPORTED_ARCHITECTURES`) into a
+    dense :class:`Llama`.
 
     Args:
         path: the ``.gguf`` file.
@@ -338,12 +412,25 @@ def load_gguf(
     cfg.tie_embeddings = "output.weight" not in names
     cfg.dtype = cfg.param_dtype = check_load_dtype(dtype)
     cfg.attention = attention
+    if cfg.family == "phi3":
+        factors = {t.name: dequantize_tensor(t, source=path).reshape(-1) for t in reader.tensors
+                   if t.name in ("rope_factors_short.weight", "rope_factors_long.weight")}
+        if len(factors) == 2:
+            cfg.rope_scaling = {"rope_type": "longrope",
+                                "short_factor": factors["rope_factors_short.weight"].tolist(),
+                                "long_factor": factors["rope_factors_long.weight"].tolist()}
+            attn_factor = meta.get("phi3.rope.scaling.attn_factor")
+            if attn_factor is not None:
+                cfg.rope_scaling["attention_factor"] = float(attn_factor)
+            cfg.rope_for(0)  # checks the factors' sizes now
     state = hf_state_from_gguf(reader, cfg, source=path)
     model = llama_from_state_dict(cfg, state, source=path)
     return model, meta
 
 
 __all__ = [
+    "FAMILY_OF_ARCHITECTURE",
+    "SUPPORTED_ARCHITECTURES",
     "SUPPORTED_TENSOR_TYPES",
     "config_from_gguf",
     "dequantize_tensor",

@@ -8,7 +8,7 @@ checkpoints load by name and LoRA adapters export to PEFT with the names PEFT ex
 from __future__ import annotations
 
 import dataclasses
-import numbers
+import functools
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -16,119 +16,62 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.rope import rope
+from pallas_kernels.rope import RopeFrequencies, rope
 
 from lowrank_jax.attention import get_attention
+from lowrank_jax.models.config import HIDDEN_ACTS, LAYER_TYPES, LlamaConfig
 from lowrank_jax.nn.factorized import FactorizedLinear, check_rank
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
-
-
-@dataclasses.dataclass
-class LlamaConfig:
-    """Architecture of the decoder.
-
-    ``projection`` is ``"dense"`` or ``"factorized"``; factorized layers get rank
-    ``round(rank_ratio · min(in, out))`` (at least 1). LoRA is added afterwards with
-    :func:`lowrank_jax.nn.apply_lora`. ``attention`` names an implementation registered in
-    :mod:`lowrank_jax.attention`, or gives one name per layer (a tuple of ``n_layers`` names,
-    e.g. from :func:`lowrank_jax.attention.register_sale_per_layer` for
-    per-layer SALE thresholds; the layers are then unrolled instead of scanned).
-    """
-
-    vocab_size: int = 256
-    d_model: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int = 4
-    head_dim: int | None = None
-    d_ff: int = 512
-    max_seq_len: int = 256
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = True
-    projection: str = "dense"
-    rank_ratio: float = 0.25
-    attention: str | tuple[str, ...] = "reference"
-    dtype: str = "float32"
-    param_dtype: str = "float32"
-
-    def __post_init__(self):
-        for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
-                    "max_seq_len"):
-            value = getattr(self, key)
-            least = 0 if key == "n_layers" else 1  # n_layers=0: the embedding-only shell
-            if not (isinstance(value, numbers.Integral) and not isinstance(value, bool)
-                    and value >= least):
-                raise ValueError(f"{key}={value!r} must be "
-                                 f"{'an integer >= 0' if least == 0 else 'a positive integer'}.")
-        for key in ("rope_theta", "norm_eps"):
-            if not getattr(self, key) > 0:
-                raise ValueError(f"{key}={getattr(self, key)!r} must be > 0.")
-        if self.head_dim is None:
-            if self.d_model % self.n_heads:
-                raise ValueError(
-                    f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; pick "
-                    f"n_heads dividing d_model (or set head_dim explicitly)."
-                )
-            self.head_dim = self.d_model // self.n_heads
-        if not (isinstance(self.head_dim, numbers.Integral) and self.head_dim >= 1):
-            raise ValueError(f"head_dim={self.head_dim!r} must be a positive integer.")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(
-                f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}."
-            )
-        if self.projection not in ("dense", "factorized"):
-            raise ValueError(
-                f"projection={self.projection!r} is unknown; use 'dense' or 'factorized' "
-                "(add LoRA with lowrank_jax.nn.apply_lora)."
-            )
-        if not 0.0 < self.rank_ratio <= 1.0:
-            raise ValueError(f"rank_ratio={self.rank_ratio} must lie in (0, 1].")
-        if isinstance(self.attention, list):  # e.g. read back from JSON / YAML
-            self.attention = tuple(self.attention)
-        if isinstance(self.attention, tuple) and len(self.attention) != self.n_layers:
-            raise ValueError(
-                f"attention has {len(self.attention)} per-layer names but n_layers="
-                f"{self.n_layers}; give one name per layer or a single name for all."
-            )
-
-    def attention_for(self, layer: int) -> str:
-        """The attention implementation name of decoder layer ``layer``."""
-        return self.attention if isinstance(self.attention, str) else self.attention[layer]
-
-    def rank_for(self, in_features: int, out_features: int) -> int:
-        return max(1, int(round(self.rank_ratio * min(in_features, out_features))))
-
-
-def _linear(cfg: LlamaConfig, d_in: int, d_out: int, rngs: nnx.Rngs, name: str):
+def _linear(cfg: LlamaConfig, d_in: int, d_out: int, rngs: nnx.Rngs, name: str,
+            use_bias: bool = False):
     dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
     if cfg.projection == "factorized":
         rank = cfg.rank_for(d_in, d_out)
         check_rank(rank, d_in, d_out, f"{name}: ")
-        return FactorizedLinear(d_in, d_out, rank, dtype=dtype, param_dtype=pdtype, rngs=rngs)
-    return nnx.Linear(d_in, d_out, use_bias=False, dtype=dtype, param_dtype=pdtype, rngs=rngs)
+        return FactorizedLinear(d_in, d_out, rank, use_bias=use_bias, dtype=dtype,
+                                param_dtype=pdtype, rngs=rngs)
+    return nnx.Linear(d_in, d_out, use_bias=use_bias, dtype=dtype, param_dtype=pdtype,
+                      rngs=rngs)
 
 
 class RMSNorm(nnx.Module):
-    """``x / rms(x) · weight`` computed in fp32 (parameter named ``weight`` as in HF)."""
+    """``x / rms(x) · (offset + weight)`` computed in fp32 (parameter named ``weight`` as in HF).
 
-    def __init__(self, dim: int, *, eps: float = 1e-5, param_dtype=jnp.float32):
+    ``offset=1`` is Gemma's form (weights stored near 0, initialised at 0)."""
+
+    def __init__(self, dim: int, *, eps: float = 1e-5, param_dtype=jnp.float32,
+                 offset: float = 0.0):
         self.eps = eps
-        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.offset = float(offset)
+        self.weight = nnx.Param(jnp.full((dim,), 1.0 - self.offset, param_dtype))
 
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (normed * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+        weight = self.weight[...].astype(jnp.float32)
+        if self.offset:
+            weight = weight + self.offset
+        return (normed * weight).astype(x.dtype)
 
 
-def apply_rope(x: Float[Array, "b t h d"], positions: Int[Array, "b t"], theta: float):
+def apply_rope(x: Float[Array, "b t h d"], positions: Int[Array, "b t"],
+               theta: float | RopeFrequencies):
     """Rotary embedding in the HF "rotate half" pairing (dims ``i`` and ``i + d/2``), computed in
     fp32 and returned in ``x``'s dtype: the package's one RoPE, :func:`pallas_kernels.rope.rope`
-    (the kernels cannot import the library, so the library uses theirs)."""
-    return rope(x, positions, theta, dtype=x.dtype)
+    (the kernels cannot import the library, so the library uses theirs).
+
+    ``theta`` is a base, or a layer's :class:`~pallas_kernels.rope.RopeFrequencies`
+    (:meth:`LlamaConfig.rope_for`: scaled, partial or longrope frequencies)."""
+    if not isinstance(theta, RopeFrequencies):
+        return rope(x, positions, theta, dtype=x.dtype)
+    inv = theta.inv_freq
+    if theta.long_inv_freq is not None:  # longrope: long factors once a position passes old_ctx
+        long = jnp.max(positions) >= theta.original_max_position_embeddings
+        inv = jnp.where(long, theta.long_inv_freq, theta.inv_freq)
+    return rope(x, positions, dtype=x.dtype, inv_freq=inv,
+                attention_scaling=theta.attention_scaling)
 
 
 class KVProvider:
@@ -263,19 +206,39 @@ class Attention(nnx.Module):
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         d, h, hk, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.q_proj = _linear(cfg, d, h * hd, rngs, "q_proj")
-        self.k_proj = _linear(cfg, d, hk * hd, rngs, "k_proj")
-        self.v_proj = _linear(cfg, d, hk * hd, rngs, "v_proj")
-        self.o_proj = _linear(cfg, h * hd, d, rngs, "o_proj")
+        self.q_proj = _linear(cfg, d, h * hd, rngs, "q_proj", cfg.qkv_bias)
+        self.k_proj = _linear(cfg, d, hk * hd, rngs, "k_proj", cfg.qkv_bias)
+        self.v_proj = _linear(cfg, d, hk * hd, rngs, "v_proj", cfg.qkv_bias)
+        self.o_proj = _linear(cfg, h * hd, d, rngs, "o_proj", cfg.o_bias)
+        if cfg.qk_norm:  # per-head norms of q and k before RoPE (Qwen3, Gemma 3)
+            pdt = jnp.dtype(cfg.param_dtype)
+            self.q_norm = RMSNorm(hd, eps=cfg.norm_eps, param_dtype=pdt, offset=cfg.norm_offset)
+            self.k_norm = RMSNorm(hd, eps=cfg.norm_eps, param_dtype=pdt, offset=cfg.norm_offset)
 
     def qkv(self, x):
-        """Pre-RoPE ``q [b,t,h,d]``, ``k``, ``v [b,t,hk,d]``."""
+        """Pre-RoPE ``q [b,t,h,d]``, ``k``, ``v [b,t,hk,d]`` (after the q/k norms if any)."""
         cfg = self.cfg
         b, t, _ = x.shape
         q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj))
-        return (q.reshape(b, t, cfg.n_heads, cfg.head_dim),
-                k.reshape(b, t, cfg.n_kv_heads, cfg.head_dim),
-                v.reshape(b, t, cfg.n_kv_heads, cfg.head_dim))
+        q = q.reshape(b, t, cfg.n_heads, cfg.head_dim)
+        k = k.reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v.reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
+
+    def attention_fn(self, layer_idx: int):
+        """The dispatcher's implementation for this layer, with the layer's window, soft-cap
+        and score scale bound (keywords passed only when set)."""
+        cfg = self.cfg
+        attend = get_attention(cfg.attention_for(layer_idx))
+        extra = {}
+        if cfg.window_for(layer_idx) is not None:
+            extra["window"] = int(cfg.window_for(layer_idx))
+        if cfg.attn_logit_softcap is not None:
+            extra["logit_softcap"] = float(cfg.attn_logit_softcap)
+        if cfg.query_pre_attn_scalar is not None:
+            extra["scale"] = float(cfg.query_pre_attn_scalar) ** -0.5
+        return functools.partial(attend, **extra) if extra else attend
 
     def __call__(self, x, positions, *, kv: KVProvider | None = None, layer_data=None,
                  layer_idx=0):
@@ -284,31 +247,50 @@ class Attention(nnx.Module):
         b, t, _ = x.shape
         kv = CausalKV() if kv is None else kv
         q, k, v = self.qkv(x)
-        q_rot = apply_rope(q, positions, cfg.rope_theta)
-        k_rot = apply_rope(k, positions, cfg.rope_theta)
-        attend = get_attention(cfg.attention_for(layer_idx))
-        out, update = kv.attend(layer_idx, layer_data, q_rot, k_rot, v, k, attend)
+        freqs = cfg.rope_for(layer_idx)
+        plain = (freqs.long_inv_freq is None and freqs.attention_scaling == 1.0
+                 and not cfg.rope_scaling and cfg.partial_rotary_factor == 1.0
+                 and cfg.rope_local_theta is None)
+        theta = cfg.rope_theta if plain else freqs  # plain RoPE: today's exact computation
+        q_rot = apply_rope(q, positions, theta)
+        k_rot = apply_rope(k, positions, theta)
+        out, update = kv.attend(layer_idx, layer_data, q_rot, k_rot, v, k,
+                                self.attention_fn(layer_idx))
         out = out.reshape(b, t, cfg.n_heads * cfg.head_dim).astype(x.dtype)
         return self.o_proj(out), update
 
 
 class MLP(nnx.Module):
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
+        self.act = cfg.hidden_act
         self.gate_proj = _linear(cfg, cfg.d_model, cfg.d_ff, rngs, "gate_proj")
         self.up_proj = _linear(cfg, cfg.d_model, cfg.d_ff, rngs, "up_proj")
         self.down_proj = _linear(cfg, cfg.d_ff, cfg.d_model, rngs, "down_proj")
 
     def __call__(self, x):
         gate, up = project(x, (self.gate_proj, self.up_proj))
-        return self.down_proj(jax.nn.silu(gate) * up)
+        return self.down_proj(HIDDEN_ACTS[self.act](gate) * up)
 
 
 class DecoderLayer(nnx.Module):
+    """Pre-norm block ``x + attn(norm(x))``, ``x + mlp(norm(x))``.
+
+    With ``cfg.sandwich_norms`` (Gemma 2/3) the attention and MLP outputs are normalised too,
+    and the HF names move: ``post_attention_layernorm`` normalises the attention output and
+    ``pre_feedforward_layernorm`` / ``post_feedforward_layernorm`` wrap the MLP.
+    """
+
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
         pdt = jnp.dtype(cfg.param_dtype)
-        self.input_layernorm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt)
+        norm = functools.partial(RMSNorm, cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt,
+                                 offset=cfg.norm_offset)
+        self.sandwich = bool(cfg.sandwich_norms)
+        self.input_layernorm = norm()
         self.self_attn = Attention(cfg, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt)
+        self.post_attention_layernorm = norm()
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
         self.mlp = MLP(cfg, rngs=rngs)
 
     def __call__(self, x, positions=None, *, kv: KVProvider | None = None, layer_data=None,
@@ -320,6 +302,10 @@ class DecoderLayer(nnx.Module):
             positions = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
         h, update = self.self_attn(self.input_layernorm(x), positions, kv=kv,
                                    layer_data=layer_data, layer_idx=layer_idx)
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(h)
+            x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+            return x, update
         x = x + h
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, update
@@ -351,6 +337,11 @@ def run_layers(layers, x, positions, kv: KVProvider):
         def body(x, xs):
             layer_state, layer_data = xs
             layer = nnx.merge(layers.graph, layer_state)
+            cfg = getattr(getattr(layer, "self_attn", None), "cfg", None)
+            if cfg is not None and not cfg.uniform_layers:
+                raise ValueError(
+                    "the decoder layers differ (layer_types / per-layer attention); run them "
+                    "unrolled (prepare(model, scan_layers=False) does so by itself).")
             return layer(x, positions, kv=kv, layer_data=layer_data, layer_idx=0)
 
         x, updates = jax.lax.scan(body, x, (layers.state, data))
@@ -365,22 +356,36 @@ def run_layers(layers, x, positions, kv: KVProvider):
     return x, kv.advance(updates, t)
 
 
-def decoder_forward(embed, layers, norm, tokens, positions=None, *, cache=None, dtype="float32"):
-    """Embed → :func:`run_layers` → final norm: hidden states ``[b, t, d]`` and the new cache."""
+def decoder_forward(embed, layers, norm, tokens, positions=None, *, cache=None, dtype="float32",
+                    embed_scale: float | None = None):
+    """Embed (× ``embed_scale``, Gemma's ``sqrt(d)`` in the compute dtype) → :func:`run_layers`
+    → final norm: hidden states ``[b, t, d]`` and the new cache."""
     kv = as_provider(cache)
     b, t = tokens.shape
     if positions is None:
         positions = kv.positions(b, t)
     x = embed(tokens).astype(jnp.dtype(dtype))
+    if embed_scale is not None:
+        x = x * jnp.asarray(embed_scale, x.dtype)
     x, new_cache = run_layers(layers, x, positions, kv)
     return norm(x), new_cache
 
 
-def lm_logits(x, embed, lm_head=None):
-    """fp32 logits from final hidden states (tied embeddings when ``lm_head`` is ``None``)."""
+def lm_logits(x, embed, lm_head=None, softcap: float | None = None):
+    """fp32 logits from final hidden states (tied embeddings when ``lm_head`` is ``None``),
+    soft-capped ``c · tanh(logits / c)`` when ``softcap`` is set (Gemma 2)."""
     if lm_head is None:
-        return x.astype(jnp.float32) @ embed.embedding[...].astype(jnp.float32).T
-    return lm_head(x).astype(jnp.float32)
+        logits = x.astype(jnp.float32) @ embed.embedding[...].astype(jnp.float32).T
+    else:
+        logits = lm_head(x).astype(jnp.float32)
+    if softcap is not None:
+        logits = softcap * jnp.tanh(logits / softcap)
+    return logits
+
+
+def embedding_scale(cfg: LlamaConfig) -> float | None:
+    """``sqrt(d_model)`` when ``cfg.embed_scale`` (Gemma), else ``None``."""
+    return float(cfg.d_model) ** 0.5 if cfg.embed_scale else None
 
 
 class Llama(nnx.Module):
@@ -414,7 +419,8 @@ class Llama(nnx.Module):
             embedding_init=nnx.initializers.normal(stddev=0.02),
         )
         self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
-        self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt)
+        self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt,
+                            offset=cfg.norm_offset)
         if cfg.tie_embeddings:
             self.lm_head = nnx.data(None)
         else:
@@ -424,10 +430,11 @@ class Llama(nnx.Module):
     def hidden_states(self, tokens, positions=None, *, cache=None):
         """Final-norm hidden states ``[b, t, d]`` and the updated cache."""
         return decoder_forward(self.embed_tokens, list(self.layers), self.norm, tokens,
-                               positions, cache=cache, dtype=self.cfg.dtype)
+                               positions, cache=cache, dtype=self.cfg.dtype,
+                               embed_scale=embedding_scale(self.cfg))
 
     def logits_from_hidden(self, x):
-        return lm_logits(x, self.embed_tokens, self.lm_head)
+        return lm_logits(x, self.embed_tokens, self.lm_head, self.cfg.final_logit_softcap)
 
     def __call__(
         self,
@@ -452,9 +459,16 @@ def projections(model: Llama) -> list[tuple[int, str, nnx.Module, nnx.Module]]:
 
 
 def layer_norms(model: Llama) -> list[tuple[int, str, nnx.Module]]:
-    """``(layer, name, module)`` for the two RMSNorms of every decoder layer."""
-    return [(i, name, getattr(layer, name)) for i, layer in enumerate(model.layers)
-            for name in ("input_layernorm", "post_attention_layernorm")]
+    """``(layer, name, module)`` for the RMSNorms of every decoder layer (two, four with
+    sandwich norms, and ``self_attn.q_norm`` / ``self_attn.k_norm`` with q/k norms)."""
+    names = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+             "post_feedforward_layernorm")
+    out = []
+    for i, layer in enumerate(model.layers):
+        out += [(i, name, getattr(layer, name)) for name in names if hasattr(layer, name)]
+        out += [(i, f"self_attn.{name}", getattr(layer.self_attn, name))
+                for name in ("q_norm", "k_norm") if hasattr(layer.self_attn, name)]
+    return out
 
 
 def replace_projections(
@@ -521,7 +535,8 @@ def count_params(model: nnx.Module) -> int:
     return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
-__all__ = ["ATTENTION_PROJECTIONS", "CausalKV", "KVCache", "KVProvider", "Llama", "LlamaConfig",
-           "PROJECTIONS", "RMSNorm", "ScannedLayers", "apply_rope", "as_provider", "count_params",
-           "decoder_forward", "layer_norms", "lm_logits", "project", "projections",
-           "replace_projections", "run_layers", "with_attention"]
+__all__ = ["ATTENTION_PROJECTIONS", "HIDDEN_ACTS", "LAYER_TYPES", "CausalKV", "KVCache",
+           "KVProvider", "Llama", "LlamaConfig", "PROJECTIONS", "RMSNorm", "ScannedLayers",
+           "apply_rope", "as_provider", "count_params", "decoder_forward", "embedding_scale",
+           "layer_norms", "lm_logits", "project", "projections", "replace_projections",
+           "run_layers", "with_attention"]

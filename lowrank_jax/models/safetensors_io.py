@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Mapping
+from typing import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -27,119 +27,42 @@ from flax import nnx
 
 from lowrank_jax.models.llama import DecoderLayer, Llama, LlamaConfig
 
-# Names of the per-layer tensors in HF's LlamaForCausalLM (torch layout [out, in]).
-_LAYER_LINEARS = {
-    "self_attn.q_proj": ("self_attn", "q_proj"),
-    "self_attn.k_proj": ("self_attn", "k_proj"),
-    "self_attn.v_proj": ("self_attn", "v_proj"),
-    "self_attn.o_proj": ("self_attn", "o_proj"),
-    "mlp.gate_proj": ("mlp", "gate_proj"),
-    "mlp.up_proj": ("mlp", "up_proj"),
-    "mlp.down_proj": ("mlp", "down_proj"),
-}
-_LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
+from lowrank_jax.models.families import (  # noqa: F401  (re-exported: the loaders' API)
+    SUPPORTED_MODEL_TYPES, config_from_hf, config_to_hf, fuse_for_family, hf_tensor_names,
+    split_fused, text_tensors)
+
 # Tensors a checkpoint may carry that the model recomputes (safe to ignore).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-SUPPORTED_MODEL_TYPES = ("llama",)
-
-
-def config_from_hf(hf: Mapping[str, Any], *, source: str = "config.json") -> LlamaConfig:
-    """Translate a HF ``LlamaConfig`` dictionary into our :class:`LlamaConfig`.
-
-    Args:
-        hf: the parsed ``config.json``.
-        source: where it came from (named in error messages).
-
-    Returns:
-        A dense :class:`LlamaConfig` in float32.
-
-    Example::
-
-        >>> cfg = config_from_hf({"model_type": "llama", "vocab_size": 64, "hidden_size": 16,
-        ...     "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 32})
-        >>> cfg.n_kv_heads, cfg.head_dim
-        (2, 8)
-    """
-    model_type = hf.get("model_type")
-    archs = hf.get("architectures") or []
-    if model_type not in SUPPORTED_MODEL_TYPES and "LlamaForCausalLM" not in archs:
-        raise ValueError(
-            f"{source}: model_type={model_type!r} (architectures={archs}) is not Llama-family; "
-            f"only {SUPPORTED_MODEL_TYPES} checkpoints (LlamaForCausalLM) can be loaded."
-        )
-    scaling = hf.get("rope_scaling")
-    if scaling and (scaling.get("rope_type") or scaling.get("type")) not in (None, "default"):
-        raise ValueError(
-            f"{source}: rope_scaling={scaling} is not supported; only plain RoPE "
-            "(rope_scaling=null) checkpoints load."
-        )
-    for flag in ("attention_bias", "mlp_bias"):
-        if hf.get(flag):
-            raise ValueError(f"{source}: {flag}=true is not supported (the model has no biases).")
-    try:
-        n_heads = int(hf["num_attention_heads"])
-        d_model = int(hf["hidden_size"])
-        return LlamaConfig(
-            vocab_size=int(hf["vocab_size"]),
-            d_model=d_model,
-            n_layers=int(hf["num_hidden_layers"]),
-            n_heads=n_heads,
-            n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
-            head_dim=int(hf.get("head_dim") or d_model // n_heads),
-            d_ff=int(hf["intermediate_size"]),
-            max_seq_len=int(hf.get("max_position_embeddings", 2048)),
-            rope_theta=float(hf.get("rope_theta", 10000.0)),
-            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        )
-    except KeyError as err:
-        raise ValueError(f"{source}: required field {err.args[0]!r} is missing.") from None
-
-
-def config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
-    """The HF ``config.json`` dictionary for ``cfg`` (inverse of :func:`config_from_hf`)."""
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.d_model,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.head_dim,
-        "intermediate_size": cfg.d_ff,
-        "max_position_embeddings": cfg.max_seq_len,
-        "rope_theta": cfg.rope_theta,
-        "rms_norm_eps": cfg.norm_eps,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "hidden_act": "silu",
-        "rope_scaling": None,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "torch_dtype": cfg.param_dtype,
-    }
 
 
 def _expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    d, hd, ff = cfg.d_model, cfg.head_dim, cfg.d_ff
-    per_layer = {
-        "self_attn.q_proj": (cfg.n_heads * hd, d),
-        "self_attn.k_proj": (cfg.n_kv_heads * hd, d),
-        "self_attn.v_proj": (cfg.n_kv_heads * hd, d),
-        "self_attn.o_proj": (d, cfg.n_heads * hd),
-        "mlp.gate_proj": (ff, d),
-        "mlp.up_proj": (ff, d),
-        "mlp.down_proj": (d, ff),
-    }
-    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, d), "model.norm.weight": (d,)}
-    for i in range(cfg.n_layers):
-        for name, shape in per_layer.items():
-            shapes[f"model.layers.{i}.{name}.weight"] = shape
-        for norm in _LAYER_NORMS:
-            shapes[f"model.layers.{i}.{norm}.weight"] = (d,)
-    if not cfg.tie_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, d)
-    return shapes
+    return hf_tensor_names(cfg)
+
+
+def _parameter_map(model: Llama):
+    """``(HF name, variable holder, attribute, transpose)`` for every tensor of ``model``."""
+    out = [("model.embed_tokens.weight", model.embed_tokens, "embedding", False),
+           ("model.norm.weight", model.norm, "weight", False)]
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm"):
+            if hasattr(layer, name):
+                out.append((p + name + ".weight", getattr(layer, name), "weight", False))
+        attn = layer.self_attn
+        for name in ("q_norm", "k_norm"):
+            if hasattr(attn, name):
+                out.append((p + f"self_attn.{name}.weight", getattr(attn, name), "weight", False))
+        for block, names in (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+                             ("mlp", ("gate_proj", "up_proj", "down_proj"))):
+            for name in names:
+                linear = getattr(getattr(layer, block), name)
+                out.append((p + f"{block}.{name}.weight", linear, "kernel", True))
+                if getattr(linear, "bias", None) is not None:
+                    out.append((p + f"{block}.{name}.bias", linear, "bias", False))
+    if model.lm_head is not None:
+        out.append(("lm_head.weight", model.lm_head, "kernel", True))
+    return out
 
 
 def abstract_llama(cfg: LlamaConfig) -> Llama:
@@ -149,7 +72,8 @@ def abstract_llama(cfg: LlamaConfig) -> Llama:
     (``nnx.merge`` of its graph with a fresh copy of its abstract state), so building the shell of
     a 30-layer model costs about as much as one layer.
     """
-    shell = nnx.eval_shape(lambda: Llama(dataclasses.replace(cfg, n_layers=0), rngs=nnx.Rngs(0)))
+    empty = dataclasses.replace(cfg, n_layers=0, layer_types=None, attention="reference")
+    shell = nnx.eval_shape(lambda: Llama(empty, rngs=nnx.Rngs(0)))
     shell.cfg = cfg
     layer = nnx.eval_shape(lambda: DecoderLayer(cfg, rngs=nnx.Rngs(0)))
     graph, state = nnx.split(layer)
@@ -194,6 +118,7 @@ def llama_from_state_dict(
             "factorize with lowrank_jax.hub.factorize_projections."
         )
     expected = _expected_shapes(cfg)
+    tensors = split_fused(cfg, text_tensors(tensors), source=source)
     extra = [
         k for k in tensors
         if k not in expected and not k.endswith(_IGNORED_SUFFIXES)
@@ -202,8 +127,8 @@ def llama_from_state_dict(
     if extra:
         raise ValueError(
             f"{source}: unexpected tensors {sorted(extra)[:4]} (total {len(extra)}) for a "
-            "Llama model: the checkpoint is not a plain LlamaForCausalLM (biases? another "
-            "architecture?)."
+            f"{cfg.family} model with this config: config and checkpoint disagree (biases? "
+            "norms? another architecture?)."
         )
     pdt = jnp.dtype(cfg.param_dtype)
     model = abstract_llama(cfg)
@@ -218,21 +143,18 @@ def llama_from_state_dict(
                 f"{source}: tensor {name!r} has shape {tuple(value.shape)}, expected "
                 f"{expected[name]} from the config; config and weights do not match."
             )
+        value = np.asarray(value, np.float32)
+        if not np.isfinite(value).all():
+            raise ValueError(
+                f"{source}: tensor {name!r} holds non-finite values (NaN or inf, "
+                f"{int((~np.isfinite(value)).sum())} of {value.size}); the checkpoint is "
+                "corrupt or was saved after a diverged step.")
         return value
 
-    def put(variable, array: np.ndarray) -> None:
-        variable.set_value(jnp.asarray(np.asarray(array, np.float32), dtype=pdt))
-
-    put(model.embed_tokens.embedding, fetch("model.embed_tokens.weight"))
-    put(model.norm.weight, fetch("model.norm.weight"))
-    for i, layer in enumerate(model.layers):
-        prefix = f"model.layers.{i}."
-        for norm in _LAYER_NORMS:
-            put(getattr(layer, norm).weight, fetch(prefix + norm + ".weight"))
-        for name, (block, proj) in _LAYER_LINEARS.items():
-            put(getattr(getattr(layer, block), proj).kernel, fetch(prefix + name + ".weight").T)
-    if not cfg.tie_embeddings:
-        put(model.lm_head.kernel, fetch("lm_head.weight").T)
+    for name, holder, attribute, transpose in _parameter_map(model):
+        value = fetch(name)
+        getattr(holder, attribute).set_value(jnp.asarray(value.T if transpose else value,
+                                                         dtype=pdt))
     return model
 
 
@@ -249,29 +171,25 @@ def _dense_kernel(linear) -> np.ndarray:
 
 
 def state_dict_from_llama(model: Llama) -> dict[str, np.ndarray]:
-    """HF-named numpy arrays (torch ``[out, in]`` layout) for ``model``.
+    """HF-named numpy arrays (torch ``[out, in]`` layout, projections unfused) for ``model``.
 
     Factorized projections are exported as their product ``a @ b`` and LoRA projections with
-    the adapter merged in, so any variant saves as a plain ``LlamaForCausalLM``.
+    the adapter merged in, so any variant saves as its family's plain HF model.
     """
-    out = {
-        "model.embed_tokens.weight": np.asarray(model.embed_tokens.embedding[...]),
-        "model.norm.weight": np.asarray(model.norm.weight[...]),
-    }
-    for i, layer in enumerate(model.layers):
-        prefix = f"model.layers.{i}."
-        for norm in _LAYER_NORMS:
-            out[prefix + norm + ".weight"] = np.asarray(getattr(layer, norm).weight[...])
-        for name, (block, proj) in _LAYER_LINEARS.items():
-            kernel = _dense_kernel(getattr(getattr(layer, block), proj))
-            out[prefix + name + ".weight"] = np.ascontiguousarray(kernel.T)
-    if model.lm_head is not None:
-        out["lm_head.weight"] = np.ascontiguousarray(_dense_kernel(model.lm_head).T)
+    out = {}
+    for name, holder, attribute, transpose in _parameter_map(model):
+        if attribute == "kernel":
+            out[name] = np.ascontiguousarray(_dense_kernel(holder).T)
+        else:
+            out[name] = np.asarray(getattr(holder, attribute)[...])
     return out
 
 
 def save_hf_checkpoint(model: Llama, folder: str | os.PathLike, *, tokenizer=None) -> str:
-    """Write ``model`` as a HF ``LlamaForCausalLM`` folder (config.json + model.safetensors).
+    """Write ``model`` as its family's HF folder (config.json + model.safetensors).
+
+    ``model.cfg.family`` names the HF class (``LlamaForCausalLM``, ``Qwen3ForCausalLM``, ...);
+    Phi-3's projections are fused back into ``qkv_proj`` / ``gate_up_proj``.
 
     Args:
         model: a :class:`Llama` (dense, factorized or with LoRA: exported as dense weights).
@@ -296,7 +214,7 @@ def save_hf_checkpoint(model: Llama, folder: str | os.PathLike, *, tokenizer=Non
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config_to_hf(model.cfg), f, indent=2)
-    tensors = state_dict_from_llama(model)
+    tensors = fuse_for_family(model.cfg, state_dict_from_llama(model))
     save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
     if tokenizer is not None and hasattr(tokenizer, "save"):
         tokenizer.save(folder)
@@ -340,7 +258,8 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
 def load_hf_checkpoint(
     folder: str | os.PathLike, *, dtype: str = "float32", attention: str = "reference"
 ) -> Llama:
-    """Load a HF Llama folder (``config.json`` + one or sharded ``*.safetensors``).
+    """Load a HF folder of a supported family (``config.json`` + one or sharded
+    ``*.safetensors``; see :mod:`lowrank_jax.models.families`).
 
     Args:
         folder: the checkpoint directory.
@@ -369,6 +288,9 @@ def load_hf_checkpoint(
     tensors: dict[str, np.ndarray] = {}
     for path in _safetensors_files(folder):
         tensors.update(read_safetensors(path))
+    tensors = text_tensors(tensors)
+    if not cfg.tie_embeddings and "lm_head.weight" not in tensors:
+        cfg.tie_embeddings = True  # save_pretrained drops lm_head.weight when tied
     return llama_from_state_dict(cfg, tensors, source=folder)
 
 

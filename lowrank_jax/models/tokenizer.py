@@ -10,9 +10,14 @@ merges are applied in rank order. The vocabulary and merges come either from GGU
 (``tokenizer.ggml.tokens``, ``tokenizer.ggml.merges``, ``tokenizer.ggml.token_type``) or from a
 HF ``tokenizer.json``; the ``tokenizers`` package runs the algorithm.
 
-Chat format: ChatML (``<|im_start|>role\\ncontent<|im_end|>\\n``), the template SmolLM2 ships;
-the default system prompt is read from the stored Jinja template when it has one (DERIVED: we
-recognise the ChatML template rather than run Jinja, which is not a dependency).
+Chat format: the model's own template. ChatML (``<|im_start|>role\\ncontent<|im_end|>\\n``, the
+template SmolLM2 and Qwen ship) is recognised and rendered directly, with the default system
+prompt read from the stored Jinja template when it has one; any other stored template (Llama 3,
+Gemma, Mistral, Phi-3) is rendered with Jinja as transformers renders it
+(:func:`render_chat_template`: sandboxed, ``trim_blocks``/``lstrip_blocks``, ``bos_token`` /
+``eos_token`` and ``raise_exception`` defined). :attr:`BPETokenizer.stop_ids` adds the
+end-of-turn tokens these templates use (``<|eot_id|>``, ``<end_of_turn>``, ``<|end|>``) to the
+end token, and :meth:`BPETokenizer.encode` does not add a second BOS to text that starts with it.
 """
 
 from __future__ import annotations
@@ -26,6 +31,74 @@ IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 # a model folder holding this file is a byte-level model: its tokens are bytes (no tokenizer.json)
 BYTE_TOKENIZER_FILE = "byte_tokenizer.json"
 _GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4
+#: End-of-turn tokens of the chat templates (generation stops at them as at the end token).
+END_OF_TURN_TOKENS = (IM_END, "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|end|>")
+
+
+def is_chatml(template: str | None) -> bool:
+    """Whether a stored chat template is ChatML (rendered without Jinja)."""
+    return bool(template) and IM_START in template and IM_END in template
+
+
+def render_chat_template(
+    template: str,
+    messages: Sequence[Mapping[str, str]],
+    *,
+    add_generation_prompt: bool = True,
+    bos_token: str | None = None,
+    eos_token: str | None = None,
+) -> str:
+    """Render a stored Jinja chat template as transformers' ``apply_chat_template`` does.
+
+    Args:
+        template: the ``chat_template`` string of ``tokenizer_config.json`` / GGUF metadata.
+        messages: ``{"role", "content"}`` dicts.
+        add_generation_prompt: end with the assistant turn's header.
+        bos_token, eos_token: the special tokens' text (templates insert them).
+
+    Returns:
+        The prompt text.
+
+    Example::
+
+        >>> render_chat_template(
+        ...     "{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
+        ...     "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}",
+        ...     [{"role": "user", "content": "Hi"}], bos_token="<s>")
+        '<s><user>Hi<assistant>'
+    """
+    try:
+        import jinja2
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        raise ValueError("this model's chat template is Jinja (not ChatML); rendering it needs "
+                         "jinja2: pip install jinja2 (or pass the prompt with --raw).") from None
+    from datetime import datetime
+
+    def raise_exception(message):
+        raise ValueError(f"chat template: {message}")
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                          separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
+            raise ValueError(
+                f"messages[{i}]={message!r} must be a dict with 'role' and 'content' keys.")
+    try:
+        compiled = env.from_string(template)
+    except jinja2.TemplateError as err:
+        raise ValueError(f"chat template does not parse ({err}).") from None
+    return compiled.render(messages=[dict(m) for m in messages],
+                           add_generation_prompt=add_generation_prompt,
+                           bos_token=bos_token or "", eos_token=eos_token or "")
 
 
 def _default_system_prompt(template: str | None) -> str | None:
@@ -203,13 +276,25 @@ class BPETokenizer:
             json.dump(config, f, indent=2)
 
     def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
-        """Token ids of ``text`` (special tokens such as ``<|im_start|>`` are recognised)."""
+        """Token ids of ``text`` (special tokens such as ``<|im_start|>`` are recognised; no
+        second BOS when the text already starts with it, as a rendered chat template does)."""
         if not isinstance(text, str):
             raise ValueError(f"text must be a str, got {type(text).__name__}.")
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
-        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+        if ((self.add_bos if add_bos is None else add_bos) and self.bos_id is not None
+                and ids[:1] != [self.bos_id]):
             ids = [self.bos_id] + ids
         return ids
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The end token and the chat templates' end-of-turn tokens this vocabulary has."""
+        ids = [] if self.eos_id is None else [self.eos_id]
+        for token in END_OF_TURN_TOKENS:
+            i = self.tokenizer.token_to_id(token)
+            if i is not None and i not in ids:
+                ids.append(i)
+        return tuple(ids)
 
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = False) -> str:
         """Text of ``ids``."""
@@ -222,7 +307,16 @@ class BPETokenizer:
     def apply_chat_template(
         self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True
     ) -> str:
-        """ChatML prompt text (with the template's default system prompt when it has one)."""
+        """The prompt text in the model's chat format: ChatML (with the template's default
+        system prompt when it has one) or the stored Jinja template
+        (:func:`render_chat_template`); ChatML when the model stores none."""
+        if self.chat_template and not is_chatml(self.chat_template):
+            def text(i):
+                return None if i is None else self.tokenizer.id_to_token(i)
+
+            return render_chat_template(self.chat_template, messages,
+                                        add_generation_prompt=add_generation_prompt,
+                                        bos_token=text(self.bos_id), eos_token=text(self.eos_id))
         return chatml(
             messages,
             add_generation_prompt=add_generation_prompt,
@@ -246,6 +340,12 @@ class ByteTokenizer:
     bos_id: int | None = None
     eos_id: int | None = None
     chat_template = None
+
+    def save(self, folder: str | os.PathLike) -> None:
+        """Write the byte-level marker :data:`BYTE_TOKENIZER_FILE` (what
+        :func:`folder_tokenizer` reads back as a :class:`ByteTokenizer`)."""
+        with open(os.path.join(os.fspath(folder), BYTE_TOKENIZER_FILE), "w") as f:
+            json.dump({"tokenizer": "bytes", "vocab_size": 256}, f)
 
     def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
         del add_bos
@@ -294,5 +394,6 @@ def folder_tokenizer(folder: str | os.PathLike):
     return None
 
 
-__all__ = ["BYTE_TOKENIZER_FILE", "BPETokenizer", "ByteTokenizer", "chatml", "folder_tokenizer",
+__all__ = ["BYTE_TOKENIZER_FILE", "BPETokenizer", "ByteTokenizer", "END_OF_TURN_TOKENS", "chatml",
+           "folder_tokenizer", "is_chatml", "render_chat_template",
            "tokenizer_from_gguf_metadata"]

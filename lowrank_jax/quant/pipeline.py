@@ -31,6 +31,7 @@ from lowrank_jax.models.llama import (
     ATTENTION_PROJECTIONS,
     PROJECTIONS,
     Llama,
+    embedding_scale,
     projections,
     replace_projections,
 )
@@ -57,20 +58,22 @@ METHOD_BITS = {"unisvq": UNISVQ_BITS, "rtn": (2, 3, 4, 8), "kmeans": (2,), "sq-l
 
 class _BlockApply:
     """Hashable ``(params, frozen, x) -> block(x)`` for one decoder-block structure, so the jitted
-    fine-tuning step compiles once for all blocks with the same graph."""
+    fine-tuning step compiles once for all blocks with the same graph (and layer index: it picks
+    the layer's window and RoPE base when the layers differ, e.g. Gemma 2/3)."""
 
-    def __init__(self, graph):
-        self.graph = graph
+    def __init__(self, graph, layer_idx: int = 0):
+        self.graph, self.layer_idx = graph, layer_idx
 
     def __hash__(self):  # GraphDef holds an unhashable LlamaConfig; equality decides
-        return hash(type(self.graph).__name__)
+        return hash((type(self.graph).__name__, self.layer_idx))
 
     def __eq__(self, other):
-        return isinstance(other, _BlockApply) and self.graph == other.graph
+        return (isinstance(other, _BlockApply) and self.graph == other.graph
+                and self.layer_idx == other.layer_idx)
 
     def __call__(self, params, frozen, x):
         block = nnx.merge(self.graph, params[0], params[1], frozen)
-        return block(x)[0]
+        return block(x, layer_idx=self.layer_idx)[0]
 
 
 def _scale_affine_labels(params):
@@ -78,12 +81,14 @@ def _scale_affine_labels(params):
             jax.tree.map(lambda _: "affine", params[1]))
 
 
-def _layer_outputs(layer, x: Array, chunk: int) -> Array:
+def _layer_outputs(layer, x: Array, chunk: int, layer_idx: int = 0) -> Array:
     """The decoder block applied to ``x`` in chunks of ``chunk`` sequences (positions 0..t-1)."""
-    return jnp.concatenate([layer(x[s:s + chunk])[0] for s in range(0, x.shape[0], chunk)])
+    return jnp.concatenate([layer(x[s:s + chunk], layer_idx=layer_idx)[0]
+                            for s in range(0, x.shape[0], chunk)])
 
 
-def _capture_hessians(layer, x: Array, chunk: int) -> tuple[Array, dict[str, Array]]:
+def _capture_hessians(layer, x: Array, chunk: int,
+                      layer_idx: int = 0) -> tuple[Array, dict[str, Array]]:
     """FP block output and ``E[x xᵀ]`` (undamped) of the input of every projection."""
     sums: dict[str, list] = {}
 
@@ -95,7 +100,7 @@ def _capture_hessians(layer, x: Array, chunk: int) -> tuple[Array, dict[str, Arr
 
     paths = [f"{'self_attn' if p in ATTENTION_PROJECTIONS else 'mlp'}/{p}" for p in PROJECTIONS]
     with capture(layer, paths, keep_inputs=False, sink=sink):
-        y = _layer_outputs(layer, x, chunk)
+        y = _layer_outputs(layer, x, chunk, layer_idx)
     return y, {name: total / count for name, (total, count) in sums.items()}
 
 
@@ -177,6 +182,13 @@ def quantize_model(
                 f"calib_tokens has shape {calib_tokens.shape}; expected [n_seq, seq_len]."
             )
 
+    biased = [f"layers/{i}/{name}" for i, name, _, lin in projections(model)
+              if getattr(lin, "bias", None) is not None]
+    if biased:
+        raise ValueError(
+            f"quantize_model: {biased[0]} (and {len(biased) - 1} more) has a bias (e.g. Qwen2's "
+            f"q/k/v), which the bias-free {method} layers would drop; quantize a model without "
+            "projection biases.")
     start = time.perf_counter()
     blocks_report = []
     total_bits = total_weights = 0.0
@@ -184,6 +196,10 @@ def quantize_model(
     unfinetuned = {}
     if method in CALIBRATED:
         x = model.embed_tokens(calib_tokens).astype(jnp.dtype(model.cfg.dtype))
+        if embedding_scale(model.cfg) is not None:  # Gemma's sqrt(d), as the forward does
+            x = x * jnp.asarray(embedding_scale(model.cfg), x.dtype)
+    # the layer index picks each layer's window / RoPE base when the layers differ
+    index = (lambda i: 0) if model.cfg.uniform_layers else (lambda i: i)
     iterator = range(max(layers) + 1 if layers else 0)
     bar = None
     if progress:
@@ -194,7 +210,7 @@ def quantize_model(
         layer = model.layers[i]
         if i not in layers:
             if x is not None:
-                x = _layer_outputs(layer, x, chunk)
+                x = _layer_outputs(layer, x, chunk, index(i))
             continue
         t0 = time.perf_counter()
         info: dict[str, Any] = {"layer": i}
@@ -209,7 +225,7 @@ def quantize_model(
 
             replace_projections(model, to_rtn, layers=[i])
         else:
-            y, hessians = _capture_hessians(layer, x, chunk)
+            y, hessians = _capture_hessians(layer, x, chunk, index(i))
             info["seconds_calibrate"] = time.perf_counter() - t0
             def to_quantized(layer_index, proj, linear):
                 nonlocal total_bits, total_weights
@@ -242,8 +258,8 @@ def quantize_model(
                 unfinetuned[i] = jax.tree.map(jnp.copy, (scales, lattice))
             if cfg.finetune_steps > 0 and method in FINETUNED:
                 graph, scales, lattice, rest = nnx.split(layer, QuantScale, LatticeParam, ...)
-                best, ft = finetune_block(_BlockApply(graph), (scales, lattice), x, y, cfg,
-                                          frozen=rest, labels=_scale_affine_labels)
+                best, ft = finetune_block(_BlockApply(graph, index(i)), (scales, lattice), x, y,
+                                          cfg, frozen=rest, labels=_scale_affine_labels)
                 nnx.update(layer, best[0], best[1])
                 info.update(ft)
             for j, _, _, lin in projections(model):
