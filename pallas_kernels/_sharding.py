@@ -1,0 +1,88 @@
+"""Kernels under a mesh: run a Pallas kernel per shard of its row (token / batch) axis.
+
+Mosaic and Triton kernels are not partitioned by XLA: called on a sharded array, the kernel's
+custom call is replicated and its inputs all-gathered. The ops whose rows are independent
+(grouped LoRA, the lattice matmul) therefore run their kernel inside ``jax.shard_map`` over the
+mesh axes that shard the rows. Which axes: those named by the op's ``row_axes=`` argument, or by
+default the batch axes of the current mesh (:data:`BATCH_AXES`, the names
+``lowrank_jax.train.sharding`` gives them) that have more than one device. The mesh is the one set
+by ``jax.sharding.use_mesh`` / ``jax.set_mesh`` (or ``use_abstract_mesh`` when compiling for a
+TPU topology, see :mod:`pallas_kernels.aot`); without one, nothing is sharded.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import jax
+
+#: Mesh axes that shard the batch / token axis by default (``lowrank_jax.train.sharding.AXES``).
+BATCH_AXES = ("data", "fsdp")
+
+
+def row_axes(op: str, requested: str | Sequence[str] | None = None) -> tuple[str, ...]:
+    """The axes of the current mesh to shard an op's rows over (``()``: no sharding).
+
+    ``requested=None`` takes the :data:`BATCH_AXES` the mesh has with size > 1; an explicit name
+    or tuple must exist in the mesh (``()`` turns sharding off). Axes that are already manual
+    (the op is called inside a ``shard_map`` over them) are skipped.
+
+    Example::
+
+        >>> row_axes("op")  # no mesh set
+        ()
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if requested is not None:
+        names = (requested,) if isinstance(requested, str) else tuple(requested)
+        if names and mesh.empty:
+            raise ValueError(f"{op}: row_axes={names} names mesh axes but no mesh is set; call "
+                             "it under jax.sharding.use_mesh(mesh) or pass row_axes=None.")
+        missing = [a for a in names if a not in mesh.axis_names]
+        if missing:
+            raise ValueError(f"{op}: row_axes {missing} are not axes of the current mesh "
+                             f"{tuple(mesh.axis_names)}.")
+    elif mesh.empty:
+        return ()
+    else:
+        names = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
+    manual = set(getattr(mesh, "manual_axes", ()))
+    return tuple(a for a in names if a not in manual and mesh.shape[a] > 1)
+
+
+def axes_size(axes: tuple[str, ...]) -> int:
+    """Number of shards the current mesh splits into over ``axes``."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def check_rows(op: str, rows: int, axes: tuple[str, ...]) -> int:
+    """Rows per shard; a ``ValueError`` when ``rows`` does not split evenly over ``axes``."""
+    shards = axes_size(axes)
+    if rows % shards:
+        raise ValueError(
+            f"{op}: {rows} rows do not split evenly over mesh axes {axes} ({shards} shards); pad "
+            f"the rows to a multiple of {shards} or pass row_axes=() to run one unsharded kernel.")
+    return rows // shards
+
+
+def shard_index(axes: tuple[str, ...]):
+    """This shard's linear index over ``axes`` (inside ``shard_map``)."""
+    index = 0
+    mesh = jax.sharding.get_abstract_mesh()
+    for axis in axes:
+        index = index * mesh.shape[axis] + jax.lax.axis_index(axis)
+    return index
+
+
+def shard_map(fn, args, in_specs, out_specs):
+    """``jax.shard_map(fn)(*args)`` over the current mesh; inputs of a mesh with ``Explicit``
+    axes are first resharded to ``in_specs`` (``shard_map`` reshards ``Auto`` ones itself)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if jax.sharding.AxisType.Explicit in tuple(mesh.axis_types):
+        args = [jax.reshard(x, spec) for x, spec in zip(args, in_specs)]
+    return jax.shard_map(fn, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs)(*args)
+
+
+__all__ = ["BATCH_AXES", "axes_size", "check_rows", "row_axes", "shard_index", "shard_map"]
