@@ -99,7 +99,9 @@ def _nt_kernel(off_ref, rank_ref, scale_ref, x_ref, w_ref, out_ref, *, num_group
                     chunk = slice(c * block_r, (c + 1) * block_r)
 
                     def contract(kk, acc):
-                        kwin = pl.ds(pl.multiple_of(kk * block_k, block_k), block_k)
+                        start = (kk * block_k if isinstance(kk, int)
+                                 else pl.multiple_of(kk * block_k, block_k))
+                        kwin = pl.ds(start, block_k)
                         w = w_ref[k, chunk, kwin]
                         return acc + _dot(x_ref[:, kwin].astype(w.dtype), w, trans_b=True)
 
