@@ -78,11 +78,17 @@ def shard_index(axes: tuple[str, ...]):
 
 def shard_map(fn, args, in_specs, out_specs):
     """``jax.shard_map(fn)(*args)`` over the current mesh; inputs of a mesh with ``Explicit``
-    axes are first resharded to ``in_specs`` (``shard_map`` reshards ``Auto`` ones itself)."""
+    axes are first resharded to ``in_specs`` (``shard_map`` reshards ``Auto`` ones itself).
+
+    ``check_vma=False``: a ``pallas_call``'s outputs carry no varying-axes type. The cotangent
+    of an input replicated over the row axes (a weight) is still summed over the shards by
+    ``shard_map``'s transpose.
+    """
     mesh = jax.sharding.get_abstract_mesh()
     if jax.sharding.AxisType.Explicit in tuple(mesh.axis_types):
         args = [jax.reshard(x, spec) for x, spec in zip(args, in_specs)]
-    return jax.shard_map(fn, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs)(*args)
+    return jax.shard_map(fn, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs,
+                         check_vma=False)(*args)
 
 
 __all__ = ["BATCH_AXES", "axes_size", "check_rows", "row_axes", "shard_index", "shard_map"]
