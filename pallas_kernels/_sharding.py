@@ -6,7 +6,7 @@ custom call is replicated and its inputs all-gathered. The ops whose rows are in
 mesh axes that shard the rows. Which axes: those named by the op's ``row_axes=`` argument, or by
 default the batch axes of the current mesh (:data:`BATCH_AXES`, the names
 ``lowrank_jax.train.sharding`` gives them) that have more than one device. The mesh is the one set
-by ``jax.sharding.use_mesh`` / ``jax.set_mesh`` (or ``use_abstract_mesh`` when compiling for a
+by ``jax.set_mesh`` (or ``use_abstract_mesh`` when compiling for a
 TPU topology, see :mod:`pallas_kernels.aot`); without one, nothing is sharded.
 """
 
@@ -19,6 +19,8 @@ import jax
 
 #: Mesh axes that shard the batch / token axis by default (``lowrank_jax.train.sharding.AXES``).
 BATCH_AXES = ("data", "fsdp")
+#: The mesh axis that shards features (heads, output features) in ``lowrank_jax.train.sharding``.
+TENSOR_AXES = ("tensor",)
 
 
 def row_axes(op: str, requested: str | Sequence[str] | None = None) -> tuple[str, ...]:
@@ -38,17 +40,30 @@ def row_axes(op: str, requested: str | Sequence[str] | None = None) -> tuple[str
         names = (requested,) if isinstance(requested, str) else tuple(requested)
         if names and mesh.empty:
             raise ValueError(f"{op}: row_axes={names} names mesh axes but no mesh is set; call "
-                             "it under jax.sharding.use_mesh(mesh) or pass row_axes=None.")
+                             "it under jax.set_mesh(mesh) or pass row_axes=None.")
         missing = [a for a in names if a not in mesh.axis_names]
         if missing:
             raise ValueError(f"{op}: row_axes {missing} are not axes of the current mesh "
                              f"{tuple(mesh.axis_names)}.")
-    elif mesh.empty:
-        return ()
     else:
-        names = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
+        names = BATCH_AXES
+    return present_axes(names)
+
+
+def present_axes(names: Sequence[str]) -> tuple[str, ...]:
+    """The axes among ``names`` that the current mesh has, with size > 1 and not yet manual.
+
+    Example::
+
+        >>> present_axes(TENSOR_AXES)  # no mesh set
+        ()
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return ()
     manual = set(getattr(mesh, "manual_axes", ()))
-    return tuple(a for a in names if a not in manual and mesh.shape[a] > 1)
+    return tuple(a for a in names
+                 if a in mesh.axis_names and a not in manual and mesh.shape[a] > 1)
 
 
 def axes_size(axes: tuple[str, ...]) -> int:
@@ -91,4 +106,5 @@ def shard_map(fn, args, in_specs, out_specs):
                          check_vma=False)(*args)
 
 
-__all__ = ["BATCH_AXES", "axes_size", "check_rows", "row_axes", "shard_index", "shard_map"]
+__all__ = ["BATCH_AXES", "TENSOR_AXES", "axes_size", "check_rows", "present_axes", "row_axes",
+           "shard_index", "shard_map"]

@@ -125,11 +125,17 @@ def code_matmul(
     run = functools.partial(_code_matmul_kernel, mode=mode, blocks=blocks, bits=bits,
                             platform=platform, interpret=interpret)
     axes = _sharding.row_axes("code_matmul", row_axes)
-    if not axes:
+    # the output features split over the mesh's tensor axis when they divide evenly (the
+    # codes are sharded on their output axis by lowrank_jax.train.sharding)
+    cols = tuple(a for a in _sharding.present_axes(_sharding.TENSOR_AXES)
+                 if m % _sharding.axes_size((a,)) == 0)
+    if not axes and not cols:
         return run(x_rot, codes, affine, offset)
-    _tiles(_sharding.check_rows("code_matmul", t, axes), m, q, blocks, platform)  # errors now
-    return _sharding.shard_map(run, (x_rot, codes, affine, offset), (P(axes), P(), P(), P()),
-                               P(axes))
+    rows = _sharding.check_rows("code_matmul", t, axes) if axes else t
+    _tiles(rows, m // _sharding.axes_size(cols), q, blocks, platform)  # tile errors now
+    row_spec, col_spec = (axes or None), (cols or None)
+    return _sharding.shard_map(run, (x_rot, codes, affine, offset),
+                               (P(row_spec), P(col_spec), P(), P()), P(row_spec, col_spec))
 
 
 def _tiles(t: int, m: int, q: int, blocks: BlockSizes, platform: str) -> tuple[int, int, int]:
