@@ -203,14 +203,14 @@ def _nt(plan: _Plan, meta, x, w):
                               platform=plan.platform, interpret=plan.interpret)[:x.shape[0]]
 
 
-def _nn(plan: _Plan, meta, h, w, d: int, acc=None):
+def _nn(plan: _Plan, meta, h, w, d: int, acc=None, out_dtype=jnp.float32):
     """``[n, d]``: the expand kernel on ``h [n, R]`` and ``w [K, r_pad, d_pad]``."""
     offsets, ranks, scale = meta
     hp = _pad(h, plan.block_m, plan.r_pad)
     accp = None if acc is None else _pad(acc, plan.block_m, plan.d_pad)
     out = _kernel.grouped_nn(offsets, ranks, scale, hp, w, accp, block_m=plan.block_m,
                              block_r=plan.block_r, block_n=plan.block_n, platform=plan.platform,
-                             interpret=plan.interpret)
+                             interpret=plan.interpret, out_dtype=jnp.dtype(out_dtype))
     return out[:h.shape[0], :d]
 
 
@@ -240,7 +240,7 @@ def _shrink_fwd(x, a, group_sizes, scale, ranks, plan):
 def _shrink_bwd(plan, res, g):
     x, a_t, meta, r_max = res
     k, d_in = a_t.shape[0], x.shape[1]
-    dx = _nn(plan, meta, g, a_t, d_in).astype(x.dtype)  # s_k (g ⊙ m_k) A_kᵀ
+    dx = _nn(plan, meta, g, a_t, d_in, out_dtype=x.dtype)  # s_k (g ⊙ m_k) A_kᵀ
     grad = _tn(plan, meta, g, x, k, r_max, d_in)  # (g_k ⊙ m_k)ᵀ x_k: dAᵀ before the scale
     scale = meta[2][:k]
     da = jnp.swapaxes(grad * scale[:, None, None], 1, 2).astype(a_t.dtype)

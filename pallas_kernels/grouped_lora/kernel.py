@@ -124,29 +124,33 @@ def _nn_kernel(off_ref, rank_ref, scale_ref, h_ref, w_ref, *rest, num_groups, bl
     row0 = pl.program_id(0) * block_m
     rows = row0 + jax.lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)
     if has_acc:
-        out_ref[...] = acc_ref[...].astype(out_ref.dtype)
+        total = acc_ref[...].astype(jnp.float32)
     else:
-        out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
+        total = jnp.zeros(out_ref.shape, jnp.float32)
 
-    def group(k, carry):
+    def group(k, total):
         start, end, rk = off_ref[k], off_ref[k + 1], rank_ref[k]
+        in_group = (rows >= start) & (rows < end)
 
-        @pl.when(_overlaps(start, end, row0, block_m, rk))
-        def _():
-            in_group = (rows >= start) & (rows < end)
+        def add(total):
             for c in range(r_max // block_r):
-                @pl.when(c * block_r < rk)
-                def _():
-                    chunk = slice(c * block_r, (c + 1) * block_r)
-                    h = h_ref[:, chunk].astype(jnp.float32)
+                def chunk(total, c=c):
+                    window = slice(c * block_r, (c + 1) * block_r)
+                    h = h_ref[:, window].astype(jnp.float32)
                     cols = c * block_r + jax.lax.broadcasted_iota(jnp.int32, (1, block_r), 1)
                     h = jnp.where(in_group & (cols < rk), h * scale_ref[k], jnp.zeros_like(h))
-                    w = w_ref[k, chunk, :]
-                    out_ref[...] = out_ref[...] + _dot(h.astype(w.dtype), w)
+                    w = w_ref[k, window, :]
+                    return total + _dot(h.astype(w.dtype), w)
 
-        return carry
+                # chunk 0 is live whenever the group is (rank > 0)
+                total = chunk(total) if c == 0 else jax.lax.cond(
+                    c * block_r < rk, chunk, lambda t: t, total)
+            return total
 
-    jax.lax.fori_loop(0, num_groups, group, 0)
+        return jax.lax.cond(_overlaps(start, end, row0, block_m, rk), add, lambda t: t, total)
+
+    # fp32 running sum in registers / vregs, one store in the output dtype
+    out_ref[...] = jax.lax.fori_loop(0, num_groups, group, total).astype(out_ref.dtype)
 
 
 def _tn_tile(off_ref, rank_ref, lhs, rhs, out_ref, row0, num_groups):
@@ -231,12 +235,13 @@ def grouped_nt(offsets, ranks, scale, x, w, *, block_m, block_r, block_k, platfo
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_r", "block_n", "platform",
-                                             "interpret"))
+                                             "interpret", "out_dtype"))
 def grouped_nn(offsets, ranks, scale, h, w, acc=None, *, block_m, block_r, block_n,
-               platform="interpret", interpret=True):
-    """``out [N, D] fp32``, ``out[t] = acc_t + s_k (h_t ⊙ m_k) W_k`` (expand) on padded operands.
+               platform="interpret", interpret=True, out_dtype=jnp.float32):
+    """``out [N, D]``, ``out[t] = acc_t + s_k (h_t ⊙ m_k) W_k`` (expand) on padded operands.
 
-    ``h [N, R]``, ``w [K, R, D]`` (``D % block_n == 0``), optional ``acc [N, D]``.
+    ``h [N, R]``, ``w [K, R, D]`` (``D % block_n == 0``), optional ``acc [N, D]``; the sum is
+    fp32 and stored once as ``out_dtype`` (the input gradient is stored in the input's dtype).
     """
     n, r_max = h.shape
     k, _, d_out = w.shape
@@ -252,7 +257,7 @@ def grouped_nn(offsets, ranks, scale, h, w, acc=None, *, block_m, block_r, block
         args.append(acc)
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((n, d_out), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((n, d_out), out_dtype),
         grid=(n // block_m, d_out // block_n),
         in_specs=in_specs,
         out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
