@@ -90,7 +90,7 @@ def code_matmul(
             the dtype, so 4-bit codes must say ``bits=4``.
         row_axes: mesh axes sharding the tokens: the kernel then runs per shard inside
             ``shard_map`` (Pallas kernels are not partitioned by XLA); ``None``: the current
-            mesh's ``data`` / ``fsdp`` axes (:mod:`pallas_kernels._sharding`), ``()``: unsharded.
+            mesh's ``data`` / ``fsdp`` axes (``pallas_kernels._sharding``), ``()``: unsharded.
 
     Returns:
         ``[t, m]`` fp32.
