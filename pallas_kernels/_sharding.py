@@ -72,14 +72,23 @@ def axes_size(axes: tuple[str, ...]) -> int:
     return math.prod(mesh.shape[a] for a in axes)
 
 
-def check_rows(op: str, rows: int, axes: tuple[str, ...]) -> int:
-    """Rows per shard; a ``ValueError`` when ``rows`` does not split evenly over ``axes``."""
-    shards = axes_size(axes)
-    if rows % shards:
-        raise ValueError(
-            f"{op}: {rows} rows do not split evenly over mesh axes {axes} ({shards} shards); pad "
-            f"the rows to a multiple of {shards} or pass row_axes=() to run one unsharded kernel.")
-    return rows // shards
+def pad_rows(x, shards: int):
+    """``x`` with its first axis zero-padded to a multiple of ``shards`` (every shard gets the
+    same number of rows; the caller slices the padding off the result)."""
+    pad = -x.shape[0] % shards
+    return x if not pad else jax.numpy.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+
+
+def unpad_rows(x, rows: int):
+    """The first ``rows`` rows of a result of :func:`shard_map` over padded rows (with
+    ``Explicit`` mesh axes an uneven slice of a sharded axis is undefined: the result is first
+    resharded, gathered, which only happens when the rows did not split evenly)."""
+    if x.shape[0] == rows:
+        return x
+    mesh = jax.sharding.get_abstract_mesh()
+    if jax.sharding.AxisType.Explicit in tuple(mesh.axis_types):
+        x = jax.reshard(x, jax.sharding.PartitionSpec())
+    return x[:rows]
 
 
 def shard_index(axes: tuple[str, ...]):
@@ -106,5 +115,5 @@ def shard_map(fn, args, in_specs, out_specs):
                          check_vma=False)(*args)
 
 
-__all__ = ["BATCH_AXES", "TENSOR_AXES", "axes_size", "check_rows", "present_axes", "row_axes",
-           "shard_index", "shard_map"]
+__all__ = ["BATCH_AXES", "TENSOR_AXES", "axes_size", "present_axes", "row_axes",
+           "pad_rows", "shard_index", "shard_map", "unpad_rows"]

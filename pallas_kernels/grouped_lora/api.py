@@ -285,11 +285,14 @@ def _local_sizes(group_sizes, rows: int, axes: tuple[str, ...]):
 
 def _run(op: str, fn, args, row_specs: Sequence[bool], n: int, row_axes, plan_for):
     """``fn(*args, plan)``: one kernel over all ``n`` rows, or one per shard of the rows under a
-    mesh (``row_specs[i]``: argument ``i`` is split by rows; ``args[2]`` is ``group_sizes``)."""
+    mesh (``row_specs[i]``: argument ``i`` is split by rows; ``args[2]`` is ``group_sizes``).
+    Rows are zero-padded to a multiple of the shard count; padded rows are in no group."""
     axes = _sharding.row_axes(op, row_axes)
     if not axes:
         return fn(*args, plan_for(n))
-    rows = _sharding.check_rows(op, n, axes)
+    shards = _sharding.axes_size(axes)
+    args = [_sharding.pad_rows(x, shards) if split else x for x, split in zip(args, row_specs)]
+    rows = args[0].shape[0] // shards
     plan = plan_for(rows)
 
     def body(*local):
@@ -298,7 +301,7 @@ def _run(op: str, fn, args, row_specs: Sequence[bool], n: int, row_axes, plan_fo
         return fn(*local, plan)
 
     specs = [P(axes) if split else P() for split in row_specs]
-    return _sharding.shard_map(body, args, specs, P(axes))
+    return _sharding.unpad_rows(_sharding.shard_map(body, args, specs, P(axes)), n)
 
 
 def lora_shrink(

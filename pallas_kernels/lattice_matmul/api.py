@@ -131,11 +131,13 @@ def code_matmul(
                  if m % _sharding.axes_size((a,)) == 0)
     if not axes and not cols:
         return run(x_rot, codes, affine, offset)
-    rows = _sharding.check_rows("code_matmul", t, axes) if axes else t
-    _tiles(rows, m // _sharding.axes_size(cols), q, blocks, platform)  # tile errors now
+    shards = _sharding.axes_size(axes)
+    x_rot = _sharding.pad_rows(x_rot, shards)  # equal shards; the padding is sliced off
+    _tiles(x_rot.shape[0] // shards, m // _sharding.axes_size(cols), q, blocks, platform)
     row_spec, col_spec = (axes or None), (cols or None)
-    return _sharding.shard_map(run, (x_rot, codes, affine, offset),
-                               (P(row_spec), P(col_spec), P(), P()), P(row_spec, col_spec))
+    out = _sharding.shard_map(run, (x_rot, codes, affine, offset),
+                              (P(row_spec), P(col_spec), P(), P()), P(row_spec, col_spec))
+    return _sharding.unpad_rows(out, t)
 
 
 def _tiles(t: int, m: int, q: int, blocks: BlockSizes, platform: str) -> tuple[int, int, int]:
