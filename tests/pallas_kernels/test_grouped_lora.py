@@ -188,3 +188,28 @@ def test_kernels_run_per_shard_on_a_v5e_8_data_mesh():
     assert aot.kernel_calls(compiled, "tpu") >= 6  # 2 forward + 4 backward kernels
     memory = aot.memory_report(compiled)
     assert memory["argument_bytes"] < n * d * 2 // 4  # the tokens are split, not gathered
+
+
+def test_tpu_variants_in_the_tpu_interpreter():
+    """The Mosaic variants (SMEM metadata, lane-dense weights, rows reduced in the grid) run in
+    Pallas' TPU interpreter, which models SMEM / VMEM, and equal the references."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    from pallas_kernels.grouped_lora.kernel import grouped_nn, grouped_nt, grouped_tn
+
+    tpu = dict(platform="tpu", interpret=pltpu.InterpretParams())
+    sizes, ranks = np.array([5, 0, 20, 7]), np.array([3, 8, 8, 0])
+    x, a, b, _, scale, _, _ = _data(tuple(sizes), tuple(ranks), 8, 32, d_in=128, d_out=128)
+    offsets = jnp.asarray(np.concatenate([[0], np.cumsum(sizes), [32] * 3]), jnp.int32)
+    rk = jnp.asarray(np.concatenate([ranks, [0] * 4]), jnp.int32)
+    pad = jnp.zeros(4)
+    h = grouped_nt(offsets, rk, jnp.concatenate([scale, pad]), x, jnp.swapaxes(a, 1, 2),
+                   block_m=16, block_r=8, block_k=128, **tpu)
+    np.testing.assert_allclose(h, lora_shrink_reference(x, a, sizes, scale, ranks), atol=1e-4)
+    y = grouped_nn(offsets, rk, jnp.concatenate([jnp.ones(4), pad]), h, b, block_m=16,
+                   block_r=8, block_n=128, **tpu)
+    np.testing.assert_allclose(y, lora_expand_reference(h, b, sizes, ranks), atol=1e-4)
+    grad = grouped_tn(offsets, rk, h, x, num_groups=4, block_m=16, block_n=128, **tpu)
+    want = grouped_tn(offsets, rk, h, x, num_groups=4, block_m=16, block_n=128,
+                      reduce_rows_in_grid=False)
+    np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-4)

@@ -147,3 +147,23 @@ def test_kernel_runs_per_shard_on_a_v5e_8_data_tensor_mesh():
     assert aot.kernel_calls(compiled, "tpu") >= 1
     full = t * n * 2 + n * n // 4
     assert aot.memory_report(compiled)["argument_bytes"] < full // 3
+
+
+@pytest.mark.parametrize("mode", ["fold", "dequant"])
+def test_tpu_variant_in_the_tpu_interpreter(mode):
+    """The Mosaic variant (affine scalars in SMEM, 128-lane tiles) in Pallas' TPU interpreter."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    from pallas_kernels.lattice_matmul.kernel import lattice_planes_matmul
+
+    x, codes, affine, offset = _operands(16, 128, 128, seed=7)
+    ab = jnp.concatenate([affine.reshape(16), offset, jnp.zeros(12)])
+    if mode == "fold":
+        planes, correction = fold_activations(x, affine, offset)
+    else:
+        planes, correction = jnp.moveaxis(x.reshape(16, 128, 4), -1, 0), 0.0
+    got = lattice_planes_matmul(planes, codes, ab, mode=mode, block_t=16, block_m=128,
+                                block_k=128, platform="tpu", interpret=pltpu.InterpretParams())
+    want = code_matmul_reference(x, codes, affine, offset)
+    got = got + (correction[:, None] if mode == "fold" else 0.0)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
