@@ -192,9 +192,13 @@ def _tn_grid_kernel(off_ref, rank_ref, lhs_ref, rhs_ref, out_ref, *, num_groups)
     _tn_tile(off_ref, rank_ref, lhs_ref[...], rhs_ref[...], out_ref, row0, num_groups)
 
 
-def _tn_loop_kernel(off_ref, rank_ref, lhs_ref, rhs_ref, out_ref, *, num_groups, block_m):
-    """Every row of a column tile in one program: an in-kernel loop over the row tiles."""
+def _tn_loop_kernel(off_ref, rank_ref, lhs_ref, rhs_ref, out_ref, *, num_groups, block_m,
+                    tiles_per_split):
+    """One program per (row split, column tile): an in-kernel loop over the split's row tiles
+    into the split's partial sum (the splits are summed by the caller)."""
     _zero_groups(out_ref)
+    first = pl.program_id(0) * tiles_per_split
+    last = jnp.minimum(first + tiles_per_split, lhs_ref.shape[0] // block_m)
 
     def tile(i, carry):
         row0 = pl.multiple_of(i * block_m, block_m)
@@ -203,7 +207,7 @@ def _tn_loop_kernel(off_ref, rank_ref, lhs_ref, rhs_ref, out_ref, *, num_groups,
                  num_groups)
         return carry
 
-    jax.lax.fori_loop(0, lhs_ref.shape[0] // block_m, tile, 0)
+    jax.lax.fori_loop(first, last, tile, 0)
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_r", "block_k", "platform",
@@ -268,14 +272,16 @@ def grouped_nn(offsets, ranks, scale, h, w, acc=None, *, block_m, block_r, block
 
 
 @functools.partial(jax.jit, static_argnames=("num_groups", "block_m", "block_n", "platform",
-                                             "interpret", "reduce_rows_in_grid"))
+                                             "interpret", "reduce_rows_in_grid", "row_splits"))
 def grouped_tn(offsets, ranks, lhs, rhs, *, num_groups, block_m, block_n, platform="interpret",
-               interpret=True, reduce_rows_in_grid=None):
+               interpret=True, reduce_rows_in_grid=None, row_splits=None):
     """``out [K, R, D] fp32``, ``out[k] = (lhs_k ⊙ m_k)ᵀ rhs_k`` (tgmm) on padded operands.
 
     ``lhs [N, R]``, ``rhs [N, D]`` (``N % block_m == 0``, ``D % block_n == 0``). The reduction
     over rows runs as the last grid axis (``reduce_rows_in_grid``, the default on TPU) or as an
-    in-kernel loop (the default elsewhere: Triton programs run in parallel).
+    in-kernel loop (the default elsewhere: Triton programs run in parallel). The loop form
+    splits the rows into ``row_splits`` parallel partial sums (default: up to 8, so a GPU has
+    ``8 × D / block_n`` programs, not only ``D / block_n``), added here.
     """
     n, r_max = lhs.shape
     d = rhs.shape[1]
@@ -294,13 +300,19 @@ def grouped_tn(offsets, ranks, lhs, rhs, *, num_groups, block_m, block_n, platfo
         out_spec = pl.BlockSpec((num_groups, r_max, block_n), lambda j, i: (0, 0, j))
         semantics = ("parallel", "arbitrary")
     else:
-        kernel = functools.partial(_tn_loop_kernel, num_groups=num_groups, block_m=block_m)
-        grid = (d // block_n,)
-        in_specs = meta + [pl.BlockSpec((n, r_max), lambda j: (0, 0)),
-                           pl.BlockSpec((n, block_n), lambda j: (0, j))]
-        out_spec = pl.BlockSpec((num_groups, r_max, block_n), lambda j: (0, 0, j))
-        semantics = ("parallel",)
-    return pl.pallas_call(
+        tiles = n // block_m
+        splits = min(8, tiles) if row_splits is None else max(1, min(row_splits, tiles))
+        per_split = -(-tiles // splits)
+        splits = -(-tiles // per_split)  # no empty split
+        kernel = functools.partial(_tn_loop_kernel, num_groups=num_groups, block_m=block_m,
+                                   tiles_per_split=per_split)
+        grid = (splits, d // block_n)
+        in_specs = meta + [pl.BlockSpec((n, r_max), lambda s, j: (0, 0)),
+                           pl.BlockSpec((n, block_n), lambda s, j: (0, j))]
+        out_shape = jax.ShapeDtypeStruct((splits, num_groups, r_max, d), jnp.float32)
+        out_spec = pl.BlockSpec((None, num_groups, r_max, block_n), lambda s, j: (s, 0, 0, j))
+        semantics = ("parallel", "parallel")
+    out = pl.pallas_call(
         kernel,
         out_shape=out_shape,
         grid=grid,
@@ -310,6 +322,7 @@ def grouped_tn(offsets, ranks, lhs, rhs, *, num_groups, block_m, block_n, platfo
         interpret=interpret,
         name="grouped_lora_tgmm",
     )(offsets, ranks, lhs, rhs)
+    return out if reduce_rows_in_grid else out.sum(axis=0)
 
 
 __all__ = ["PLATFORMS", "compiler_params", "grouped_nn", "grouped_nt", "grouped_tn"]

@@ -92,10 +92,11 @@ def test_bad_arguments_raise():
         lora_expand(x[:, :16], b, gs, rk, implementation="cuda")
 
 
-@pytest.mark.parametrize("in_grid", [True, False])
-def test_weight_gradient_kernel_both_row_reductions(in_grid):
-    """tgmm: rows reduced in the grid (TPU layout) or in a kernel loop (Triton layout), both
-    equal the per-group ``(lhs_k ⊙ m_k)ᵀ rhs_k``; empty groups and rank-0 slots give zeros."""
+@pytest.mark.parametrize("in_grid, splits", [(True, None), (False, None), (False, 2)])
+def test_weight_gradient_kernel_both_row_reductions(in_grid, splits):
+    """tgmm: rows reduced in the grid (TPU layout) or in a kernel loop over row splits (Triton
+    layout; 3 row tiles in 3 splits, or in 2 uneven ones), all equal the per-group
+    ``(lhs_k ⊙ m_k)ᵀ rhs_k``; empty groups and rank-0 slots give zeros."""
     from pallas_kernels.grouped_lora.kernel import grouped_tn
 
     sizes, ranks = np.array([5, 0, 20, 7]), np.array([3, 8, 8, 0])
@@ -104,7 +105,7 @@ def test_weight_gradient_kernel_both_row_reductions(in_grid):
     offsets = jnp.asarray(np.concatenate([[0], np.cumsum(sizes), [32, 32, 32]]), jnp.int32)
     rk = jnp.asarray(np.concatenate([ranks, [0, 0, 0, 0]]), jnp.int32)
     got = grouped_tn(offsets, rk, lhs, rhs, num_groups=4, block_m=16, block_n=16,
-                     reduce_rows_in_grid=in_grid)
+                     reduce_rows_in_grid=in_grid, row_splits=splits)
     want, start = np.zeros((4, 8, 32), np.float32), 0
     for k, size in enumerate(sizes):
         want[k, :ranks[k]] = np.asarray(lhs[start:start + size, :ranks[k]]).T @ np.asarray(
