@@ -7,6 +7,17 @@
     y = s_{out} ⊙ H_m^\\top\\big(Z · x' + b^\\top Σ_g x_{r,g}\\big),\\quad
     x_r = H_n(s_{in} ⊙ x),\\quad x'_g = A^\\top x_{r,g}   \\;(\\text{"fold"})
 
+Backends. TPU: Mosaic (the kernel's output and code chunks are 128-lane tiles, the affine
+numbers scalars in SMEM). GPU: **Triton, chosen explicitly** (Triton compiler params; jax's
+default for a plain ``pallas_call`` would be Mosaic GPU): the kernel is a 2-bit unpack + GEMM in
+the portable subset, and its Mosaic GPU lowering copies whole ``[block, n/4]`` code and activation
+blocks, which exceeds both the Hopper async-copy limit (≤ 256 elements per dimension) and shared
+memory (607 KB at 4096 × 4096); a legal Mosaic GPU kernel would be a different, TMA-pipelined
+design (``hopper_mixed_type_matmul_mgpu`` is the template) that only a device benchmark could
+justify. ``implementation="auto"`` on a GPU/TPU target always runs the kernel (tiles that cannot
+be built raise). Under a mesh the kernel runs per shard of the tokens (``data`` / ``fsdp``) and
+of the output features (``tensor``) inside ``jax.shard_map``.
+
 References:
     Wang et al, `UniSVQ: 2-bit Unified Scalar-Vector Quantization
     <https://arxiv.org/abs/2606.10520>`_, 2026.
