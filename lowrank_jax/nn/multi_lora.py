@@ -178,7 +178,7 @@ class MultiLoRALinear(nnx.Linear):
         sizes = jnp.bincount(ids, length=self.num_adapters).astype(jnp.int32) * per_example
         impl = "xla" if self.implementation == "ragged" else "pallas"
         ranks = jnp.asarray(self.ranks, jnp.int32)
-        tiles = grouped.BlockSizes(block_m=16 if self.interpret else 64)
+        tiles = grouped.BlockSizes(block_m=16) if self.interpret else None  # per-backend default
         h = grouped.lora_shrink(rows, a, sizes, scale, ranks, implementation=impl,
                                 interpret=self.interpret, block_sizes=tiles)
         y = grouped.lora_expand(h.astype(b.dtype), b, sizes, ranks, implementation=impl,

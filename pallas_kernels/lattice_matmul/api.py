@@ -7,6 +7,17 @@
     y = s_{out} ⊙ H_m^\\top\\big(Z · x' + b^\\top Σ_g x_{r,g}\\big),\\quad
     x_r = H_n(s_{in} ⊙ x),\\quad x'_g = A^\\top x_{r,g}   \\;(\\text{"fold"})
 
+Backends. TPU: Mosaic (the kernel's output and code chunks are 128-lane tiles, the affine
+numbers scalars in SMEM). GPU: **Triton, chosen explicitly** (Triton compiler params; jax's
+default for a plain ``pallas_call`` would be Mosaic GPU): the kernel is a 2-bit unpack + GEMM in
+the portable subset, and its Mosaic GPU lowering copies whole ``[block, n/4]`` code and activation
+blocks, which exceeds both the Hopper async-copy limit (≤ 256 elements per dimension) and shared
+memory (607 KB at 4096 × 4096); a legal Mosaic GPU kernel would be a different, TMA-pipelined
+design (``hopper_mixed_type_matmul_mgpu`` is the template) that only a device benchmark could
+justify. ``implementation="auto"`` on a GPU/TPU target always runs the kernel (tiles that cannot
+be built raise). Under a mesh the kernel runs per shard of the tokens (``data`` / ``fsdp``) and
+of the output features (``tensor``) inside ``jax.shard_map``.
+
 References:
     Wang et al, `UniSVQ: 2-bit Unified Scalar-Vector Quantization
     <https://arxiv.org/abs/2606.10520>`_, 2026.
@@ -16,17 +27,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Literal
+from typing import Literal, Sequence
 
-import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, UInt
 
-from pallas_kernels import _dispatch
+from pallas_kernels import _dispatch, _sharding
 from pallas_kernels.lattice_matmul import reference
 from pallas_kernels.lattice_matmul.kernel import lattice_planes_matmul
 from pallas_kernels._dispatch import IMPLEMENTATIONS  # noqa: F401 (re-export)
-from pallas_kernels._dispatch import next_pow2 as _next_pow2
 from pallas_kernels._dispatch import inference_only, resolve
 
 #: ``fold``: multiply the codes straight into x; ``dequant``: decode the weight tile first.
@@ -43,6 +53,8 @@ class BlockSizes(_dispatch.TileSizes):
     :func:`~pallas_kernels._dispatch.fit_tile`) and the axes are zero-padded to a multiple of
     it (padded codes meet zero activations). These are not the Hadamard blocks
     ``block_in`` / ``block_out`` of :func:`lattice_matmul`, which belong to the weight.
+    ``block_m=None`` (default) is 64 on GPU and 256 on TPU, where ``block_m`` (the output's
+    lanes) and ``block_k`` (the codes' lanes) must be multiples of 128 or cover their axis.
 
     Example::
 
@@ -51,7 +63,7 @@ class BlockSizes(_dispatch.TileSizes):
     """
 
     block_t: int = 64
-    block_m: int = 64
+    block_m: int | None = None
     block_k: int = 128
 
 
@@ -70,6 +82,7 @@ def code_matmul(
     interpret: bool | None = None,
     block_sizes: BlockSizes | None = None,
     bits: int | None = None,
+    row_axes: str | Sequence[str] | None = None,
 ) -> Float[Array, "t m"]:
     """Rotated-domain product ``x_rot @ Cᵀ`` (fp32), ``C`` decoded from 2-, 3- or 4-bit codes.
 
@@ -86,6 +99,9 @@ def code_matmul(
             default ``BlockSizes()``.
         bits: bits per digit (2, 3 or 4); ``None`` infers 2 (``uint8``) or 3 (``uint16``) from
             the dtype, so 4-bit codes must say ``bits=4``.
+        row_axes: mesh axes sharding the tokens: the kernel then runs per shard inside
+            ``shard_map`` (Pallas kernels are not partitioned by XLA); ``None``: the current
+            mesh's ``data`` / ``fsdp`` axes (``pallas_kernels._sharding``), ``()``: unsharded.
 
     Returns:
         ``[t, m]`` fp32.
@@ -116,14 +132,53 @@ def code_matmul(
             return reference.planes_matmul_reference(planes, codes, bits) + correction[:, None]
         return reference.code_matmul_reference(x_rot, codes, affine, offset, bits)
 
-    on_gpu = jax.default_backend() == "gpu" and not interpret
-    block_t = _dispatch.fit_tile(blocks.block_t, t)
-    block_m = _dispatch.fit_tile(blocks.block_m, m)
-    block_k = _dispatch.fit_tile(blocks.block_k, q)
+    platform = "interpret" if interpret else _dispatch.backend_platform()
+    run = functools.partial(_code_matmul_kernel, mode=mode, blocks=blocks, bits=bits,
+                            platform=platform, interpret=interpret)
+    axes = _sharding.row_axes("code_matmul", row_axes)
+    # the output features split over the mesh's tensor axis when they divide evenly (the
+    # codes are sharded on their output axis by lowrank_jax.train.sharding)
+    cols = tuple(a for a in _sharding.present_axes(_sharding.TENSOR_AXES)
+                 if m % _sharding.axes_size((a,)) == 0)
+    if not axes and not cols:
+        return run(x_rot, codes, affine, offset)
+    shards = _sharding.axes_size(axes)
+    x_rot = _sharding.pad_rows(x_rot, shards)  # equal shards; the padding is sliced off
+    _tiles(x_rot.shape[0] // shards, m // _sharding.axes_size(cols), q, blocks, platform)
+    row_spec, col_spec = (axes or None), (cols or None)
+    out = _sharding.shard_map(run, (x_rot, codes, affine, offset),
+                              (P(row_spec), P(col_spec), P(), P()), P(row_spec, col_spec))
+    return _sharding.unpad_rows(out, t)
+
+
+def _tiles(t: int, m: int, q: int, blocks: BlockSizes, platform: str) -> tuple[int, int, int]:
+    """``(block_t, block_m, block_k)`` for the padded axes; on TPU ``block_m`` (output lanes)
+    and ``block_k`` (code lanes) must be multiples of 128 or cover their axis."""
+    block_m = blocks.block_m or (256 if platform == "tpu" else 64)
+    tiles = (_dispatch.fit_tile(blocks.block_t, t), _dispatch.fit_tile(block_m, m),
+             _dispatch.fit_tile(blocks.block_k, q))
+    if platform == "tpu":
+        for name, tile, dim in (("block_m", tiles[1], m), ("block_k", tiles[2], q)):
+            if tile % 128 and tile < dim:
+                raise ValueError(
+                    f"code_matmul: BlockSizes.{name}={tile} is a lane tile on TPU and must be a "
+                    f"multiple of 128 (or cover the axis of {dim}); pass {name}=128 or more.")
+    if platform == "gpu":
+        for name, tile in zip(("block_t", "block_m", "block_k"), tiles):
+            if tile < 16:
+                raise ValueError(f"code_matmul: BlockSizes.{name}={tile} is a Triton dot operand "
+                                 f"on GPU and must be >= 16; pass {name}=16 or more.")
+    return tiles
+
+
+def _code_matmul_kernel(x_rot, codes, affine, offset, *, mode, blocks, bits, platform,
+                        interpret):
+    """The Pallas path of :func:`code_matmul` on one shard of the tokens."""
+    t, n = x_rot.shape
+    m, q = codes.shape
+    block_t, block_m, block_k = _tiles(t, m, q, blocks, platform)
     t_pad, m_pad = _round_up(t, block_t), _round_up(m, block_m)
     q_pad = _round_up(q, block_k)
-    if on_gpu:  # Triton: every block must have a power-of-two size
-        q_pad = max(_next_pow2(q_pad), block_k)
     if mode == "fold":
         planes, correction = reference.fold_activations(x_rot, affine, offset)
         planes = planes.astype(x_rot.dtype)
@@ -132,11 +187,11 @@ def code_matmul(
         correction = None
     planes = jnp.pad(planes, ((0, 0), (0, t_pad - t), (0, q_pad - q)))
     codes_p = jnp.pad(codes, ((0, m_pad - m), (0, q_pad - q)))
-    ab = jnp.zeros((8, 4), jnp.float32)
-    ab = ab.at[:4].set(affine.astype(jnp.float32)).at[4].set(offset.astype(jnp.float32))
+    ab = jnp.concatenate([affine.astype(jnp.float32).reshape(16),
+                          offset.astype(jnp.float32).reshape(4), jnp.zeros((12,), jnp.float32)])
     kernel = functools.partial(lattice_planes_matmul, mode=mode, block_t=block_t,
                                block_m=block_m, block_k=block_k, interpret=interpret,
-                               bits=bits)
+                               bits=bits, platform=platform)
     out = inference_only("code_matmul", kernel, planes, codes_p, ab)[:t, :m]
     # Padded codes decode to b in "dequant" mode, but their activations are 0: no effect.
     if correction is not None:
@@ -159,6 +214,7 @@ def lattice_matmul(
     interpret: bool | None = None,
     block_sizes: BlockSizes | None = None,
     bits: int | None = None,
+    row_axes: str | Sequence[str] | None = None,
 ) -> Float[Array, "... m"]:
     """``y = x @ Wᵀ`` for a UniSVQ weight, without ever forming ``W``.
 
@@ -170,7 +226,7 @@ def lattice_matmul(
         x: activations ``[..., n]``.
         codes, scale_in, scale_out, affine, offset: the quantized weight (see module doc).
         block_in, block_out: Hadamard block sizes on the input / output side.
-        mode, implementation, interpret, block_sizes, bits: see :func:`code_matmul`.
+        mode, implementation, interpret, block_sizes, bits, row_axes: see :func:`code_matmul`.
 
     Returns:
         ``[..., m]`` in ``x.dtype``.
@@ -192,6 +248,7 @@ def lattice_matmul(
     out = code_matmul(
         x_rot.astype(x.dtype), codes, affine, offset, mode=mode,
         implementation=implementation, interpret=interpret, block_sizes=block_sizes, bits=bits,
+        row_axes=row_axes,
     )
     y = reference.block_hadamard(out, block_out, transpose=True) * scale_out.astype(jnp.float32)
     return y.astype(x.dtype).reshape(*lead, codes.shape[0])
