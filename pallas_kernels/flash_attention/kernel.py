@@ -35,12 +35,21 @@ from pallas_kernels.flash_attention.reference import MASK_VALUE
 PLATFORMS = ("gpu", "tpu", "interpret")
 
 
+#: Scoped VMEM the TPU kernels may use. Mosaic's default (16 MiB) is a quarter of a v5e / v6e
+#: TensorCore's 128 MiB; the kernels that keep one head's whole K/V (or Q) sequence resident
+#: need more from about 8K tokens at head_dim 128 (a [t, 1] fp32 statistic occupies t × 128
+#: lanes in VMEM). 64 MiB fits every generation (v5p: 95 MiB).
+TPU_VMEM_LIMIT_BYTES = 64 * 1024 * 1024
+
+
 def compiler_params(platform: str, n_grid: int):
-    """Backend compiler parameters: Triton on GPU, Mosaic (all grid axes parallel) on TPU."""
+    """Backend compiler parameters: Triton on GPU; Mosaic on TPU with all grid axes parallel
+    and :data:`TPU_VMEM_LIMIT_BYTES` of scoped VMEM."""
     if platform == "tpu":
         from jax.experimental.pallas import tpu as pltpu
 
-        return pltpu.CompilerParams(dimension_semantics=("parallel",) * n_grid)
+        return pltpu.CompilerParams(dimension_semantics=("parallel",) * n_grid,
+                                    vmem_limit_bytes=TPU_VMEM_LIMIT_BYTES)
     if platform == "gpu":
         from jax.experimental.pallas import triton as pltriton
 
