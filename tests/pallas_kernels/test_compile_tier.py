@@ -7,8 +7,9 @@ XLA). TPU targets need libtpu (``pip install -e ".[tpu]"``); without it these te
 that command. The same matrix, as a table with the compiled memory, is
 ``python scripts/gpu/compile_matrix.py``.
 
-Default run: v5e compile and H100/H200 lowering of every case, production and small shapes.
-``-m slow``: v5p and v6e compiles of the production cases.
+Default run (seconds per case): H100/H200 lowering of every case; v5e compile of every small
+case and of each op's first production shape (4096 tokens). ``-m slow``: the other production
+shapes on v5e, SALE's production compiles, and v5p / v6e compiles of every production case.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ OPS = ("flash_attention", "sparse_attention", "subspace_attention", "xkv_decode"
 SIZES = ("production", "small")
 DEFAULT_TARGETS = ("v5e", "h100", "h200")
 SLOW_TARGETS = ("v5p", "v6e")  # production shapes only
+#: Ops whose production TPU compile takes tens of seconds on a CPU host (SALE: 25-50 s, XLA's
+#: TPU compile of its selection pipeline around the two kernels).
+SLOW_TPU_OPS = ("sparse_attention",)
 
 
 def _cases(op: str, size: str):
@@ -39,18 +43,31 @@ def _cases(op: str, size: str):
         return [(f"{op}.cases.{size}", err)]
 
 
+def _slow(case, size: str, target: str, first_shape) -> bool:
+    """Whether a (case, target) pair runs only under ``-m slow`` (module doc)."""
+    if target in SLOW_TARGETS:
+        return True
+    if size != "production" or target not in aot.TPU_TARGETS:
+        return False
+    return case.op in SLOW_TPU_OPS or case.args[0].shape != first_shape
+
+
 def _params():
     params = []
     for op in OPS:
         for size in SIZES:
-            for name, case in _cases(op, size):
-                targets = [t for t in DEFAULT_TARGETS + SLOW_TARGETS
-                           if not isinstance(case, aot.CompileCase) or t in case.targets]
-                for target in targets:
+            cases = _cases(op, size)
+            first = next((c.args[0].shape for _, c in cases if isinstance(c, aot.CompileCase)),
+                         None)
+            for name, case in cases:
+                for target in DEFAULT_TARGETS + SLOW_TARGETS:
+                    if isinstance(case, aot.CompileCase) and target not in case.targets:
+                        continue
                     if target in SLOW_TARGETS and size != "production":
                         continue
-                    marks = [pytest.mark.slow] if target in SLOW_TARGETS else []
-                    params.append(pytest.param(case, target, id=f"{name}-{target}", marks=marks))
+                    slow = isinstance(case, aot.CompileCase) and _slow(case, size, target, first)
+                    params.append(pytest.param(case, target, id=f"{name}-{target}",
+                                               marks=[pytest.mark.slow] if slow else []))
     return params
 
 
