@@ -16,6 +16,7 @@ from jaxtyping import Array, Float
 
 from pallas_kernels import _dispatch
 from pallas_kernels.flash_attention import kernel as _kernel
+from pallas_kernels.flash_attention import kernel_tpu as _kernel_tpu
 from pallas_kernels.flash_attention.reference import (
     attention_reference,
     check_attention_shapes,
@@ -71,21 +72,30 @@ def padded_head_dim(d: int) -> int:
     return max(16, 1 << (d - 1).bit_length())
 
 
+def _forward(q, k, v, segments, static):
+    if static.platform == "tpu":
+        return _kernel_tpu.flash_forward_tpu(q, k, v, segments, **static.tpu_args())
+    return _kernel.flash_forward(q, k, v, segments, **static.kernel_args())
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _flash_padded(q, k, v, segments, static):
-    out, _ = _kernel.flash_forward(q, k, v, segments, **static.kernel_args())
-    return out
+    return _forward(q, k, v, segments, static)[0]
 
 
 def _flash_padded_fwd(q, k, v, segments, static):
-    out, lse = _kernel.flash_forward(q, k, v, segments, **static.kernel_args())
+    out, lse = _forward(q, k, v, segments, static)
     return out, (q, k, v, segments, out, lse)
 
 
 def _flash_padded_bwd(static, residuals, d_out):
     q, k, v, segments, out, lse = residuals
-    dq, dk, dv = _kernel.flash_backward(q, k, v, out, lse, d_out, segments,
-                                        **static.kernel_args())
+    if static.platform == "tpu":
+        dq, dk, dv = _kernel_tpu.flash_backward_tpu(q, k, v, out, lse, d_out, segments,
+                                                    **static.tpu_args())
+    else:
+        dq, dk, dv = _kernel.flash_backward(q, k, v, out, lse, d_out, segments,
+                                            **static.kernel_args())
     return dq, dk, dv, jax.tree.map(lambda _: None, segments)  # integer ids: no cotangent
 
 
@@ -105,6 +115,11 @@ class _Static:
 
     def kernel_args(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def tpu_args(self) -> dict:
+        args = self.kernel_args()
+        del args["platform"]
+        return args
 
 
 def flash_attention(
@@ -139,9 +154,10 @@ def flash_attention(
     Backends: GPU lowers to **Triton**, chosen explicitly (``pallas.triton.CompilerParams``):
     the kernel keeps one head's K/V as a full-sequence block and slices it in a ``fori_loop``,
     which Triton turns into pointer loads, while Mosaic GPU would stage the whole block in
-    shared memory (227 KB on H100/H200). TPU lowers to Mosaic with that block in VMEM
-    (:data:`~pallas_kernels.flash_attention.kernel.TPU_VMEM_LIMIT_BYTES`): up to about 16K
-    tokens at head_dim 128 per device (shard longer sequences).
+    shared memory (227 KB on H100/H200). TPU runs the streaming kernels of
+    ``pallas_kernels.flash_attention.kernel_tpu`` (K/V block by block, VMEM scratch
+    accumulators; no length limit from VMEM). ``platform="tpu"`` with ``interpret=True`` runs
+    those in interpret mode.
 
     Args:
       q: ``[batch, q_len, heads, head_dim]``.

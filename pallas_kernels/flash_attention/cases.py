@@ -9,7 +9,7 @@ for TPU and lower for GPU. ``"production"``: an 8B-class layer (bf16, head_dim 1
 Example::
 
     >>> [case.entry for case in compile_cases("small")]
-    ['forward', 'backward']
+    ['forward', 'backward', 'backward_masked']
 """
 
 from __future__ import annotations
@@ -57,15 +57,30 @@ def backward(q, k, v):
     return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
 
+def backward_masked(q, k, v, q_segments, kv_segments):
+    """The gradient with every mask option: sliding window, soft-cap, packed-row segments."""
+    def loss(q, k, v):
+        out = flash_attention(q, k, v, window=64, logit_softcap=50.0,
+                              segment_ids=(q_segments, kv_segments))
+        return jnp.sum(out.astype(jnp.float32))
+
+    return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+
 def compile_cases(size: str = "production") -> list[CompileCase]:
-    """Forward and backward of :func:`flash_attention` at every shape of ``size``."""
+    """Forward and backward of :func:`flash_attention` at every shape of ``size`` (small:
+    also the masked backward)."""
     cases = []
     for shape in attention_shapes(size):
         args = qkv_structs(*shape)
         cases.append(CompileCase("flash_attention", "forward", forward, args))
         cases.append(CompileCase("flash_attention", "backward", backward, args))
+        if size == "small":
+            segments = (jax.ShapeDtypeStruct(shape[:2], jnp.int32),) * 2
+            cases.append(CompileCase("flash_attention", "backward_masked", backward_masked,
+                                     args + segments))
     return cases
 
 
-__all__ = ["SIZES", "attention_shapes", "backward", "check_size", "compile_cases", "forward",
-           "qkv_structs"]
+__all__ = ["SIZES", "attention_shapes", "backward", "backward_masked", "check_size",
+           "compile_cases", "forward", "qkv_structs"]

@@ -83,7 +83,7 @@ class Masks(NamedTuple):
     segments: bool = False
 
 
-def _masks(row0, col0, shape, masks: Masks, q_seg=None, kv_seg=None):
+def pair_mask(row0, col0, shape, masks: Masks, q_seg=None, kv_seg=None):
     """Boolean ``shape`` mask of the pairs a query block may attend to in a key block."""
     col = col0 + lax.broadcasted_iota(jnp.int32, shape, 1)
     mask = col < masks.kv_len
@@ -98,7 +98,7 @@ def _masks(row0, col0, shape, masks: Masks, q_seg=None, kv_seg=None):
     return mask
 
 
-def _logits(q, kb, scale, masks: Masks):
+def block_logits(q, kb, scale, masks: Masks):
     """``(s, t)``: the (soft-capped) logits of a block and ``tanh(s_raw / cap)`` (or None)."""
     s = block_dot(q, kb, trans_b=True) * scale
     if masks.softcap is None:
@@ -107,7 +107,7 @@ def _logits(q, kb, scale, masks: Masks):
     return masks.softcap * t, t
 
 
-def _kv_blocks(qi, block_q, block_k, masks: Masks):
+def kv_block_range(qi, block_q, block_k, masks: Masks):
     """``[lower, upper)`` key blocks a query block needs (causal: up to the diagonal; window:
     from the window's start)."""
     n_kv_blocks = -(-masks.kv_len // block_k)
@@ -120,7 +120,7 @@ def _kv_blocks(qi, block_q, block_k, masks: Masks):
     return lower, upper
 
 
-def _q_blocks(kj, block_q, block_k, n_q_blocks, masks: Masks):
+def q_block_range(kj, block_q, block_k, n_q_blocks, masks: Masks):
     """``[lower, upper)`` query blocks that see a key block (the transpose of
     :func:`_kv_blocks`)."""
     lower = lax.div(kj * block_k, block_q) if masks.causal else 0
@@ -131,7 +131,7 @@ def _q_blocks(kj, block_q, block_k, n_q_blocks, masks: Masks):
     return lower, upper
 
 
-def _split(refs, n_in: int, masks: Masks):
+def split_refs(refs, n_in: int, masks: Masks):
     """``(inputs, q_seg_ref, kv_seg_ref, outputs)`` of a kernel's refs (segment refs optional)."""
     if masks.segments:
         return refs[:n_in], refs[n_in], refs[n_in + 1], refs[n_in + 2:]
@@ -139,11 +139,11 @@ def _split(refs, n_in: int, masks: Masks):
 
 
 def _fwd_kernel(*refs, scale, block_q, block_k, masks: Masks):
-    (q_ref, k_ref, v_ref), qs_ref, ks_ref, (o_ref, lse_ref) = _split(refs, 3, masks)
+    (q_ref, k_ref, v_ref), qs_ref, ks_ref, (o_ref, lse_ref) = split_refs(refs, 3, masks)
     qi = pl.program_id(2)
     q = q_ref[...]
     q_seg = qs_ref[...] if masks.segments else None
-    lower, upper = _kv_blocks(qi, block_q, block_k, masks)
+    lower, upper = kv_block_range(qi, block_q, block_k, masks)
     d = q.shape[-1]
 
     def body(j, carry):
@@ -151,8 +151,8 @@ def _fwd_kernel(*refs, scale, block_q, block_k, masks: Masks):
         start = pl.multiple_of(j * block_k, block_k)
         kb = k_ref[pl.ds(start, block_k), :]
         vb = v_ref[pl.ds(start, block_k), :]
-        s, _ = _logits(q, kb, scale, masks)
-        mask = _masks(qi * block_q, start, (block_q, block_k), masks, q_seg,
+        s, _ = block_logits(q, kb, scale, masks)
+        mask = pair_mask(qi * block_q, start, (block_q, block_k), masks, q_seg,
                       ks_ref[j] if masks.segments else None)
         s = jnp.where(mask, s, MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
@@ -171,31 +171,31 @@ def _fwd_kernel(*refs, scale, block_q, block_k, masks: Masks):
     lse_ref[...] = m + jnp.log(l_safe)
 
 
-def _dlogits(p, dp, delta, t):
+def dlogits(p, dp, delta, t):
     """``dL/ds_raw`` of a block: the softmax backward, through the soft-cap when set."""
     ds = p * (dp - delta)
     return ds if t is None else ds * (1.0 - t * t)
 
 
 def _dq_kernel(*refs, scale, block_q, block_k, masks: Masks):
-    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), qs_ref, ks_ref, (dq_ref,) = _split(
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), qs_ref, ks_ref, (dq_ref,) = split_refs(
         refs, 6, masks)
     qi = pl.program_id(2)
     q, do = q_ref[...], do_ref[...]
     lse, delta = lse_ref[...], delta_ref[...]
     q_seg = qs_ref[...] if masks.segments else None
-    lower, upper = _kv_blocks(qi, block_q, block_k, masks)
+    lower, upper = kv_block_range(qi, block_q, block_k, masks)
 
     def body(j, dq):
         start = pl.multiple_of(j * block_k, block_k)
         kb = k_ref[pl.ds(start, block_k), :]
         vb = v_ref[pl.ds(start, block_k), :]
-        s, t = _logits(q, kb, scale, masks)
-        mask = _masks(qi * block_q, start, (block_q, block_k), masks, q_seg,
+        s, t = block_logits(q, kb, scale, masks)
+        mask = pair_mask(qi * block_q, start, (block_q, block_k), masks, q_seg,
                       ks_ref[j] if masks.segments else None)
         p = jnp.where(mask, jnp.exp(s - lse), 0.0)
         dp = block_dot(do, vb, trans_b=True)
-        ds = _dlogits(p, dp, delta, t)
+        ds = dlogits(p, dp, delta, t)
         return dq + block_dot(ds.astype(kb.dtype), kb)
 
     dq = lax.fori_loop(lower, upper, body, jnp.zeros(q.shape, jnp.float32))
@@ -203,13 +203,13 @@ def _dq_kernel(*refs, scale, block_q, block_k, masks: Masks):
 
 
 def _dkv_kernel(*refs, scale, block_q, block_k, masks: Masks):
-    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), qs_ref, ks_ref, (dk_ref, dv_ref) = _split(
-        refs, 6, masks)
+    inputs, qs_ref, ks_ref, (dk_ref, dv_ref) = split_refs(refs, 6, masks)
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = inputs
     kj = pl.program_id(2)
     kb, vb = k_ref[...], v_ref[...]
     kv_seg = ks_ref[...] if masks.segments else None
     n_q_blocks = q_ref.shape[0] // block_q
-    lower, upper = _q_blocks(kj, block_q, block_k, n_q_blocks, masks)
+    lower, upper = q_block_range(kj, block_q, block_k, n_q_blocks, masks)
 
     def body(i, carry):
         dk, dv = carry
@@ -218,13 +218,13 @@ def _dkv_kernel(*refs, scale, block_q, block_k, masks: Masks):
         dob = do_ref[pl.ds(start, block_q), :]
         lse = lse_ref[pl.ds(start, block_q), :]
         delta = delta_ref[pl.ds(start, block_q), :]
-        s, t = _logits(qb, kb, scale, masks)
-        mask = _masks(start, kj * block_k, (block_q, block_k), masks,
+        s, t = block_logits(qb, kb, scale, masks)
+        mask = pair_mask(start, kj * block_k, (block_q, block_k), masks,
                       qs_ref[pl.ds(start, block_q), :] if masks.segments else None, kv_seg)
         p = jnp.where(mask, jnp.exp(s - lse), 0.0)
         dv = dv + block_dot(p.astype(dob.dtype), dob, trans_a=True)
         dp = block_dot(dob, vb, trans_b=True)
-        ds = _dlogits(p, dp, delta, t)
+        ds = dlogits(p, dp, delta, t)
         dk = dk + block_dot(ds.astype(qb.dtype), qb, trans_a=True)
         return dk, dv
 
