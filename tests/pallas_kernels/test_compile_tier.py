@@ -60,12 +60,15 @@ def _params():
             first = next((c.args[0].shape for _, c in cases if isinstance(c, aot.CompileCase)),
                          None)
             for name, case in cases:
+                if not isinstance(case, aot.CompileCase):  # one failing test says why
+                    params.append(pytest.param(case, "-", id=name))
+                    continue
                 for target in DEFAULT_TARGETS + SLOW_TARGETS:
-                    if isinstance(case, aot.CompileCase) and target not in case.targets:
+                    if target not in case.targets:
                         continue
                     if target in SLOW_TARGETS and size != "production":
                         continue
-                    slow = isinstance(case, aot.CompileCase) and _slow(case, size, target, first)
+                    slow = _slow(case, size, target, first)
                     params.append(pytest.param(case, target, id=f"{name}-{target}",
                                                marks=[pytest.mark.slow] if slow else []))
     return params
