@@ -163,7 +163,7 @@ def sale_prefill_attention(
     are dense.
 
     Backends: on GPU both kernels lower to **Triton**, chosen explicitly (Triton
-    ``CompilerParams``): they slice whole-sequence K/V blocks inside ``fori_loop``s (pointer
+    ``CompilerParams``): they slice whole-sequence K/V blocks inside ``fori_loop`` loops (pointer
     loads), which Mosaic GPU would stage whole in shared memory. On TPU the selection kernel is
     the same body and the sparse pass a splash-style Mosaic kernel (scalar-prefetched lookup
     table in SMEM-sized chunks, K/V streamed block by block).

@@ -67,7 +67,7 @@ def subspace_attention(
     (``q̃ k̃ᵀ = q kᵀ``, ``E_v E_vᵀ = I``) it equals dense attention for any near mask.
 
     Backends: on GPU the kernel lowers to **Triton**, chosen explicitly (Triton
-    ``CompilerParams``): it slices the head's whole-sequence K/V streams inside ``fori_loop``s
+    ``CompilerParams``): it slices the head's whole-sequence K/V streams inside ``fori_loop`` loops
     (pointer loads), which Mosaic GPU would stage whole in shared memory. On TPU (Mosaic) the
     lookup tables are SMEM blocks and the streams stay resident in VMEM (about 16K tokens per
     device at head_dim 128).
