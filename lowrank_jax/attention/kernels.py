@@ -1,5 +1,8 @@
 """The dispatcher's kernel entries: flash and SALE prefill, the reference for everything else.
 
+Under a mesh, the kernels run inside ``jax.shard_map`` over batch and heads (Mosaic and Triton
+kernels are not auto-partitioned): :func:`run_sharded`.
+
 ``pallas_kernels`` holds the kernels and never imports ``lowrank_jax``; this module adapts them to
 the dispatcher signature ``fn(q, k, v, *, causal, q_offset, kv_length, scale)`` and registers them
 (``"flash"`` and ``"sale"`` on first :func:`lowrank_jax.attention.get_attention`).
@@ -11,6 +14,8 @@ import hashlib
 from collections.abc import Callable
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from lowrank_jax.attention import reference_attention, register_attention
@@ -18,23 +23,91 @@ from pallas_kernels.flash_attention.api import flash_attention
 from pallas_kernels.sparse_attention.api import DEFAULT_TAU, sale_prefill_attention
 
 
-def flash_dispatch(q, k, v, *, causal=True, q_offset=0, kv_length=None, scale=None, **masks):
+#: Mesh axes a kernel call is split over: the batch over data-parallel axes, heads over tensor.
+BATCH_AXES = ("data", "fsdp")
+HEAD_AXES = ("tensor",)
+
+
+def kernel_partition(mesh, batch: int, heads: int, kv_heads: int):
+    """``(batch_axes, head_axis, manual_axes)`` of a kernel call under ``mesh``.
+
+    The batch is split over the :data:`BATCH_AXES` (in order) whose sizes still divide it, the
+    heads over ``"tensor"`` when it divides both ``heads`` and ``kv_heads``; every other axis of
+    size > 1 that is not already manual is manual too, with the inputs replicated over it (a
+    Mosaic / Triton kernel is not auto-partitioned, so no axis may be left to XLA).
+
+    Example::
+
+        >>> from jax.sharding import AbstractMesh
+        >>> mesh = AbstractMesh((2, 2, 2), ("data", "fsdp", "tensor"))
+        >>> kernel_partition(mesh, batch=2, heads=9, kv_heads=3)
+        (('data',), None, ('data', 'fsdp', 'tensor'))
+    """
+    manual = set(getattr(mesh, "manual_axes", ()))
+    free = [a for a in mesh.axis_names if a not in manual and mesh.shape[a] > 1]
+    batch_axes, size = [], 1
+    for axis in BATCH_AXES:
+        if axis in free and batch % (size * mesh.shape[axis]) == 0:
+            batch_axes.append(axis)
+            size *= mesh.shape[axis]
+    head_axis = None
+    for axis in HEAD_AXES:
+        if axis in free and heads % mesh.shape[axis] == 0 and kv_heads % mesh.shape[axis] == 0:
+            head_axis = axis
+            break
+    return tuple(batch_axes), head_axis, tuple(free)
+
+
+def run_sharded(fn: Callable, q, k, v, *batch_args, head_args=()):
+    """``fn(q, k, v, *batch_args, *head_args)``, inside ``jax.shard_map`` when a mesh is set.
+
+    Under a mesh (``jax.set_mesh`` / ``jax.sharding.use_abstract_mesh``, concrete or abstract)
+    the call runs per shard (:func:`kernel_partition`): ``q, k, v [b, t, heads, d]`` split on
+    batch and heads, ``batch_args`` (segment ids ``[b, t]``) on batch, ``head_args``
+    (per-head vectors ``[heads]``) on heads. Without a mesh (or with every axis of size 1 or
+    already manual) it is a plain call.
+    """
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return fn(q, k, v, *batch_args, *head_args)
+    batch_axes, head_axis, manual = kernel_partition(mesh, q.shape[0], q.shape[2], k.shape[2])
+    if not manual:
+        return fn(q, k, v, *batch_args, *head_args)
+    batch = batch_axes or None
+    qkv = P(batch, None, head_axis, None)
+    in_specs = (qkv, qkv, qkv) + (P(batch, None),) * len(batch_args) + (
+        P(head_axis),) * len(head_args)
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=qkv,
+                         axis_names=set(manual), check_vma=False)(q, k, v, *batch_args,
+                                                                 *head_args)
+
+
+def flash_dispatch(q, k, v, *, causal=True, q_offset=0, kv_length=None, scale=None,
+                   window=None, logit_softcap=None, segment_ids=None):
     """The ``"flash"`` entry: the flash kernel for prefill, the reference for KV-cache decode.
 
-    ``masks`` are the reference's optional ``window`` / ``logit_softcap`` / ``segment_ids``;
-    until the kernel takes them, a call that sets one runs the reference.
+    Sliding window, logit soft-cap and segment ids go to the kernel. Under a mesh the kernel
+    runs inside ``jax.shard_map`` over batch and heads (:func:`run_sharded`).
     """
-    plain_prefill = (
-        not any(value is not None for value in masks.values())
-        and kv_length is None
+    prefill = (
+        kv_length is None
         and isinstance(q_offset, int)
         and q_offset == 0
         and (not causal or q.shape[1] <= k.shape[1])
     )
-    if not plain_prefill:
+    if not prefill:
         return reference_attention(q, k, v, causal=causal, q_offset=q_offset,
-                                   kv_length=kv_length, scale=scale, **masks)
-    return flash_attention(q, k, v, causal=causal, scale=scale)
+                                   kv_length=kv_length, scale=scale, window=window,
+                                   logit_softcap=logit_softcap, segment_ids=segment_ids)
+
+    def run(q, k, v, *segments):
+        return flash_attention(q, k, v, causal=causal, scale=scale, window=window,
+                               logit_softcap=logit_softcap,
+                               segment_ids=tuple(segments) if segments else None)
+
+    return run_sharded(run, q, k, v, *(segment_ids or ()))
 
 
 def make_sale_attention(
@@ -57,8 +130,18 @@ def make_sale_attention(
         if not prefill:
             return reference_attention(q, k, v, causal=causal, q_offset=q_offset,
                                        kv_length=kv_length, scale=scale, **masks)
-        return sale_prefill_attention(q, k, v, tau, cfg, scale=scale,
-                                      implementation=implementation)
+        tau_heads = jnp.asarray(tau, jnp.float32)
+        if tau_heads.ndim == 0:
+            tau_heads = jnp.broadcast_to(tau_heads, (q.shape[2],))
+        if tau_heads.shape != (q.shape[2],):
+            raise ValueError(f"sale: tau has shape {tau_heads.shape}; pass a scalar or one "
+                             f"threshold per query head ({q.shape[2]},).")
+
+        def run(q, k, v, tau_heads):
+            return sale_prefill_attention(q, k, v, tau_heads, cfg, scale=scale,
+                                          implementation=implementation)
+
+        return run_sharded(run, q, k, v, head_args=(tau_heads,))
 
     return sale_attention
 
@@ -102,4 +185,5 @@ def register_sale_per_layer(
     return tuple(names)
 
 
-__all__ = ["flash_dispatch", "make_sale_attention", "register_sale_per_layer"]
+__all__ = ["BATCH_AXES", "HEAD_AXES", "flash_dispatch", "kernel_partition", "make_sale_attention",
+           "register_sale_per_layer", "run_sharded"]

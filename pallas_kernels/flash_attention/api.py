@@ -16,9 +16,13 @@ from jaxtyping import Array, Float
 
 from pallas_kernels import _dispatch
 from pallas_kernels.flash_attention import kernel as _kernel
+from pallas_kernels.flash_attention import kernel_tpu as _kernel_tpu
 from pallas_kernels.flash_attention.reference import (
+    attention_reference,
     check_attention_shapes,
-    flash_attention_reference,
+    check_segment_ids,
+    check_window,
+    soft_cap,
 )
 
 IMPLEMENTATIONS = ("auto", "pallas", "xla")
@@ -68,20 +72,31 @@ def padded_head_dim(d: int) -> int:
     return max(16, 1 << (d - 1).bit_length())
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _flash_padded(q, k, v, static):
-    out, _ = _kernel.flash_forward(q, k, v, **static._asdict())
-    return out
+def _forward(q, k, v, segments, static):
+    if static.platform == "tpu":
+        return _kernel_tpu.flash_forward_tpu(q, k, v, segments, **static.tpu_args())
+    return _kernel.flash_forward(q, k, v, segments, **static.kernel_args())
 
 
-def _flash_padded_fwd(q, k, v, static):
-    out, lse = _kernel.flash_forward(q, k, v, **static._asdict())
-    return out, (q, k, v, out, lse)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _flash_padded(q, k, v, segments, static):
+    return _forward(q, k, v, segments, static)[0]
+
+
+def _flash_padded_fwd(q, k, v, segments, static):
+    out, lse = _forward(q, k, v, segments, static)
+    return out, (q, k, v, segments, out, lse)
 
 
 def _flash_padded_bwd(static, residuals, d_out):
-    q, k, v, out, lse = residuals
-    return _kernel.flash_backward(q, k, v, out, lse, d_out, **static._asdict())
+    q, k, v, segments, out, lse = residuals
+    if static.platform == "tpu":
+        dq, dk, dv = _kernel_tpu.flash_backward_tpu(q, k, v, out, lse, d_out, segments,
+                                                    **static.tpu_args())
+    else:
+        dq, dk, dv = _kernel.flash_backward(q, k, v, out, lse, d_out, segments,
+                                            **static.kernel_args())
+    return dq, dk, dv, jax.tree.map(lambda _: None, segments)  # integer ids: no cotangent
 
 
 _flash_padded.defvjp(_flash_padded_fwd, _flash_padded_bwd)
@@ -91,16 +106,20 @@ _flash_padded.defvjp(_flash_padded_fwd, _flash_padded_bwd)
 class _Static:
     """Hashable static kernel arguments (not a pytree, so custom_vjp keeps them static)."""
 
-    causal: bool
     scale: float
     block_q: int
     block_k: int
-    kv_len: int
+    masks: _kernel.Masks
     platform: str
     interpret: Any
 
-    def _asdict(self) -> dict:
+    def kernel_args(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def tpu_args(self) -> dict:
+        args = self.kernel_args()
+        del args["platform"]
+        return args
 
 
 def flash_attention(
@@ -110,6 +129,9 @@ def flash_attention(
     *,
     causal: bool = True,
     scale: float | None = None,
+    window: int | None = None,
+    logit_softcap: float | None = None,
+    segment_ids=None,
     block_sizes: BlockSizes | None = None,
     implementation: str = "auto",
     interpret: Any = None,
@@ -117,13 +139,25 @@ def flash_attention(
 ) -> Float[Array, "b tq h d"]:
     """Memory-efficient exact softmax attention (FlashAttention-2) as a Pallas kernel.
 
-    .. math:: O = \\mathrm{softmax}(c\\, Q K^\\top + M) V,
+    .. math:: O = \\mathrm{softmax}(\\mathrm{cap}(c\\, Q K^\\top) + M) V,
 
     computed tile by tile with an online softmax (running max ``m``, sum ``l``, fp32), so the
     ``[tq, tk]`` matrix is never stored. Grouped-query attention maps query head ``h`` to KV head
     ``h // (heads / kv_heads)``. Sequences are padded to the tile sizes and the head dim to a
-    power of two ≥ 16; padded keys are masked, padded rows and columns are sliced off.
-    Differentiable: the VJP runs the Pallas dq and dk/dv kernels.
+    power of two ≥ 16; padded keys are masked, padded rows and columns are sliced off. The mask
+    ``M`` and the soft-cap are those of
+    :func:`~pallas_kernels.flash_attention.reference.attention_reference` (causal, sliding
+    window, packed-row segments; Gemma 2's ``cap · tanh(x / cap)``); key blocks outside the
+    causal range or the window are skipped, not just masked. Differentiable: the VJP runs the
+    Pallas dq and dk/dv kernels.
+
+    Backends: GPU lowers to **Triton**, chosen explicitly (``pallas.triton.CompilerParams``):
+    the kernel keeps one head's K/V as a full-sequence block and slices it in a ``fori_loop``,
+    which Triton turns into pointer loads, while Mosaic GPU would stage the whole block in
+    shared memory (227 KB on H100/H200). TPU runs the streaming kernels of
+    ``pallas_kernels.flash_attention.kernel_tpu`` (K/V block by block, VMEM scratch
+    accumulators; no length limit from VMEM). ``platform="tpu"`` with ``interpret=True`` runs
+    those in interpret mode.
 
     Args:
       q: ``[batch, q_len, heads, head_dim]``.
@@ -131,12 +165,16 @@ def flash_attention(
       v: same shape as ``k``.
       causal: query ``i`` sees keys ``j <= i``.
       scale: logit scale ``c`` (default ``head_dim ** -0.5``).
+      window: sliding window: query ``i`` sees keys ``j > i - window`` only (None: all).
+      logit_softcap: ``cap · tanh(logit / cap)`` on the scaled logits (None: off).
+      segment_ids: ``(q_segments [batch, q_len], kv_segments [batch, kv_len])`` integer ids of
+        packed documents; a query sees only keys of its own segment.
       block_sizes: tiles; default :meth:`BlockSizes.get_default`.
       implementation: ``"pallas"``, ``"xla"`` (the jnp reference) or ``"auto"`` (pallas on GPU
         and TPU or when ``interpret`` is set, xla elsewhere; see :mod:`pallas_kernels._dispatch`).
       interpret: passed to ``pallas_call``; ``None`` means ``True`` on CPU, ``False`` elsewhere.
       platform: lowering to target: ``"gpu"`` (Triton), ``"tpu"`` (Mosaic) or ``"interpret"``;
-        default from ``jax.default_backend()``. Set it to export for another platform.
+        default from the target backend. Set it to export for another platform.
 
     Returns:
       ``[batch, q_len, heads, head_dim]`` in ``q.dtype``.
@@ -146,8 +184,8 @@ def flash_attention(
         >>> import jax, jax.numpy as jnp
         >>> q = jax.random.normal(jax.random.key(0), (1, 40, 4, 16))
         >>> k = v = jax.random.normal(jax.random.key(1), (1, 40, 2, 16))
-        >>> o = flash_attention(q, k, v, implementation="pallas", interpret=True,
-        ...                     block_sizes=BlockSizes(16, 16))
+        >>> o = flash_attention(q, k, v, window=8, logit_softcap=30.0, implementation="pallas",
+        ...                     interpret=True, block_sizes=BlockSizes(16, 16))
         >>> o.shape
         (1, 40, 4, 16)
 
@@ -161,9 +199,17 @@ def flash_attention(
             f"flash_attention: causal attention with q_len={tq} > kv_len={tk} leaves queries "
             "with no key; pass equal lengths (prefill) or causal=False."
         )
+    if window is not None:
+        check_window(window)
+    if logit_softcap is not None:
+        soft_cap(jnp.zeros(()), logit_softcap)  # the reference's check of the cap
+        logit_softcap = float(logit_softcap)
+    if segment_ids is not None:
+        segment_ids = check_segment_ids(segment_ids, b, tq, tk, name="flash_attention")
     scale = d ** -0.5 if scale is None else float(scale)
     if resolve_implementation(implementation, interpret) == "xla":
-        return flash_attention_reference(q, k, v, causal=causal, scale=scale)
+        return attention_reference(q, k, v, causal=causal, scale=scale, window=window,
+                                   logit_softcap=logit_softcap, segment_ids=segment_ids)
     block_sizes = BlockSizes.check("flash_attention", block_sizes)
     platform = platform or _dispatch.backend_platform()
     if platform not in _kernel.PLATFORMS:
@@ -177,21 +223,30 @@ def flash_attention(
         )
     blocks = block_sizes.fitted(tq, tk)
     tq_pad, tk_pad = _round_up(tq, blocks.block_q), _round_up(tk, blocks.block_k)
-    d_pad = padded_head_dim(d)
-    static = _Static(causal=bool(causal), scale=scale, block_q=blocks.block_q,
-                     block_k=blocks.block_k, kv_len=tk, platform=platform, interpret=interpret)
-    return _flash_pallas(q, k, v, static=static, tq_pad=tq_pad, tk_pad=tk_pad, d_pad=d_pad)
+    masks = _kernel.Masks(causal=bool(causal), kv_len=tk, window=window,
+                          softcap=logit_softcap, segments=segment_ids is not None)
+    static = _Static(scale=scale, block_q=blocks.block_q, block_k=blocks.block_k, masks=masks,
+                     platform=platform, interpret=interpret)
+    return _flash_pallas(q, k, v, segment_ids, static=static, tq_pad=tq_pad, tk_pad=tk_pad,
+                         d_pad=padded_head_dim(d))
 
 
 @functools.partial(jax.jit, static_argnames=("static", "tq_pad", "tk_pad", "d_pad"))
-def _flash_pallas(q, k, v, *, static, tq_pad, tk_pad, d_pad):
+def _flash_pallas(q, k, v, segment_ids, *, static, tq_pad, tk_pad, d_pad):
     tq, d = q.shape[1], q.shape[3]
 
     def prep(x, t_pad):  # [b, t, h, d] -> zero-padded [b, h, t_pad, d_pad]
         x = jnp.pad(x, ((0, 0), (0, t_pad - x.shape[1]), (0, 0), (0, d_pad - d)))
         return jnp.transpose(x, (0, 2, 1, 3))
 
-    out = _flash_padded(prep(q, tq_pad), prep(k, tk_pad), prep(v.astype(q.dtype), tk_pad), static)
+    segments = ()
+    if segment_ids is not None:  # padded keys are masked by kv_len whatever their id
+        q_seg, kv_seg = segment_ids
+        q_seg = jnp.pad(q_seg.astype(jnp.int32), ((0, 0), (0, tq_pad - tq)))
+        kv_seg = jnp.pad(kv_seg.astype(jnp.int32), ((0, 0), (0, tk_pad - kv_seg.shape[1])))
+        segments = _kernel.segment_layouts(q_seg, kv_seg, static.block_k)
+    out = _flash_padded(prep(q, tq_pad), prep(k, tk_pad), prep(v.astype(q.dtype), tk_pad),
+                        segments, static)
     return jnp.transpose(out, (0, 2, 1, 3))[:, :tq, :, :d]
 
 

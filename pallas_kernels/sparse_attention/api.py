@@ -162,6 +162,12 @@ def sale_prefill_attention(
     Heads with ``τ_h < cfg.dense_tau`` (e.g. 0) and sequences with ``N ≤ cfg.dense_below``
     are dense.
 
+    Backends: on GPU both kernels lower to **Triton**, chosen explicitly (Triton
+    ``CompilerParams``): they slice whole-sequence K/V blocks inside ``fori_loop`` loops (pointer
+    loads), which Mosaic GPU would stage whole in shared memory. On TPU the selection kernel is
+    the same body and the sparse pass a splash-style Mosaic kernel (scalar-prefetched lookup
+    table in SMEM-sized chunks, K/V streamed block by block).
+
     Args:
       q: ``[batch, n, heads, head_dim]`` (the dispatcher layout).
       k, v: ``[batch, n, kv_heads, head_dim]``.

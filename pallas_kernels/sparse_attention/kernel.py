@@ -12,7 +12,8 @@ All arrays are head-major and padded (see :mod:`pallas_kernels.sparse_attention.
 * :func:`block_sparse_attention` (GPU / interpret) — grid ``(B, Hq, nQ)``, ``fori_loop`` over
   the ``count`` selected key blocks read from a lookup table, online softmax in fp32.
 * :func:`block_sparse_attention_tpu` — the splash-attention design: scalar-prefetched LUT and
-  counts, grid ``(B, Hq, nQ, max_count)`` with the last axis "arbitrary", the K/V index map
+  counts (in SMEM-sized chunks of query-block rows), grid ``(rows, max_count)`` with the last
+  axis "arbitrary", the K/V index map
   reading ``lut[min(t, count−1)]`` (repeating the last id skips the DMA), VMEM accumulators;
   streams K/V block by block, so it has no sequence-length limit from VMEM.
 
@@ -58,7 +59,9 @@ def _select_kernel(qc_ref, qs_ref, thr_ref, kc_ref, ks_ref, qmk_ref, out_ref, *,
         start = pl.multiple_of(j * block_k, block_k)
         kb = kc_ref[pl.ds(start, block_k), :].astype(jnp.bfloat16)
         prod = block_dot(qb, kb, trans_b=True)
-        est = prod * qs * ks_ref[:, pl.ds(start, block_k)] + qmk_ref[:, pl.ds(start, block_k)]
+        # per-key rows [nK, block_k]: row j is block j (a dynamic sublane index, which Mosaic
+        # aligns; a lane offset j·block_k into a [1, N] row it cannot prove 128-aligned)
+        est = prod * qs * ks_ref[pl.ds(j, 1), :] + qmk_ref[pl.ds(j, 1), :]
         col = start + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
         hit = jnp.where((est > thr) & (col <= row), 1, 0)
         any_hit = jnp.max(jnp.max(hit, axis=1, keepdims=True), axis=0, keepdims=True)  # (1, 1)
@@ -80,7 +83,7 @@ def sale_select(q_codes, q_scale, thresholds, k_codes, k_scale, qmk, *, block_q,
     Args:
       q_codes: int8 ``[B, Hq, N_pad, D_pad]``; q_scale, thresholds: fp32 ``[B, Hq, N_pad, 1]``.
       k_codes: int8 ``[B, Hkv, N_pad, D_pad]``; k_scale: fp32 ``[B, Hkv, 1, N_pad]``.
-      qmk: fp32 ``[B, Hq, 1, N_pad]``.
+      qmk: fp32 ``[B, Hq, 1, N_pad]``. Both are read block by block as ``[nK, block_k]``.
       n: the real sequence length (keys ≥ n never hit because middle blocks end before d(i)).
     """
     b, hq, n_pad, dim = q_codes.shape
@@ -98,8 +101,9 @@ def sale_select(q_codes, q_scale, thresholds, k_codes, k_scale, qmk, *, block_q,
             pl.BlockSpec((None, None, block_q, 1), row_map),
             pl.BlockSpec((None, None, block_q, 1), row_map),
             pl.BlockSpec((None, None, n_pad, dim), lambda bi, hi, qi: (bi, hi // groups, 0, 0)),
-            pl.BlockSpec((None, None, 1, n_pad), lambda bi, hi, qi: (bi, hi // groups, 0, 0)),
-            pl.BlockSpec((None, None, 1, n_pad), lambda bi, hi, qi: (bi, hi, 0, 0)),
+            pl.BlockSpec((None, None, n_k, block_k),
+                         lambda bi, hi, qi: (bi, hi // groups, 0, 0)),
+            pl.BlockSpec((None, None, n_k, block_k), lambda bi, hi, qi: (bi, hi, 0, 0)),
         ],
         out_specs=pl.BlockSpec((None, None, None, 1, n_k_pad),
                                lambda bi, hi, qi: (bi, hi, qi, 0, 0)),
@@ -107,7 +111,8 @@ def sale_select(q_codes, q_scale, thresholds, k_codes, k_scale, qmk, *, block_q,
         compiler_params=compiler_params(platform, 3),
         interpret=interpret,
         name="sale_select",
-    )(q_codes, q_scale, thresholds, k_codes, k_scale, qmk)
+    )(q_codes, q_scale, thresholds, k_codes, k_scale.reshape(b, -1, n_k, block_k),
+      qmk.reshape(b, hq, n_k, block_k))
     return out[:, :, :, 0, :n_k] > 0
 
 
@@ -181,11 +186,16 @@ def block_sparse_attention(q, k, v, lut, counts, *, block_q, block_k, n, scale,
     )(lut.astype(jnp.int32), counts, q, k, v)
 
 
-def _sparse_tpu_kernel(lut_ref, cnt_ref, q_ref, k_ref, v_ref, o_ref, m_sc, l_sc, acc_sc, *,
-                       block_q, block_k, n, scale, heads, n_q, max_count):
-    bi, hi, qi, t = (pl.program_id(i) for i in range(4))
-    idx = (bi * heads + hi) * n_q + qi
-    count = cnt_ref[idx]
+#: Lookup-table words one TPU kernel call prefetches into SMEM (1 MiB on v5e, shared with the
+#: counts and Mosaic's own scalars): the rows of a longer table run in chunks (a ``lax.scan``).
+SMEM_LUT_WORDS = 64 * 1024
+
+
+def _sparse_tpu_kernel(off_ref, lut_ref, cnt_ref, q_ref, k_ref, v_ref, o_ref, m_sc, l_sc, acc_sc,
+                       *, block_q, block_k, n, scale, n_q, max_count):
+    r, t = pl.program_id(0), pl.program_id(1)
+    qi = lax.rem(off_ref[0] + r, n_q)
+    count = cnt_ref[r]
 
     @pl.when(t == 0)
     def _init():
@@ -195,7 +205,7 @@ def _sparse_tpu_kernel(lut_ref, cnt_ref, q_ref, k_ref, v_ref, o_ref, m_sc, l_sc,
 
     @pl.when(t < count)
     def _step():
-        start = lut_ref[idx * max_count + t] * block_k
+        start = lut_ref[r * max_count + t] * block_k
         mask = _block_mask(qi * block_q, start, (block_q, block_k), n)
         m_prev, l_prev = m_sc[...][:, :1], l_sc[...][:, :1]
         acc, m_new, l_new = _online_softmax_step(q_ref[...], k_ref[...], v_ref[...], mask,
@@ -211,48 +221,69 @@ def _sparse_tpu_kernel(lut_ref, cnt_ref, q_ref, k_ref, v_ref, o_ref, m_sc, l_sc,
 
 
 @functools.partial(
-    jax.jit, static_argnames=("block_q", "block_k", "n", "scale", "platform", "interpret"))
+    jax.jit, static_argnames=("block_q", "block_k", "n", "scale", "platform", "interpret",
+                              "lut_words"))
 def block_sparse_attention_tpu(q, k, v, lut, counts, *, block_q, block_k, n, scale,
-                               platform="tpu", interpret=False):
-    """Same contract as :func:`block_sparse_attention`, as a Mosaic-TPU splash-style kernel."""
+                               platform="tpu", interpret=False, lut_words=SMEM_LUT_WORDS):
+    """Same contract as :func:`block_sparse_attention`, as a Mosaic-TPU splash-style kernel.
+
+    The query blocks of all (batch, head) pairs form ``rows = B·Hq·nQ`` rows; a kernel call
+    covers a chunk of rows whose lookup table (``chunk · max_count`` int32) fits ``lut_words``
+    of SMEM, and a ``lax.scan`` runs the chunks (one call when the whole table fits), so the
+    table's quadratic growth with the sequence never exceeds the TPU's SMEM.
+    """
     from jax.experimental.pallas import tpu as pltpu
 
     b, hq, n_pad, dim = q.shape
     groups = hq // k.shape[1]
     n_q, max_count = n_pad // block_q, lut.shape[-1]
-    lut_flat = lut.reshape(-1).astype(jnp.int32)
-    cnt_flat = counts.reshape(-1).astype(jnp.int32)
+    rows = b * hq * n_q
+    chunk = max(1, min(rows, lut_words // max_count))
+    n_chunks = -(-rows // chunk)
+    pad = n_chunks * chunk - rows
+    luts = jnp.pad(lut.reshape(rows, max_count).astype(jnp.int32), ((0, pad), (0, 0)))
+    cnts = jnp.pad(counts.reshape(rows).astype(jnp.int32), (0, pad))
+    luts = luts.reshape(n_chunks, chunk * max_count)
+    cnts = cnts.reshape(n_chunks, chunk)
+    offsets = (jnp.arange(n_chunks, dtype=jnp.int32) * chunk)[:, None]
+    q_rows = jnp.pad(q.reshape(rows, block_q, dim), ((0, pad), (0, 0), (0, 0)))
 
-    def kv_map(bi, hi, qi, t, lut_ref, cnt_ref):
-        idx = (bi * hq + hi) * n_q + qi
-        last = jnp.maximum(jnp.minimum(t, cnt_ref[idx] - 1), 0)
-        return bi, hi // groups, lut_ref[idx * max_count + last], 0
+    def kv_map(r, t, off_ref, lut_ref, cnt_ref):
+        row = jnp.minimum(off_ref[0] + r, rows - 1)
+        bi, hi = lax.div(row, hq * n_q), lax.rem(lax.div(row, n_q), hq)
+        last = jnp.maximum(jnp.minimum(t, cnt_ref[r] - 1), 0)
+        return bi, hi // groups, lut_ref[r * max_count + last], 0
 
-    q_spec = pl.BlockSpec((None, None, block_q, dim), lambda bi, hi, qi, t, *_: (bi, hi, qi, 0))
+    q_spec = pl.BlockSpec((None, block_q, dim), lambda r, t, off, *_: (off[0] + r, 0, 0))
     kv_spec = pl.BlockSpec((None, None, block_k, dim), kv_map)
     kernel = functools.partial(_sparse_tpu_kernel, block_q=block_q, block_k=block_k, n=n,
-                               scale=scale, heads=hq, n_q=n_q, max_count=max_count)
+                               scale=scale, n_q=n_q, max_count=max_count)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2,
-        grid=(b, hq, n_q, max_count),
+        num_scalar_prefetch=3,
+        grid=(chunk, max_count),
         in_specs=[q_spec, kv_spec, kv_spec],
-        out_specs=q_spec,
+        out_specs=pl.BlockSpec((None, block_q, dim), lambda r, t, *_: (r, 0, 0)),
         scratch_shapes=[pltpu.VMEM((block_q, _LANES), jnp.float32),
                         pltpu.VMEM((block_q, _LANES), jnp.float32),
                         pltpu.VMEM((block_q, dim), jnp.float32)],
     )
     params = None
     if platform == "tpu":
-        params = pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))
-    return pl.pallas_call(
+        params = pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"))
+    call = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_shape=jax.ShapeDtypeStruct((chunk, block_q, dim), q.dtype),
         compiler_params=params,
         interpret=interpret,
         name="sale_block_sparse_attention_tpu",
-    )(lut_flat, cnt_flat, q, k, v)
+    )
+    if n_chunks == 1:
+        out = call(offsets[0], luts[0], cnts[0], q_rows, k, v)[None]
+    else:
+        _, out = lax.scan(lambda _, xs: (None, call(*xs, q_rows, k, v)), None,
+                          (offsets, luts, cnts))
+    return out.reshape(n_chunks * chunk, block_q, dim)[:rows].reshape(q.shape)
 
 
 __all__ = ["block_sparse_attention", "block_sparse_attention_tpu", "sale_select"]

@@ -66,6 +66,12 @@ def subspace_attention(
     one softmax over all keys (see :func:`subspace_attention_reference`). With full-rank bases
     (``q̃ k̃ᵀ = q kᵀ``, ``E_v E_vᵀ = I``) it equals dense attention for any near mask.
 
+    Backends: on GPU the kernel lowers to **Triton**, chosen explicitly (Triton
+    ``CompilerParams``): it slices the head's whole-sequence K/V streams inside ``fori_loop`` loops
+    (pointer loads), which Mosaic GPU would stage whole in shared memory. On TPU (Mosaic) the
+    lookup tables are SMEM blocks and the streams stay resident in VMEM (about 16K tokens per
+    device at head_dim 128).
+
     Args:
       q, k, v: ``[batch, n, heads, head_dim]``.
       q_lat, k_lat: ``[batch, n, heads, rank]``; v_lat: ``[batch, n, heads, rank_v]``.

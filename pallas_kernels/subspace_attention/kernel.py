@@ -124,8 +124,16 @@ def dual_stream_attention(q, k, v, q_lat, k_lat, v_lat, v_basis, near_lut, near_
 
     kernel = functools.partial(_dual_stream_kernel, scale=scale, n=n, block_q=block_q,
                                block_k=block_k, latent_values=latent_values)
-    lut_spec = pl.BlockSpec((None, 1, width), lambda bi, hi, qi: (qi, 0, 0))
-    cnt_spec = pl.BlockSpec((None, 1, 1), lambda bi, hi, qi: (qi, 0, 0))
+    # The lookup-table rows are read as scalars (loop bounds and block offsets): on TPU they live
+    # in SMEM, where a dynamic index needs no alignment proof (a dynamic lane index into a VMEM
+    # row does: Mosaic cannot prove it is a multiple of 128).
+    space = {}
+    if platform == "tpu":
+        from jax.experimental.pallas import tpu as pltpu
+
+        space = {"memory_space": pltpu.SMEM}
+    lut_spec = pl.BlockSpec((None, 1, width), lambda bi, hi, qi: (qi, 0, 0), **space)
+    cnt_spec = pl.BlockSpec((None, 1, 1), lambda bi, hi, qi: (qi, 0, 0), **space)
 
     def rows(dim):
         return pl.BlockSpec((None, None, block_q, dim), lambda bi, hi, qi: (bi, hi, qi, 0))

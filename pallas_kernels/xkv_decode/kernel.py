@@ -33,6 +33,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels import _dispatch
+from pallas_kernels.flash_attention.kernel import compiler_params
 from pallas_kernels.rope import rope_inverse_frequencies
 from pallas_kernels.xkv_decode.reference import NEG_INF
 
@@ -66,7 +68,7 @@ def xkv_decode_kernel(
 
     def body(i, carry):
         m, l, acc = carry
-        start = i * block_k
+        start = pl.multiple_of(i * block_k, block_k)
         a = ak_ref[pl.ds(start, block_k), :].astype(jnp.float32)  # [Bk, rk]
         k1, k2 = _dot(a, bk1), _dot(a, bk2)  # [Bk, D/2]
         first = (split * blocks_per_split + i) * block_k
@@ -77,17 +79,17 @@ def xkv_decode_kernel(
         s = (_dot_t(q1, r1) + _dot_t(q2, r2)) * scale  # [g, Bk]
         valid = first + lax.broadcasted_iota(jnp.int32, (g, block_k), 1) < length
         s = jnp.where(valid, s, NEG_INF)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        p = jnp.where(valid, jnp.exp(s - m_new[:, None]), 0.0)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+        p = jnp.where(valid, jnp.exp(s - m_new), 0.0)
         alpha = jnp.exp(m - m_new)
-        l_new = alpha * l + jnp.sum(p, axis=1)
+        l_new = alpha * l + jnp.sum(p, axis=1, keepdims=True)
         av = av_ref[pl.ds(start, block_k), :].astype(jnp.float32)  # [Bk, rv]
-        acc = alpha[:, None] * acc + _dot(p, av)
+        acc = alpha * acc + _dot(p, av)
         return m_new, l_new, acc
 
-    init = (
-        jnp.full((g,), NEG_INF, jnp.float32),
-        jnp.zeros((g,), jnp.float32),
+    init = (  # per-row statistics as [g, 1] columns: legal TPU blocks, no 1-D layouts
+        jnp.full((g, 1), NEG_INF, jnp.float32),
+        jnp.zeros((g, 1), jnp.float32),
         jnp.zeros((g, rv), jnp.float32),
     )
     m, l, acc = lax.fori_loop(0, blocks_per_split, body, init)
@@ -97,13 +99,15 @@ def xkv_decode_kernel(
 
 
 def default_compiler_params(interpret=False):
-    """Triton parameters on GPU (the portable path; Mosaic GPU would stage whole blocks in
-    shared memory), ``None`` elsewhere."""
-    if interpret or jax.default_backend() != "gpu":
-        return None
-    from jax.experimental.pallas import triton as pl_triton
-
-    return pl_triton.CompilerParams(num_warps=4, num_stages=2)
+    """The backend of the target (:func:`pallas_kernels._dispatch.backend_platform`, which reads
+    the abstract mesh when compiling for another platform): **Triton** on GPU, chosen explicitly
+    because Mosaic GPU (Pallas' default GPU lowering when no parameters are given) stages whole
+    blocks in shared memory (a 4096-token prompt's factors need 3.3 MB > the H100/H200's 227 KB)
+    and needs 128-element-multiple copies, while Triton streams the ``pl.ds`` slices of the
+    ``fori_loop`` as pointer loads; Mosaic TPU with every grid axis parallel (batch, KV head and
+    split are independent); ``None`` in interpret mode."""
+    platform = "interpret" if interpret else _dispatch.backend_platform()
+    return compiler_params(platform, 3)
 
 
 @functools.partial(
@@ -163,18 +167,19 @@ def xkv_decode_partials(
         ],
         out_specs=[
             pl.BlockSpec((sq, sq, sq, gp, rvp), lambda i, h, s: (i, h, s, 0, 0)),
-            pl.BlockSpec((sq, sq, sq, gp), lambda i, h, s: (i, h, s, 0)),
-            pl.BlockSpec((sq, sq, sq, gp), lambda i, h, s: (i, h, s, 0)),
+            pl.BlockSpec((sq, sq, sq, gp, 1), lambda i, h, s: (i, h, s, 0, 0)),
+            pl.BlockSpec((sq, sq, sq, gp, 1), lambda i, h, s: (i, h, s, 0, 0)),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((b, hk, splits, gp, rvp), jnp.float32),
-            jax.ShapeDtypeStruct((b, hk, splits, gp), jnp.float32),
-            jax.ShapeDtypeStruct((b, hk, splits, gp), jnp.float32),
+            jax.ShapeDtypeStruct((b, hk, splits, gp, 1), jnp.float32),
+            jax.ShapeDtypeStruct((b, hk, splits, gp, 1), jnp.float32),
         ],
         interpret=interpret,
         compiler_params=compiler_params,
         name="xkv_decode",
     )(q1, q2, inv_freq, ak, bk1, bk2, av)
+    m, l = m[..., 0], l[..., 0]
     # log-sum-exp merge of the splits
     m_all = jnp.max(m, axis=2)  # [b, hk, gp]
     w = jnp.exp(m - m_all[:, :, None, :])

@@ -144,15 +144,22 @@ def check_sale_correctness(ctx: Context) -> list[dict]:
     return rows
 
 
-def _dense_baseline(ctx: Context):
-    """``jax.nn.dot_product_attention`` with cuDNN when it runs here, else XLA."""
+#: The Pallas GPU backend each op chose (its ``cases.py`` / docstring give the reason).
+GPU_BACKENDS = {"flash_attention": "triton", "sparse_attention": "triton",
+                "subspace_attention": "triton", "xkv_decode": "triton"}
+
+
+def attention_baseline(ctx: Context, *, causal: bool = True, probe=None):
+    """``(name, fn)``: ``jax.nn.dot_product_attention`` with cuDNN when it runs on ``probe``
+    (``(q, k, v)``, default a 256-token causal case), else XLA; XLA in a dry run. The one
+    baseline of every attention check."""
     if ctx.dry_run:
         return "xla", jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
-            q, k, v, is_causal=True, implementation="xla"))
-    q, k, v = _random_qkv(ctx, 256)
+            q, k, v, is_causal=causal, implementation="xla"))
+    q, k, v = probe if probe is not None else _random_qkv(ctx, 256)
     for impl in ("cudnn", "xla"):
         fn = jax.jit(lambda q, k, v, impl=impl: jax.nn.dot_product_attention(
-            q, k, v, is_causal=True, implementation=impl))
+            q, k, v, is_causal=causal, implementation=impl))
         try:
             jax.block_until_ready(fn(q, k, v))
             return impl, fn
@@ -162,8 +169,9 @@ def _dense_baseline(ctx: Context):
 
 
 def bench_attention(ctx: Context) -> list[dict]:
-    """Seconds per causal prefill at each length: dense baseline, flash, SALE (τ=0.004)."""
-    baseline_name, baseline = _dense_baseline(ctx)
+    """Seconds per causal prefill at each length: dense baseline, flash (the check's tiles and
+    the op's defaults, ``implementation="auto"``: the kernel a user gets), SALE (τ=0.004)."""
+    baseline_name, baseline = attention_baseline(ctx)
     cfg = _sale_cfg(ctx)
     blocks = _flash_blocks(ctx)
     flash = jax.jit(lambda q, k, v: flash_api.flash_attention(
@@ -171,16 +179,20 @@ def bench_attention(ctx: Context) -> list[dict]:
     sale = jax.jit(lambda q, k, v: sale_api.sale_prefill_attention(
         q, k, v, sale_api.DEFAULT_TAU, cfg, implementation="pallas", interpret=ctx.interpret,
         return_mask=True))
+    flash_default = jax.jit(lambda q, k, v: flash_api.flash_attention(
+        q, k, v, interpret=True if ctx.interpret else None))
     rows = []
     for n in ctx.lengths:
         if ctx.time_left() < 30:
             rows.append({"check": "bench", "n": n, "skipped": "time budget"})
             continue
         q, k, v = _random_qkv(ctx, n, seed=n)
-        row = {"check": "bench", "n": n, "baseline": baseline_name, "heads": ctx.heads,
+        row = {"check": "bench", "n": n, "baseline": baseline_name,
+               "backend": GPU_BACKENDS["flash_attention"], "heads": ctx.heads,
                "kv_heads": ctx.kv_heads, "head_dim": ctx.head_dim, "dtype": ctx.dtype,
                "flash_blocks": dataclasses.asdict(blocks), "sale_cfg": dataclasses.asdict(cfg)}
-        for name, fn in (("baseline_s", baseline), ("flash_s", flash), ("sale_s", sale)):
+        for name, fn in (("baseline_s", baseline), ("flash_s", flash),
+                         ("flash_default_s", flash_default), ("sale_s", sale)):
             try:
                 row[name] = time_fn(fn, q, k, v, reps=ctx.reps)
             except Exception as exc:  # noqa: BLE001 - e.g. XLA baseline out of memory at 64K
@@ -190,7 +202,7 @@ def bench_attention(ctx: Context) -> list[dict]:
             row["sale_density"] = float(sale_ref.causal_density(sale(q, k, v)[1], n, cfg))
         except Exception:  # noqa: BLE001
             row["sale_density"] = None
-        for name in ("flash", "sale"):
+        for name in ("flash", "flash_default", "sale"):
             if row.get("baseline_s") and row.get(f"{name}_s"):
                 row[f"{name}_speedup"] = row["baseline_s"] / row[f"{name}_s"]
         rows.append(row)

@@ -146,7 +146,8 @@ def test_block_sizes_replace_the_config_tiles():
         api.sale_prefill_attention(q, k, v, taus, CFG, block_sizes=api.BlockSizes(16, 64))
 
 
-def test_tpu_block_sparse_kernel_matches_reference_in_interpret_mode():
+@pytest.mark.parametrize("lut_words", [1 << 16, 40])  # one call; chunks of 5 rows (a scan)
+def test_tpu_block_sparse_kernel_matches_reference_in_interpret_mode(lut_words):
     n = 75
     q, k, v = _qkv(n, 3, 1, 16, layout="bhnd", seed=7)
     rng = np.random.default_rng(0)
@@ -157,7 +158,7 @@ def test_tpu_block_sparse_kernel_matches_reference_in_interpret_mode():
     pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, 80 - n), (0, 0)))  # noqa: E731
     out = kernel.block_sparse_attention_tpu(
         pad(q), pad(k), pad(v), lut, counts, block_q=16, block_k=16, n=n, scale=0.25,
-        platform="interpret", interpret=True)[:, :, :n]
+        platform="interpret", interpret=True, lut_words=lut_words)[:, :, :n]
     ref = jax.jit(lambda q, k, v, mask: R.block_sparse_attention_reference(
         q, k, v, mask, CFG))(q, k, v, mask)
     np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-5)

@@ -2,8 +2,9 @@
 
 Picked up by ``scripts/gpu/check.py`` through :data:`CHECKS`. For each rank and temporal window
 it compares the Pallas kernel with the pure-jnp reference (relative Frobenius error) and, on a
-device, times it against ``jax.nn.dot_product_attention`` and against the same kernel with every
-block on the exact stream (what the low-rank far stream saves).
+device, times it (its chosen backend, Triton) against ``jax.nn.dot_product_attention`` (cuDNN
+when it runs, else XLA: :func:`scripts.gpu.check.attention_baseline`) and against the same
+kernel with every block on the exact stream (what the low-rank far stream saves).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ def check_subspace_attention(ctx) -> list[dict]:
         subspace_attention_reference,
     )
     from lowrank_jax.bench import time_fn  # the project's one timer: warm-up, then the median
+    from scripts.gpu.check import GPU_BACKENDS, attention_baseline
 
     frames, block = (4, 16) if ctx.dry_run else (16, 64)
     heads, head_dim = (2, 32) if ctx.dry_run else (12, 128)
@@ -56,8 +58,9 @@ def check_subspace_attention(ctx) -> list[dict]:
                    "near_fraction": float(near.mean()), "rel_err": error,
                    "ok": error < tolerance}
             if not ctx.dry_run:
-                row["dense_s"] = time_fn(jax.jit(jax.nn.dot_product_attention), q, k, v,
-                                                 reps=ctx.reps)
+                baseline_name, dense = attention_baseline(ctx, causal=False, probe=(q, k, v))
+                row.update(baseline=baseline_name, backend=GPU_BACKENDS["subspace_attention"])
+                row["dense_s"] = time_fn(dense, q, k, v, reps=ctx.reps)
                 row["all_exact_s"] = time_fn(all_exact, q, k, v, reps=ctx.reps)
                 row["subspace_s"] = time_fn(fast, q, k, v, reps=ctx.reps)
                 row["speedup_vs_dense"] = row["dense_s"] / row["subspace_s"]
