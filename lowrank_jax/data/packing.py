@@ -154,6 +154,10 @@ class PackedRows(grain.DatasetIterator):
                     "same data, batch size, sequence length, seed and process layout, or start "
                     "a new run.")
         for stream, saved in zip(self._streams, state["streams"]):
+            # grain 0.2.18 compares the slices with a tuple sentinel: after JSON (lists) every
+            # state would read as "has a remainder" and restore the wrong position
+            saved = {**saved, "remainder_slices": {
+                k: tuple(v) for k, v in saved["remainder_slices"].items()}}
             stream.set_state(saved)
         self.step = int(state["step"])
 
