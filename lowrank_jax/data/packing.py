@@ -52,9 +52,9 @@ class TokenizeText:
         [104, 105]
     """
 
-    def __init__(self, load: Callable[[], Any], *, append_eos: bool = True):
+    def __init__(self, load: Callable[[], Any], *, append_eos: bool = True, tokenizer=None):
         self.load, self.append_eos = load, append_eos
-        self._tokenizer = None
+        self._tokenizer = tokenizer  # an already built one (this process's), else built lazily
 
     @property
     def tokenizer(self):
