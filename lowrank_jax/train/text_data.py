@@ -57,9 +57,9 @@ class TrainingData:
         return multihost.global_batch(batch, self.sharding, self.batch_size)
 
     def iterator_at(self, step: int):
-        """The iterator positioned after ``step`` batches (an interrupt may come between
-        drawing a batch and applying its update: the draw is undone)."""
-        if self.rows.step == step + 1 and self._before is not None:
+        """The iterator positioned after ``step`` batches (an interrupt may come during a draw
+        or between a draw and its update: that draw is undone)."""
+        if self._before is not None and self._before["step"] == step:
             self.rows.set_state(self._before)
         if self.rows.step != step:
             raise RuntimeError(f"the data iterator is at batch {self.rows.step}, the model at "
