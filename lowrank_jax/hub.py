@@ -179,6 +179,62 @@ def load_model(
     return model, tokenizer
 
 
+BYTE_TOKENIZER = "byte"
+
+
+def load_tokenizer(name_or_path: str | os.PathLike = BYTE_TOKENIZER):
+    """The tokenizer behind a name: ``"byte"`` (bytes as tokens, the embedded corpus's),
+    ``"smollm2"`` or a ``.gguf`` file (the GGUF's byte-level BPE, read from its header only), a
+    HF ``tokenizer.json`` file, or a model folder holding one.
+
+    Args:
+        name_or_path: see above.
+
+    Returns:
+        A :class:`~lowrank_jax.models.tokenizer.ByteTokenizer` or
+        :class:`~lowrank_jax.models.tokenizer.BPETokenizer` (``encode``, ``eos_id``,
+        ``vocab_size``).
+
+    Example::
+
+        >>> load_tokenizer("byte").encode("hi")
+        [104, 105]
+    """
+    from lowrank_jax.models.gguf import read_gguf_metadata
+    from lowrank_jax.models.tokenizer import BPETokenizer, ByteTokenizer, folder_tokenizer
+
+    text = os.fspath(name_or_path)
+    if text == BYTE_TOKENIZER:
+        return ByteTokenizer()
+    if os.path.isfile(text) and os.path.basename(text).endswith(".json"):
+        folder = os.path.dirname(os.path.abspath(text))
+        if os.path.basename(text) == "tokenizer.json":
+            return BPETokenizer.from_folder(folder)
+        from tokenizers import Tokenizer
+
+        try:
+            return BPETokenizer(Tokenizer.from_file(text), bos_id=None, eos_id=None)
+        except Exception as err:  # noqa: BLE001 - the tokenizers library's own errors
+            raise ValueError(f"--tokenizer {text}: not a tokenizers JSON file ({err}).") from None
+    if os.path.isdir(text) and not os.path.isfile(os.path.join(text, "config.json")):
+        tokenizer = folder_tokenizer(text)
+        if tokenizer is None:
+            raise FileNotFoundError(f"--tokenizer {text}: the folder has no tokenizer.json.")
+        return tokenizer
+    try:
+        path = resolve_model(text)
+    except (FileNotFoundError, ValueError) as err:
+        raise FileNotFoundError(
+            f"--tokenizer {text}: {err} Give 'byte', 'smollm2', a .gguf file, a tokenizer.json "
+            "file or a model folder.") from None
+    if os.path.isdir(path):
+        tokenizer = folder_tokenizer(path)
+        if tokenizer is None:
+            raise FileNotFoundError(f"--tokenizer {text}: the folder has no tokenizer.json.")
+        return tokenizer
+    return BPETokenizer.from_gguf_metadata(read_gguf_metadata(path, "tokenizer."))
+
+
 def _is_quantized_folder(folder: str) -> bool:
     from lowrank_jax.quant.io import is_quantized_folder
 
@@ -247,4 +303,4 @@ def save_model(model: Llama, folder: str | os.PathLike, *, tokenizer=None,
     return folder
 
 
-__all__ = ["factorize_projections", "load_model", "resolve_model", "save_model"]
+__all__ = ["factorize_projections", "load_model", "load_tokenizer", "resolve_model", "save_model"]

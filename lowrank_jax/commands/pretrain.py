@@ -1,4 +1,5 @@
-"""``lowrank-jax pretrain``: natively low-rank pretraining on the embedded corpus (the main job)."""
+"""``lowrank-jax pretrain``: natively low-rank pretraining on the embedded corpus (the main job)
+or on your own text (``--data PATH --tokenizer NAME``, read through grain)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,15 @@ def register(subparsers) -> None:
     p.add_argument("--config", default="tiny", help="preset name in configs/ or a YAML path")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set train.steps=100 (repeatable)")
+    p.add_argument("--data", default=None, metavar="PATH",
+                   help="train on your text instead of the embedded corpus: a folder, file or "
+                        "glob of .txt, .jsonl, .parquet or .arrayrecord files (data.path)")
+    p.add_argument("--tokenizer", default=None, metavar="NAME_OR_PATH",
+                   help="with --data: byte (default), smollm2, a .gguf, a tokenizer.json or a "
+                        "model folder (data.tokenizer); model.vocab_size must hold its tokens")
+    p.add_argument("--text-field", default=None, metavar="FIELD",
+                   help="with --data: the JSON field / parquet column holding the text "
+                        "(default text)")
     p.add_argument("--resume", action="store_true", help="continue from the run's last checkpoint")
     p.add_argument("--mesh", default=None,
                    help="device mesh, e.g. data=2,fsdp=2,tensor=2 (default: one device)")
@@ -46,15 +56,22 @@ def run(args) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     multihost.install_interrupt_watchdog(args.interrupt_timeout)
     sharding.maybe_initialize_distributed()
-    cfg = load_config(args.config, args.overrides)
+    data_flags = [f"data.{key}={value}" for key, value in (
+        ("path", args.data), ("tokenizer", args.tokenizer), ("text_field", args.text_field))
+        if value is not None]
+    if (args.tokenizer or args.text_field) and not args.data:
+        raise ValueError("--tokenizer and --text-field apply to --data PATH; add --data (the "
+                         "embedded corpus is read bytewise).")
+    cfg = load_config(args.config, args.overrides + data_flags)
     if args.mesh:
         cfg = dataclasses.replace(cfg, mesh=MeshConfig(**sharding.parse_mesh(args.mesh)))
     result = train(cfg, resume=args.resume, stop_after=args.stop_after,
                    progress=not args.no_progress, overwrite=args.overwrite)
     ratio = result.val_bits_per_byte / result.unigram_entropy_bits
-    print(f"validation loss: {result.val_loss:.4f} nats/byte = "
-          f"{result.val_bits_per_byte:.3f} bits/byte")
-    print(f"unigram byte entropy of the corpus: {result.unigram_entropy_bits:.3f} bits/byte "
-          f"(model/entropy = {ratio:.2f})")
+    unit = result.unit
+    print(f"validation loss: {result.val_loss:.4f} nats/{unit} = "
+          f"{result.val_bits_per_byte:.3f} bits/{unit}")
+    print(f"unigram {unit} entropy of the {'corpus' if args.data is None else 'held-out text'}: "
+          f"{result.unigram_entropy_bits:.3f} bits/{unit} (model/entropy = {ratio:.2f})")
     print(f"run folder: {result.run_dir} (checkpoints/, metrics.jsonl, loss.png, summary.json)")
     return 0

@@ -48,8 +48,16 @@ _STATELESS_MODEL_FIELDS = ("attention", "dtype")
 _OPEN: weakref.WeakSet = weakref.WeakSet()  # managers not closed yet (close_managers)
 
 
-def checkpoint_manager(run_dir: pathlib.Path, *, create: bool = True):
+DATA_ITEM = "data_iterator"  # the grain iterator's item in a step (one JSON file per process)
+
+
+def checkpoint_manager(run_dir: pathlib.Path, *, create: bool = True,
+                       data_iterator: bool = False):
     """The run's orbax manager over ``run_dir/checkpoints`` (the last two steps are kept).
+
+    ``data_iterator=True`` (a run on ``--data``): each step holds the state arrays (item
+    ``default``) and the data iterator (item :data:`DATA_ITEM`, grain's checkpoint handler: one
+    ``process_I-of-N.json`` per process), committed together.
 
     ``create=True`` (a run that writes): the libraries' detail (orbax / TensorStore log records,
     see :mod:`lowrank_jax.io.quiet`) goes to ``run_dir/lowrank-jax.log``. Every manager made
@@ -57,8 +65,9 @@ def checkpoint_manager(run_dir: pathlib.Path, *, create: bool = True):
     path, so no background thread or event loop outlives the command).
     """
     options = ocp.CheckpointManagerOptions(max_to_keep=2, create=create)
+    items = {"item_names": ("default", DATA_ITEM)} if data_iterator else {}
     manager = ocp.CheckpointManager((pathlib.Path(run_dir) / "checkpoints").absolute(),
-                                    options=options)
+                                    options=options, **items)
     if create:
         quiet.log_to(run_dir)
     _OPEN.add(manager)
@@ -89,6 +98,9 @@ def fingerprint(cfg) -> dict[str, Any]:
            "optimizer": {"name": cfg.optimizer.name}}
     if getattr(cfg, "structure", "none") != "none":  # absent = none: older runs stay resumable
         out["structure"] = cfg.structure
+    data = getattr(cfg, "data", None)
+    if data is not None and data.path is not None:  # absent = the embedded corpus
+        out["data"] = {"tokenizer": data.tokenizer, "text_field": data.text_field}
     return out
 
 
@@ -139,8 +151,11 @@ def shield_interrupts():
             signal.signal(s, handler)
 
 
-def save_checkpoint(manager, state, cfg=None) -> None:
+def save_checkpoint(manager, state, cfg=None, data_iterator=None) -> None:
     """Save ``state`` (params + optimizer state) at ``state.step``, then its integrity file.
+
+    ``data_iterator`` (a grain ``DatasetIterator`` positioned after ``state.step`` batches, on a
+    manager made with ``data_iterator=True``) is saved in the same step.
 
     A Ctrl-C / SIGTERM arriving during the save waits until the step is complete on disk,
     then raises ``KeyboardInterrupt``.
@@ -154,7 +169,14 @@ def save_checkpoint(manager, state, cfg=None) -> None:
     tree = {"params": state.params, "opt_state": state.opt_state}
     with shield_interrupts() as pending:
         try:
-            manager.save(state.step, args=ocp.args.StandardSave(tree))
+            if data_iterator is None:
+                manager.save(state.step, args=ocp.args.StandardSave(tree))
+            else:
+                import grain.checkpoint
+
+                manager.save(state.step, args=ocp.args.Composite(
+                    default=ocp.args.StandardSave(tree),
+                    **{DATA_ITEM: grain.checkpoint.CheckpointSave(data_iterator)}))
             manager.wait_until_finished()
             record = {"format": 1, "step": int(state.step), "checksums": checksums(tree),
                       "fingerprint": fingerprint(cfg) if cfg is not None else None}
@@ -233,13 +255,46 @@ def _check_compatible(record: dict, step: int, cfg, run_dir) -> None:
             "with, or start a new run (another run_dir).")
 
 
-def _restore_step(manager, step: int, abstract, cfg, run_dir) -> Any:
+def _check_data_item(step_dir: pathlib.Path, step: int) -> None:
+    """The step holds this process's data iterator file, or a clear error (not corruption)."""
+    folder = step_dir / DATA_ITEM
+    index, count = jax.process_index(), jax.process_count()
+    if (folder / f"process_{index}-of-{count}.json").exists():
+        return
+    saved = sorted(p.name for p in folder.glob("process_*-of-*.json")) if folder.is_dir() else []
+    if not saved:
+        if folder.is_dir() or not (step_dir / "default").is_dir():
+            raise _CorruptStep(f"{DATA_ITEM}/ holds no iterator state")
+        raise ValueError(f"--resume: the checkpoint (step {step}) in {step_dir.parent.parent} "
+                         "was saved without a data iterator (a run on the embedded corpus); "
+                         "resume it without --data, or start a new run.")
+    before = saved[0].rsplit("-of-", 1)[1].removesuffix(".json")
+    raise ValueError(f"--resume: the data iterator of step {step} was saved by {before} "
+                     f"process(es), this run has {count}: each process saves its own position "
+                     f"in the data; resume with {before} process(es) (or start a new run).")
+
+
+def _restore_step(manager, step: int, abstract, cfg, run_dir, data_iterator=None) -> Any:
     step_dir = _step_dir(manager, step)
     record = _read_integrity(step_dir)
     if record is not None:
         _check_compatible(record, step, cfg, run_dir)
+    if data_iterator is not None:
+        _check_data_item(step_dir, step)
     try:
-        restored = manager.restore(step, args=ocp.args.StandardRestore(abstract))
+        if data_iterator is None:
+            restored = manager.restore(step, args=ocp.args.StandardRestore(abstract))
+        else:
+            import grain.checkpoint
+
+            restored = manager.restore(step, args=ocp.args.Composite(
+                default=ocp.args.StandardRestore(abstract),
+                **{DATA_ITEM: grain.checkpoint.CheckpointRestore(data_iterator)}))["default"]
+    except ValueError as error:
+        if str(error).startswith("--resume:"):  # the iterator refused another layout / data
+            raise
+        quiet.record(f"restoring step {step} failed: {error!r}")
+        raise _CorruptStep(_short(error)) from None
     except Exception as error:  # noqa: BLE001 - any orbax/tensorstore failure = damaged step
         quiet.record(f"restoring step {step} failed: {error!r}")
         raise _CorruptStep(_short(error)) from None
@@ -263,8 +318,12 @@ def _quarantine(run_dir: pathlib.Path, step_dir: pathlib.Path) -> pathlib.Path:
     return target
 
 
-def restore_checkpoint(manager, state, cfg=None, *, log: Callable[[str], None] = print):
+def restore_checkpoint(manager, state, cfg=None, *, log: Callable[[str], None] = print,
+                       data_iterator=None):
     """Restore the newest good step onto ``state``'s structure and shardings.
+
+    ``data_iterator`` (a grain ``DatasetIterator``) is set to the step's saved position; a
+    checkpoint saved by another number of processes is refused with a clear error.
 
     Damaged steps are moved to ``run_dir/corrupt_checkpoints/`` (never deleted) and reported
     with :func:`log`; a checkpoint of another architecture / optimizer raises.
@@ -292,14 +351,16 @@ def restore_checkpoint(manager, state, cfg=None, *, log: Callable[[str], None] =
     restored, good = None, None
     for step in steps:
         try:
-            restored, good = _restore_step(manager, step, abstract, cfg, run_dir), step
+            restored = _restore_step(manager, step, abstract, cfg, run_dir, data_iterator)
+            good = step
             break
         except _CorruptStep as error:
             bad.append((step, str(error)))
             # move it aside now: orbax infers the layout of the next steps from what it lists
             _quarantine(run_dir, _step_dir(manager, step))
             close_manager(manager)
-            manager = checkpoint_manager(run_dir, create=False)
+            manager = checkpoint_manager(run_dir, create=False,
+                                         data_iterator=data_iterator is not None)
     if good is None:
         close_manager(manager)
         listed = "; ".join(f"step {s}: {why}" for s, why in bad)
@@ -337,6 +398,6 @@ def truncate_metrics(metrics_path: pathlib.Path, step: int) -> int:
     return dropped
 
 
-__all__ = ["CORRUPT_DIR", "INTEGRITY_NAME", "checkpoint_manager", "checksums", "close_manager",
-           "close_managers", "fingerprint", "restore_checkpoint", "save_checkpoint",
-           "shield_interrupts", "truncate_metrics"]
+__all__ = ["CORRUPT_DIR", "DATA_ITEM", "INTEGRITY_NAME", "checkpoint_manager", "checksums",
+           "close_manager", "close_managers", "fingerprint", "restore_checkpoint",
+           "save_checkpoint", "shield_interrupts", "truncate_metrics"]

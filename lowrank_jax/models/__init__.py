@@ -15,13 +15,14 @@ from lowrank_jax.models.llama import (
     projections,
     replace_projections,
 )
+from lowrank_jax.models.packed import PackedKV
 from lowrank_jax.models.presets import PRESETS, preset_config, preset_model
 from lowrank_jax.models.safetensors_io import load_hf_checkpoint, save_hf_checkpoint
 from lowrank_jax.models.tokenizer import BPETokenizer, ByteTokenizer
 
 __all__ = [
     "BPETokenizer", "ByteTokenizer", "CausalKV", "KVCache", "KVProvider", "Llama", "LlamaConfig",
-    "PRESETS", "count_params", "english_eval_text", "forward",
+    "PRESETS", "PackedKV", "count_params", "english_eval_text", "forward",
     "generate", "load_gguf", "load_hf_checkpoint", "perplexity", "prepare",
     "preset_config", "preset_model", "projections", "replace_projections",
     "save_hf_checkpoint",

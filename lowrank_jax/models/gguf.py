@@ -120,6 +120,82 @@ def _check_extent(reader, path: str) -> None:
             )
 
 
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+                 10: "<Q", 11: "<q", 12: "<d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def read_gguf_metadata(path: str | os.PathLike, prefix: str = "") -> dict[str, Any]:
+    """The key/value metadata of a GGUF file whose keys start with ``prefix``, read straight from
+    the header (no tensor index): the tokenizer of SmolLM2 in 0.2 s where ``gguf.GGUFReader``,
+    which parses every field into numpy views, takes 7 s. Values are Python scalars, strings and
+    lists, as :func:`gguf_metadata` gives them.
+
+    Example::
+
+        >>> read_gguf_metadata("model.gguf", "tokenizer.")["tokenizer.ggml.model"]  # doctest: +SKIP
+        'gpt2'
+    """
+    import mmap
+    import struct
+
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no such GGUF file.")
+    with open(path, "rb") as f:
+        head = f.read(24)
+        if head[:4] != GGUF_MAGIC:
+            raise ValueError(f"{path}: not a GGUF file (magic bytes {head[:4]!r}, expected "
+                             "b'GGUF').")
+        version, _, n_kv = struct.unpack_from("<IQQ", head, 4)
+        if version < 2:
+            raise ValueError(f"{path}: GGUF version {version} is too old (2 or later is read).")
+        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    at, out = 24, {}
+
+    def string():
+        nonlocal at
+        (length,) = struct.unpack_from("<Q", data, at)
+        at += 8 + length
+        return data[at - length:at].decode("utf-8", errors="replace")
+
+    def value(kind):
+        nonlocal at
+        if kind == _GGUF_STRING:
+            return string()
+        if kind == _GGUF_ARRAY:
+            item, count = struct.unpack_from("<IQ", data, at)
+            at += 12
+            if item in _GGUF_SCALARS:
+                dtype = np.dtype(_GGUF_SCALARS[item])
+                values = np.frombuffer(data, dtype, count, at).tolist()
+                at += dtype.itemsize * count
+                return values
+            return [value(item) for _ in range(count)]
+        fmt = _GGUF_SCALARS.get(kind)
+        if fmt is None:
+            raise ValueError(f"{path}: unknown GGUF value type {kind} at byte {at}.")
+        (scalar,) = struct.unpack_from(fmt, data, at)
+        at += struct.calcsize(fmt)
+        return scalar
+
+    try:
+        for _ in range(n_kv):
+            key = string()
+            (kind,) = struct.unpack_from("<I", data, at)
+            at += 4
+            read = value(kind)
+            if key.startswith(prefix):
+                out[key] = read
+    except (struct.error, ValueError) as err:
+        if str(err).startswith(path):
+            raise
+        raise ValueError(f"{path}: truncated or corrupt GGUF header ({err}).") from None
+    finally:
+        data.close()
+    return out
+
+
 def gguf_metadata(reader) -> dict[str, Any]:
     """All key/value metadata as Python values (token lists included)."""
     out = {}
@@ -436,6 +512,7 @@ __all__ = [
     "dequantize_tensor",
     "gguf_metadata",
     "gguf_rope_order",
+    "read_gguf_metadata",
     "hf_name",
     "hf_state_from_gguf",
     "load_gguf",

@@ -102,12 +102,33 @@ class MeshConfig:
 
 
 @dataclasses.dataclass
+class DataConfig:
+    """The training text: ``path`` ``None`` is the embedded corpus (the main job); else a file,
+    folder or glob of .txt / .jsonl / .parquet / ArrayRecord files read through grain
+    (:mod:`lowrank_jax.train.text_data`), tokenized by ``tokenizer`` (``byte``, ``smollm2``, a
+    .gguf, a tokenizer.json or a model folder); ``text_field`` names the JSON field / column."""
+
+    path: str | None = None
+    tokenizer: str = "byte"
+    text_field: str = "text"
+
+    def __post_init__(self):
+        if self.path is not None and not str(self.path).strip():
+            raise ValueError("data.path is empty; give a file, folder or glob (--data PATH), or "
+                             "leave it out for the embedded corpus.")
+        for key in ("tokenizer", "text_field"):
+            if not isinstance(getattr(self, key), str) or not getattr(self, key).strip():
+                raise ValueError(f"data.{key}={getattr(self, key)!r} must be a non-empty name.")
+
+
+@dataclasses.dataclass
 class RunConfig:
     model: LlamaConfig = dataclasses.field(default_factory=LlamaConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     salaad: SalaadConfig = dataclasses.field(default_factory=SalaadConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
     run_dir: str = "runs/tiny"
     name: str = "tiny"
     structure: str = "none"  # "salaad": couple every 2-D weight to L + S (section salaad:)
@@ -119,7 +140,8 @@ class RunConfig:
         if self.model.n_layers < 1:
             raise ValueError(f"model.n_layers={self.model.n_layers} must be a positive integer "
                              "(a model needs at least one layer).")
-        if self.model.vocab_size < BYTE_VOCAB:
+        bytewise = self.data.path is None or self.data.tokenizer == "byte"
+        if bytewise and self.model.vocab_size < BYTE_VOCAB:
             raise ValueError(
                 f"model.vocab_size={self.model.vocab_size} is too small for the byte-level "
                 f"corpus (token ids 0..{BYTE_VOCAB - 1}); use --set model.vocab_size="
@@ -143,7 +165,7 @@ class RunConfig:
 
 
 _SECTIONS = {"model": LlamaConfig, "optimizer": OptimizerConfig, "train": TrainConfig,
-             "mesh": MeshConfig, "salaad": SalaadConfig}
+             "mesh": MeshConfig, "salaad": SalaadConfig, "data": DataConfig}
 
 
 def _did_you_mean(key: str, options) -> str:

@@ -41,6 +41,7 @@ from lowrank_jax.io.checkpoint import (  # re-exported for existing callers
 )
 from lowrank_jax.train.config import RunConfig
 from lowrank_jax.train.losses import evaluate_windows, lm_loss
+from lowrank_jax.train.text_data import open_training_data
 from lowrank_jax.train.optimizers import build_optimizer, with_structure
 from lowrank_jax.core.step import make_step
 
@@ -70,20 +71,23 @@ def init_state(cfg: RunConfig, mesh=None) -> tuple[TrainState, optax.GradientTra
     return TrainState(graphdef, params, opt_state, 0), tx
 
 
-def make_train_step(graphdef, tx, *, params=None, opt_state=None, batch_sharding=None) -> Callable:
+def make_train_step(graphdef, tx, *, params=None, opt_state=None, batch_sharding=None,
+                    packed: bool = False) -> Callable:
     """``step(params, opt_state, inputs, targets) -> (params, opt_state, metrics)``, jitted.
 
     On a mesh, pass the (sharded) ``params``/``opt_state`` and the ``batch_sharding``: the step
     is then compiled with explicit in/out shardings equal to the current ones, so the state's
-    sharding never drifts from the rules between steps.
+    sharding never drifts from the rules between steps. ``packed=True``: the batch is the five
+    fields of a :class:`lowrank_jax.data.PackedBatch` (``step(params, opt_state, *batch)``).
     """
     loss_fn = lm_loss(graphdef)
     # never apply a non-finite update: keep the old state and report it in the metrics
     if params is None:
         return make_step(loss_fn, tx, skip_nonfinite=True)
     sharding_of = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
+    fields = 5 if packed else 2
     return make_step(loss_fn, tx, skip_nonfinite=True, shardings=(
-        sharding_of(params), sharding_of(opt_state), (batch_sharding, batch_sharding)))
+        sharding_of(params), sharding_of(opt_state), (batch_sharding,) * fields))
 
 
 def make_eval_fn(graphdef) -> Callable:
@@ -175,7 +179,8 @@ def train_windows(step: Callable, params, opt_state, windows, *, steps: int, bat
     return params, opt_state, losses, curve
 
 
-def plot_losses(metrics_path: pathlib.Path, out_png: pathlib.Path, entropy_bits: float) -> None:
+def plot_losses(metrics_path: pathlib.Path, out_png: pathlib.Path, entropy_bits: float,
+                unit: str = "byte") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -190,9 +195,9 @@ def plot_losses(metrics_path: pathlib.Path, out_png: pathlib.Path, entropy_bits:
     if val:
         ax.plot(*zip(*val), "o-", label="validation loss")
     ax.axhline(entropy_bits * math.log(2), color="gray", ls="--",
-               label=f"unigram byte entropy ({entropy_bits:.2f} bits)")
+               label=f"unigram {unit} entropy ({entropy_bits:.2f} bits)")
     ax.set_xlabel("step")
-    ax.set_ylabel("cross entropy (nats / byte)")
+    ax.set_ylabel(f"cross entropy (nats / {unit})")
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -208,6 +213,7 @@ class TrainResult:
     unigram_entropy_bits: float
     run_dir: pathlib.Path
     losses: list[float]
+    unit: str = "byte"  # what a token is: a byte (embedded corpus, byte tokenizer) or a token
 
 
 RUN_FILES = ("checkpoints", "metrics.jsonl", "config.yaml", "summary.json", "loss.png")
@@ -215,7 +221,9 @@ RUN_FILES = ("checkpoints", "metrics.jsonl", "config.yaml", "summary.json", "los
 
 def train(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None,
           progress: bool = True, mesh=None, log=print, overwrite: bool = False) -> TrainResult:
-    """Pretrain ``cfg.model`` on the embedded corpus; checkpoints, metrics and plot in ``run_dir``.
+    """Pretrain ``cfg.model`` on the embedded corpus, or on ``cfg.data.path`` through grain
+    (:mod:`lowrank_jax.train.text_data`: packed documents, the iterator in the checkpoint);
+    checkpoints, metrics and plot in ``run_dir``.
 
     Args:
         cfg: the run configuration.
@@ -253,10 +261,15 @@ def train(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None
         lambda: prepare_output(run_dir, command="pretrain", argument="run_dir",
                                overwrite=overwrite, resume=resume, owned_names=RUN_FILES),
         what="checking run_dir")
-    tokens = corpus_bytes()
-    train_tokens, val_tokens = train_val_split(tokens, cfg.train.val_fraction)
-    entropy = unigram_entropy_bits(train_tokens)
-    manager = checkpoint_manager(run_dir)
+    data = None  # the user's corpus (checked here, before anything is compiled)
+    if cfg.data.path is None:
+        tokens = corpus_bytes()
+        train_tokens, val_tokens = train_val_split(tokens, cfg.train.val_fraction)
+        entropy = unigram_entropy_bits(train_tokens)
+    else:
+        data, val_tokens = open_training_data(cfg, mesh), None
+        entropy = data.entropy_bits
+    manager = checkpoint_manager(run_dir, data_iterator=data is not None)
     if not resume and manager.latest_step() is not None:
         raise FileExistsError(
             f"{run_dir} already holds a checkpoint (step {manager.latest_step()}); pass --resume "
@@ -265,7 +278,8 @@ def train(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None
     state, tx = init_state(cfg, mesh)
     metrics_path = run_dir / "metrics.jsonl"
     if resume:
-        state, manager = restore_checkpoint(manager, state, cfg, log=log)
+        state, manager = restore_checkpoint(manager, state, cfg, log=log,
+                                            data_iterator=None if data is None else data.rows)
         dropped = truncate_metrics(metrics_path, state.step) if main else 0
         log(f"resumed from step {state.step}"
             + (f" ({dropped} metrics rows after it dropped)" if dropped else ""))
@@ -276,34 +290,40 @@ def train(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None
         step_fn = make_train_step(state.graphdef, tx)
     else:
         step_fn = make_train_step(state.graphdef, tx, params=state.params,
-                                  opt_state=state.opt_state, batch_sharding=batch_spec)
+                                  opt_state=state.opt_state, batch_sharding=batch_spec,
+                                  packed=data is not None)
     eval_fn = make_eval_fn(state.graphdef)
     if main and not resume and metrics_path.exists():
         metrics_path.unlink()  # a stale file of ours (prepare_output refused anyone else's)
     n_params = count_params(nnx.merge(state.graphdef, state.params))
     log(f"model: {n_params:,} parameters ({cfg.model.projection}); optimizer: "
         f"{cfg.optimizer.name}; {cfg.train.steps} steps of {cfg.train.batch_size}x"
-        f"{cfg.train.seq_len} bytes")
+        f"{cfg.train.seq_len} {'bytes' if data is None else data.unit + 's'}")
     last = cfg.train.steps if stop_after is None else min(stop_after, cfg.train.steps)
     losses: list[float] = []
     bar = tqdm(total=last, initial=state.step, disable=not (progress and main), desc="pretrain",
                dynamic_ncols=True)
     t0, tokens_seen = time.perf_counter(), 0
+    position = lambda: None if data is None else data.iterator_at(state.step)  # noqa: E731
     try:
         with open(metrics_path if main else os.devnull, "a") as metrics_file:
             while state.step < last:
-                if batch_spec is None:
-                    x, y = batch_at(train_tokens, state.step, cfg.train.batch_size,
-                                    cfg.train.seq_len, cfg.train.seed)
+                if data is not None:  # this process's packed rows, as global arrays
+                    batch = data.next_batch()
+                elif batch_spec is None:
+                    batch = batch_at(train_tokens, state.step, cfg.train.batch_size,
+                                     cfg.train.seq_len, cfg.train.seed)
                 else:  # each process builds only the rows of its devices
-                    x, y = multihost.sharded_batch(train_tokens, state.step, cfg.train.batch_size,
-                                                   cfg.train.seq_len, cfg.train.seed, batch_spec)
-                params, opt_state, m = step_fn(state.params, state.opt_state, x, y)
+                    batch = multihost.sharded_batch(train_tokens, state.step,
+                                                    cfg.train.batch_size, cfg.train.seq_len,
+                                                    cfg.train.seed, batch_spec)
+                x = batch[0]
+                params, opt_state, m = step_fn(state.params, state.opt_state, *batch)
                 state = dataclasses.replace(state, params=params, opt_state=opt_state,
                                             step=state.step + 1)
                 loss = float(m["loss"])
                 if not bool(m["finite"]):
-                    save_checkpoint(manager, state, cfg)
+                    save_checkpoint(manager, state, cfg, position())
                     raise FloatingPointError(
                         f"non-finite loss/update at step {state.step} (loss={loss}); the update "
                         f"was not applied and a checkpoint was saved in {run_dir}. Lower "
@@ -321,31 +341,38 @@ def train(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None
                                                    "tokens_per_s": rate}) + "\n")
                     metrics_file.flush()
                 if state.step % cfg.train.eval_every == 0 and state.step < last:
-                    vl = evaluate(eval_fn, state.params, val_tokens, cfg.train.batch_size,
-                                  cfg.train.seq_len, cfg.train.eval_batches)
+                    vl = _held_out_loss(data, eval_fn, state.params, val_tokens, cfg)
                     metrics_file.write(json.dumps({"kind": "eval", "step": state.step,
                                                    "val_loss": vl}) + "\n")
                 if state.step % cfg.train.checkpoint_every == 0 and state.step < last:
-                    save_checkpoint(manager, state, cfg)
-            val_loss = evaluate(eval_fn, state.params, val_tokens, cfg.train.batch_size,
-                                cfg.train.seq_len, cfg.train.eval_batches)
+                    save_checkpoint(manager, state, cfg, position())
+            val_loss = _held_out_loss(data, eval_fn, state.params, val_tokens, cfg)
             metrics_file.write(json.dumps({"kind": "eval", "step": state.step,
                                            "val_loss": val_loss}) + "\n")
     except KeyboardInterrupt:
         try:
-            save_checkpoint(manager, state, cfg)
+            save_checkpoint(manager, state, cfg, position())
         except KeyboardInterrupt:  # pressed again during the save: it completed all the same
             pass
         bar.close()
         log(f"interrupted at step {state.step}; checkpoint saved — continue with --resume")
         raise
     bar.close()
-    save_checkpoint(manager, state, cfg)
+    save_checkpoint(manager, state, cfg, position())
+    unit = "byte" if data is None else data.unit
     if main:
-        plot_losses(metrics_path, run_dir / "loss.png", entropy)
+        plot_losses(metrics_path, run_dir / "loss.png", entropy, unit)
     bpb = nats_to_bits(val_loss)
-    summary = {"step": state.step, "val_loss": val_loss, "val_bits_per_byte": bpb,
-               "unigram_entropy_bits_per_byte": entropy, "params": n_params}
+    summary = {"step": state.step, "val_loss": val_loss, f"val_bits_per_{unit}": bpb,
+               f"unigram_entropy_bits_per_{unit}": entropy, "params": n_params}
     if main:
         atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
-    return TrainResult(state, val_loss, bpb, entropy, run_dir, losses)
+    return TrainResult(state, val_loss, bpb, entropy, run_dir, losses, unit)
+
+
+def _held_out_loss(data, eval_fn, params, val_tokens, cfg) -> float:
+    """The validation loss: of the held-out documents (``data``) or of the corpus's tail."""
+    if data is not None:
+        return data.evaluate(eval_fn, params)
+    return evaluate(eval_fn, params, val_tokens, cfg.train.batch_size, cfg.train.seq_len,
+                    cfg.train.eval_batches)

@@ -20,11 +20,18 @@ import numpy as np
 from flax import nnx
 
 from lowrank_jax.core.losses import cross_entropy, token_nll
+from lowrank_jax.models.packed import PackedKV
 
 
-def _logits(graphdef, params, inputs):
+def _logits(graphdef, params, inputs, segment_ids=None, positions=None):
     states = params if isinstance(params, tuple) else (params,)
-    logits, _ = nnx.merge(graphdef, *states)(inputs)
+    model = nnx.merge(graphdef, *states)
+    if segment_ids is None and positions is None:
+        logits, _ = model(inputs)
+    elif segment_ids is None:
+        logits, _ = model(inputs, positions)
+    else:  # packed rows: attention stays inside each document
+        logits, _ = model(inputs, positions, cache=PackedKV(segment_ids))
     return logits
 
 
@@ -33,7 +40,10 @@ def lm_loss(graphdef) -> Callable:
     params)`` (the pretraining loss; pass it to :func:`lowrank_jax.core.step.make_step`).
 
     ``params`` is a state, or a tuple of states merged in order (``(trained, rest)`` of
-    ``nnx.split(model, nnx.LoRAParam, ...)``).
+    ``nnx.split(model, nnx.LoRAParam, ...)``). Packed rows (the fields of a
+    :class:`lowrank_jax.data.PackedBatch`) add ``segment_ids`` (attention within each document,
+    :class:`~lowrank_jax.models.PackedKV`), per-document ``positions`` and ``loss_mask`` (the mean
+    is over the masked-in targets: none across a document boundary, none on padding).
 
     Example::
 
@@ -45,8 +55,9 @@ def lm_loss(graphdef) -> Callable:
         True
     """
 
-    def loss_fn(params, inputs, targets):
-        return cross_entropy(_logits(graphdef, params, inputs), targets)
+    def loss_fn(params, inputs, targets, segment_ids=None, positions=None, loss_mask=None):
+        logits = _logits(graphdef, params, inputs, segment_ids, positions)
+        return cross_entropy(logits, targets, loss_mask)
 
     return loss_fn
 

@@ -310,6 +310,46 @@ def sharded_batch(tokens: np.ndarray, step: int, batch_size: int, seq_len: int, 
             jax.make_array_from_callback(shape, sharding, targets))
 
 
+def process_rows(sharding, shape: tuple[int, ...]) -> range:
+    """The rows of a global ``shape`` batch that this process's devices hold under ``sharding``
+    (a contiguous range; several processes may hold the same rows when the batch is replicated
+    over a mesh axis that spans them).
+
+    Example::
+
+        >>> import jax
+        >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        >>> mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+        >>> process_rows(NamedSharding(mesh, P("data")), (4, 3))
+        range(0, 4)
+    """
+    spans = set()
+    for index in sharding.addressable_devices_indices_map(tuple(shape)).values():
+        rows = index[0] if index else slice(None)
+        spans.add(rows.indices(shape[0])[:2])
+    spans = sorted(spans)
+    lo, hi = spans[0][0], spans[0][1]
+    for start, stop in spans[1:]:
+        if start > hi:
+            raise ValueError(
+                f"this process holds rows {spans} of the batch, not one contiguous block; order "
+                "the mesh's devices so that each process's devices are adjacent along the data "
+                "axes (jax.make_mesh does).")
+        hi = max(hi, stop)
+    return range(lo, hi)
+
+
+def global_batch(local, sharding, batch_size: int):
+    """One global ``jax.Array`` per leaf of ``local`` (this process's rows, see
+    :func:`process_rows`), laid out on ``sharding`` with ``batch_size`` rows in all
+    (``jax.make_array_from_process_local_data``)."""
+    import jax
+
+    return jax.tree.map(
+        lambda x: jax.make_array_from_process_local_data(
+            sharding, np.asarray(x), (batch_size,) + tuple(np.shape(x)[1:])), local)
+
+
 def gather_to_host(tree):
     """``tree`` with every jax Array as a full numpy array, on every process.
 
@@ -401,6 +441,6 @@ def install_interrupt_watchdog(timeout_s: float = 60.0, *, log=None) -> None:
 
 
 __all__ = ["check_shared_folder", "free_port", "gather_to_host", "host_copy",
-           "install_interrupt_watchdog",
+           "global_batch", "install_interrupt_watchdog",
            "is_main_process", "launch", "on_main_process", "process_env", "process_index",
-           "sharded_batch"]
+           "process_rows", "sharded_batch"]
