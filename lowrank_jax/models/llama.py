@@ -34,7 +34,9 @@ class LlamaConfig:
     :func:`lowrank_jax.nn.apply_lora`. ``attention`` names an implementation registered in
     :mod:`lowrank_jax.attention`, or gives one name per layer (a tuple of ``n_layers`` names,
     e.g. from :func:`lowrank_jax.attention.register_sale_per_layer` for
-    per-layer SALE thresholds; the layers are then unrolled instead of scanned).
+    per-layer SALE thresholds; the layers are then unrolled instead of scanned). ``remat``
+    recomputes each decoder layer's activations in the backward pass (``jax.checkpoint`` per
+    layer: one layer's working set in memory instead of all of them, for one more forward).
     """
 
     vocab_size: int = 256
@@ -53,6 +55,7 @@ class LlamaConfig:
     attention: str | tuple[str, ...] = "reference"
     dtype: str = "float32"
     param_dtype: str = "float32"
+    remat: bool = False
 
     def __post_init__(self):
         for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
@@ -310,6 +313,7 @@ class DecoderLayer(nnx.Module):
         self.self_attn = Attention(cfg, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt)
         self.mlp = MLP(cfg, rngs=rngs)
+        self.remat = bool(cfg.remat)
 
     def __call__(self, x, positions=None, *, kv: KVProvider | None = None, layer_data=None,
                  layer_idx=0):
@@ -358,7 +362,13 @@ def run_layers(layers, x, positions, kv: KVProvider):
     updates = []
     for i, layer in enumerate(layers):
         layer_data = None if data is None else jax.tree.map(lambda a: a[i], data)
-        x, update = layer(x, positions, kv=kv, layer_data=layer_data, layer_idx=i)
+        if getattr(layer, "remat", False):  # LlamaConfig.remat: recompute in the backward pass
+            graph, state = nnx.split(layer)
+            call = lambda state, x, p, d, i=i: nnx.merge(graph, state)(  # noqa: E731
+                x, p, kv=kv, layer_data=d, layer_idx=i)
+            x, update = jax.checkpoint(call)(state, x, positions, layer_data)
+        else:
+            x, update = layer(x, positions, kv=kv, layer_data=layer_data, layer_idx=i)
         updates.append(update)
     if kv.scannable:
         updates = jax.tree.map(lambda *u: jnp.stack(u), *updates)

@@ -1,0 +1,37 @@
+"""``lowrank-jax compile``: compile a config's pretraining step for a TPU pod on this host."""
+
+from __future__ import annotations
+
+import sys
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "compile", help="compile the pretraining step for a TPU topology, on any host",
+        description="Build pretrain's sharded train step for a TPU topology (abstract state and "
+                    "batch, the config's mesh over the topology's devices), compile it with "
+                    "libtpu on this host and print the per-device memory against the chip's "
+                    "HBM and the step's FLOPs. Exit status 2 when it does not fit.")
+    p.add_argument("--config", default="tpu_v5e_256", help="a preset name or a YAML file")
+    p.add_argument("--topology", required=True,
+                   help="a TPU slice (v5e-8, v5e-256, v5p-128, v6e-64, ...) or a libtpu "
+                        "topology (v5e:2x4, v5p:2x2x2, v6e:4x4)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from pallas_kernels.aot import TopologyError
+
+    from lowrank_jax.train.aot_step import DoesNotFit, compile_pretrain_step, native_stderr
+    from lowrank_jax.train.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    try:
+        with native_stderr(show=args.debug):  # libtpu's own start-up warnings
+            report = compile_pretrain_step(cfg, args.topology, config=args.config)
+    except (TopologyError, DoesNotFit) as error:
+        print(f"lowrank-jax compile: error: {error}", file=sys.stderr)
+        return 2
+    print(report.table())
+    return 0 if report.fits else 2
