@@ -7,15 +7,17 @@ import sys
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "compile", help="compile the pretraining step for a TPU topology, on any host",
-        description="Build pretrain's sharded train step for a TPU topology (abstract state and "
-                    "batch, the config's mesh over the topology's devices), compile it with "
-                    "libtpu on this host and print the per-device memory against the chip's "
-                    "HBM and the step's FLOPs. Exit status 2 when it does not fit.")
+        "compile", help="compile the pretraining step for a TPU pod or GPU node, on any host",
+        description="Build pretrain's sharded train step for a TPU topology or a GPU node "
+                    "(abstract state and batch, the config's mesh over the topology's devices), "
+                    "compile it on this host (libtpu, or XLA's GPU compiler) and print the "
+                    "per-device memory against the chip's HBM and the step's FLOPs. Exit "
+                    "status 2 when it does not fit.")
     p.add_argument("--config", default="tpu_v5e_256", help="a preset name or a YAML file")
     p.add_argument("--topology", required=True,
-                   help="a TPU slice (v5e-8, v5e-256, v5p-128, v6e-64, ...) or a libtpu "
-                        "topology (v5e:2x4, v5p:2x2x2, v6e:4x4)")
+                   help="a TPU slice (v5e-8, v5e-256, v5p-128, v6e-64, ...), a libtpu "
+                        "topology (v5e:2x4, v5p:2x2x2, v6e:4x4) or GPUs (8xh200, 16xh100: "
+                        "needs the CUDA plugin, not a GPU)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.set_defaults(func=run)
 
@@ -26,9 +28,9 @@ def run(args) -> int:
     from lowrank_jax.train.aot_step import DoesNotFit, compile_pretrain_step, native_stderr
     from lowrank_jax.train.config import load_config
 
-    cfg = load_config(args.config, args.overrides)
     try:
-        with native_stderr(show=args.debug):  # libtpu's own start-up warnings
+        with native_stderr(show=args.debug):  # libtpu's / the CUDA plugin's start-up lines
+            cfg = load_config(args.config, args.overrides)
             report = compile_pretrain_step(cfg, args.topology, config=args.config)
     except (TopologyError, DoesNotFit) as error:
         print(f"lowrank-jax compile: error: {error}", file=sys.stderr)

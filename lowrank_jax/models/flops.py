@@ -41,8 +41,9 @@ CHIPS = {
     "v5e": ChipSpec("TPU v5e", 197e12, 16 * GIB, ("TPU v5 lite", "TPU v5e")),
     "v5p": ChipSpec("TPU v5p", 459e12, 95 * GIB, ("TPU v5", "TPU v5p")),
     "v6e": ChipSpec("TPU v6e", 918e12, 32 * GIB, ("TPU v6 lite", "TPU v6e")),
-    "h100": ChipSpec("NVIDIA H100 SXM", 989e12, 80 * GIB, ("NVIDIA H100 80GB HBM3",)),
-    "h200": ChipSpec("NVIDIA H200", 989e12, 141 * GIB, ("NVIDIA H200",)),
+    # GPU memory as the driver reports it (nvidia-smi: 81559 MiB and 143771 MiB)
+    "h100": ChipSpec("NVIDIA H100 SXM", 989e12, 81559 * 2**20, ("NVIDIA H100 80GB HBM3",)),
+    "h200": ChipSpec("NVIDIA H200", 989e12, 143771 * 2**20, ("NVIDIA H200",)),
 }
 
 

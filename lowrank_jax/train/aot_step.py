@@ -11,6 +11,13 @@ allocated) and the step by :func:`~lowrank_jax.train.loop.pretrain_step`, the ve
 
 A step that does not fit the chip's HBM is reported by the compiler itself
 (``RESOURCE_EXHAUSTED``); :class:`DoesNotFit` carries its one line.
+
+GPUs (``--topology 8xh200``, ``16xh100``): XLA's GPU compiler runs without a GPU or a driver
+when it is given the device's description (a ``GpuTargetConfigProto``, :func:`gpu_target_config`)
+through ``jax.experimental.topologies.get_topology_desc(platform="cuda", target_config=...)``;
+it needs the CUDA plugin of the installed jax (``pip install jax-cuda12-plugin==<jax version>``,
+no CUDA libraries). XLA's GPU compiler does not refuse a step larger than the GPU (memory is
+allocated when it runs): the report's total against the GPU's memory says whether it fits.
 """
 
 from __future__ import annotations
@@ -36,16 +43,85 @@ class DoesNotFit(RuntimeError):
     """The compiler refused the step: it does not fit the chip's HBM (``RESOURCE_EXHAUSTED``)."""
 
 
-def topology_chip(topology: str) -> str:
-    """The :data:`~lowrank_jax.models.flops.CHIPS` key of a TPU topology name.
+#: What XLA's GPU compiler needs to know of a GPU it cannot see (public device properties).
+GPU_PROPERTIES = {
+    "h100": {"memory_bandwidth": 3352320000000},
+    "h200": {"memory_bandwidth": 4800000000000},
+}
+_GPU_TOPOLOGY = re.compile(r"(\d+)x(h100|h200)")
+
+
+def gpu_topology(topology: str) -> tuple[int, str] | None:
+    """``(gpus, chip)`` of a GPU topology name (``"8xh200"``), ``None`` for anything else.
 
     Example::
 
-        >>> topology_chip("v5e-256"), topology_chip("v5p:2x2x2"), topology_chip("v6e:4x4")
-        ('v5e', 'v5p', 'v6e')
+        >>> gpu_topology("8xH200"), gpu_topology("v5e-8")
+        ((8, 'h200'), None)
+    """
+    found = _GPU_TOPOLOGY.fullmatch(topology.strip().lower())
+    return None if found is None else (int(found.group(1)), found.group(2))
+
+
+def gpu_target_config(chip: str) -> str:
+    """The ``GpuTargetConfigProto`` (text) of a Hopper GPU in :data:`GPU_PROPERTIES`: sm_90, 132
+    SMs, its memory from :data:`~lowrank_jax.models.flops.CHIPS` and its bandwidth."""
+    spec = CHIPS[chip]
+    info = {
+        "threads_per_block_limit": 1024, "threads_per_warp": 32,
+        "shared_memory_per_block": 49152, "shared_memory_per_core": 233472,
+        "threads_per_core_limit": 2048, "core_count": 132, "fpus_per_core": 128,
+        "block_dim_limit_x": 2147483647, "block_dim_limit_y": 65535, "block_dim_limit_z": 65535,
+        "memory_bandwidth": GPU_PROPERTIES[chip]["memory_bandwidth"],
+        "l2_cache_size": 52428800, "clock_rate_ghz": 1.98,
+        "device_memory_size": spec.hbm_bytes, "shared_memory_per_block_optin": 232448,
+        "registers_per_core_limit": 65536, "registers_per_block_limit": 65536,
+    }
+    lines = [f"  {key}: {value}" for key, value in info.items()]
+    return ("gpu_device_info {\n" + "\n".join(lines)
+            + "\n  cuda_compute_capability { major: 9 minor: 0 }\n}\n"
+            "runtime_version { major: 12 minor: 8 }\n"
+            'platform_name: "CUDA"\n'
+            "dnn_version_info { major: 9 minor: 8 }\n"
+            f'device_description_str: "{spec.device_kinds[0]}"\n')
+
+
+def gpu_devices(topology: str) -> list:
+    """The compile-only GPUs of ``"NxCHIP"`` (8 per host) on this host, through the CUDA plugin.
+
+    Raises :class:`pallas_kernels.aot.TopologyError` saying what to install without it.
+    """
+    from jax.experimental import topologies
+    from pallas_kernels.aot import TopologyError
+
+    count, chip = gpu_topology(topology)
+    hosts, per_host = -(-count // 8), min(count, 8)
+    if hosts * per_host != count:
+        raise ValueError(f"--topology {topology!r}: more than 8 GPUs come as whole hosts of 8 "
+                         f"(e.g. {hosts * 8}x{chip}).")
+    try:
+        desc = topologies.get_topology_desc(chip, "cuda", target_config=gpu_target_config(chip),
+                                            topology=f"1x{hosts}x{per_host}")
+    except NotImplementedError as err:
+        raise TopologyError(
+            "compiling for GPU on a host without one needs the CUDA plugin of your jax "
+            f"(no driver or GPU needed): pip install jax-cuda12-plugin=={jax.__version__} "
+            f"({err})") from None
+    return list(desc.devices)
+
+
+def topology_chip(topology: str) -> str:
+    """The :data:`~lowrank_jax.models.flops.CHIPS` key of a TPU or GPU topology name.
+
+    Example::
+
+        >>> topology_chip("v5e-256"), topology_chip("v5p:2x2x2"), topology_chip("8xh200")
+        ('v5e', 'v5p', 'h200')
     """
     from pallas_kernels.aot import topology_name
 
+    if gpu_topology(topology) is not None:
+        return gpu_topology(topology)[1]
     chip = topology_name(topology).split(":")[0]
     if chip not in CHIPS:
         raise ValueError(f"--topology {topology!r}: no chip {chip!r} in the chip table "
@@ -70,13 +146,17 @@ def topology_mesh(cfg: RunConfig, topology: str):
     """The config's ``(data, fsdp, tensor)`` mesh over the compile-only devices of ``topology``.
 
     Raises ``ValueError`` (with a ``--set`` that fits) when the mesh does not cover exactly the
-    topology's devices, and :class:`pallas_kernels.aot.TopologyError` without libtpu.
+    topology's devices, and :class:`pallas_kernels.aot.TopologyError` without libtpu (TPU) or
+    the CUDA plugin (GPU).
     """
     from pallas_kernels import aot
 
-    # several processes (parallel tests, other compiles) may load libtpu for compiling only
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    devices = aot.tpu_devices(topology)
+    if gpu_topology(topology) is not None:
+        devices = gpu_devices(topology)
+    else:
+        # several processes (parallel tests, other compiles) may load libtpu to compile only
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+        devices = aot.tpu_devices(topology)
     m = cfg.mesh
     if m.data * m.fsdp * m.tensor != len(devices):
         raise ValueError(
@@ -146,7 +226,7 @@ class StepCompile:
             ("aliased (donated)", gib(m["alias_bytes"]), ""),
             ("total per device", gib(self.total_bytes),
              f"{100 * self.total_bytes / hbm:.1f}% of {CHIPS[self.chip].name}'s "
-             f"{hbm / GIB:.0f} GiB HBM"),
+             f"{hbm / GIB:.4g} GiB HBM"),
         ]
         width = max(len(r[0]) for r in rows)
         lines = [f"{self.config} on {self.topology}: {self.devices} x {CHIPS[self.chip].name}, "
@@ -158,7 +238,7 @@ class StepCompile:
                      f"with recomputation), analytic {self.model_flops / 1e12:.2f} TFLOP "
                      "(model FLOPs, 6N + attention)")
         lines.append("  fits" if self.fits else
-                     f"  DOES NOT FIT: {self.total_bytes / GIB:.2f} GiB > {hbm / GIB:.0f} GiB")
+                     f"  DOES NOT FIT: {self.total_bytes / GIB:.2f} GiB > {hbm / GIB:.4g} GiB")
         return "\n".join(lines)
 
 
@@ -240,13 +320,17 @@ def compile_pretrain_step(cfg: RunConfig, topology: str, *,
 
     tokens = cfg.train.batch_size * cfg.train.seq_len
     model_flops = training_flops_per_token(cfg.model, cfg.train.seq_len) * tokens / devices
+    gpu = gpu_topology(topology) is not None
+    layout = None if gpu else "tpu"
     return StepCompile(
-        config=config, topology=topology_name(topology), chip=chip, mesh=dict(mesh.shape),
-        memory=memory_report(compiled), compiled_flops=_cost_flops(compiled),
-        model_flops=model_flops, plan=plan_memory(cfg, devices, layout="tpu"),
-        batch_bytes=2 * device_bytes(batch_spec.shard_shape(batch.shape), batch.dtype, "tpu"),
+        config=config, topology=topology.lower() if gpu else topology_name(topology), chip=chip,
+        mesh=dict(mesh.shape), memory=memory_report(compiled),
+        compiled_flops=_cost_flops(compiled), model_flops=model_flops,
+        plan=plan_memory(cfg, devices, layout=layout),
+        batch_bytes=2 * device_bytes(batch_spec.shard_shape(batch.shape), batch.dtype, layout),
         seconds=seconds)
 
 
-__all__ = ["DoesNotFit", "StepCompile", "compile_pretrain_step", "native_stderr", "suggest_mesh",
-           "topology_chip", "topology_mesh"]
+__all__ = ["DoesNotFit", "GPU_PROPERTIES", "StepCompile", "compile_pretrain_step", "gpu_devices",
+           "gpu_target_config", "gpu_topology", "native_stderr", "suggest_mesh", "topology_chip",
+           "topology_mesh"]

@@ -106,14 +106,26 @@ def pretrain_step(state: TrainState, tx, mesh=None):
     """``(step, batch_sharding)``: the train step of ``pretrain`` for ``state`` on ``mesh``.
 
     The one construction shared by :func:`train` and ``lowrank-jax compile`` (which passes an
-    abstract state from ``init_state(..., abstract=True)``); ``batch_sharding`` is ``None``
-    without a mesh.
+    abstract state from ``init_state(..., abstract=True)`` and calls ``step.lower``);
+    ``batch_sharding`` is ``None`` without a mesh. On a mesh the step is traced and run under
+    ``jax.set_mesh(mesh)``, so the loss keeps the logits split over the batch
+    (:func:`~lowrank_jax.train.losses.batch_sharded`).
     """
     if mesh is None:
         return make_train_step(state.graphdef, tx), None
     batch_spec = shard_lib.batch_sharding(mesh)
-    return make_train_step(state.graphdef, tx, params=state.params, opt_state=state.opt_state,
-                           batch_sharding=batch_spec), batch_spec
+    jitted = make_train_step(state.graphdef, tx, params=state.params, opt_state=state.opt_state,
+                             batch_sharding=batch_spec)
+
+    def on_mesh(method):
+        def call(*args):
+            with jax.set_mesh(mesh):
+                return method(*args)
+        return call
+
+    step = on_mesh(jitted)
+    step.lower = on_mesh(jitted.lower)
+    return step, batch_spec
 
 
 def make_eval_fn(graphdef) -> Callable:

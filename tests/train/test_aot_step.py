@@ -121,3 +121,39 @@ def test_remat_keeps_loss_and_gradients_and_the_plan_follows_it():
     assert plan_memory(small, 1).remat and not plan_memory(small, 1, remat=False).remat
     assert plan_memory(small, 1, remat=False).activation_bytes_per_device > 2 * (
         plan_memory(small, 1).activation_bytes_per_device)
+
+
+def test_without_the_cuda_plugin_one_line_says_how_to_install_it(monkeypatch, capsys):
+    from jax.experimental import topologies
+
+    def no_plugin(*args, **kwargs):  # what jax raises when no CUDA plugin is installed
+        raise NotImplementedError("topology not implemented for cuda")
+
+    monkeypatch.setattr(topologies, "get_topology_desc", no_plugin)
+    assert cli_main(["compile", "--config", "tiny", "--topology", "8xh200",
+                     "--set", "mesh.fsdp=8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"pip install jax-cuda12-plugin=={jax.__version__}" in err[0], err
+
+
+def test_gpu_target_configs_name_the_chip_and_its_memory():
+    from lowrank_jax.models.flops import CHIPS
+    from lowrank_jax.train.aot_step import gpu_target_config, gpu_topology
+
+    text = gpu_target_config("h200")
+    assert 'device_description_str: "NVIDIA H200"' in text
+    assert f"device_memory_size: {CHIPS['h200'].hbm_bytes}" in text
+    assert "cuda_compute_capability { major: 9 minor: 0 }" in text
+    assert gpu_topology("16xH100") == (16, "h100") and gpu_topology("v5e-8") is None
+
+
+@pytest.mark.cuda_plugin
+def test_the_step_compiles_for_8_h200_without_a_gpu():
+    """Needs the CUDA plugin of the installed jax (no GPU, no driver):
+    pip install jax-cuda12-plugin==<jax version>; run with python -m pytest -m cuda_plugin."""
+    cfg = load_config("tiny", SMALL[:-3] + ["mesh.fsdp=8"])
+    report = compile_pretrain_step(cfg, "8xh200", config="small")
+    assert report.devices == 8 and report.chip == "h200" and report.fits
+    # no TPU padding on a GPU: the compiled arguments are the packed shards of the rules
+    assert report.memory["argument_bytes"] == report.planned_argument_bytes
+    assert "of NVIDIA H200's 140.4 GiB HBM" in report.table()
