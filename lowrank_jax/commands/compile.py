@@ -14,10 +14,10 @@ def register(subparsers) -> None:
                     "per-device memory against the chip's HBM and the step's FLOPs. Exit "
                     "status 2 when it does not fit.")
     p.add_argument("--config", default="tpu_v5e_256", help="a preset name or a YAML file")
-    p.add_argument("--topology", required=True,
+    p.add_argument("--topology", default=None,
                    help="a TPU slice (v5e-8, v5e-256, v5p-128, v6e-64, ...), a libtpu "
                         "topology (v5e:2x4, v5p:2x2x2, v6e:4x4) or GPUs (8xh200, 16xh100: "
-                        "needs the CUDA plugin, not a GPU)")
+                        "needs the CUDA plugin, not a GPU); default: the config's topology")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.set_defaults(func=run)
 
@@ -31,7 +31,11 @@ def run(args) -> int:
     try:
         with native_stderr(show=args.debug):  # libtpu's / the CUDA plugin's start-up lines
             cfg = load_config(args.config, args.overrides)
-            report = compile_pretrain_step(cfg, args.topology, config=args.config)
+            topology = args.topology or cfg.topology
+            if topology is None:
+                raise ValueError(f"--topology is needed: config {args.config!r} names none "
+                                 "(e.g. --topology v5e-8, or topology: v5e-8 in the config).")
+            report = compile_pretrain_step(cfg, topology, config=args.config)
     except (TopologyError, DoesNotFit) as error:
         print(f"lowrank-jax compile: error: {error}", file=sys.stderr)
         return 2

@@ -115,6 +115,7 @@ class RunConfig:
     run_dir: str = "runs/tiny"
     name: str = "tiny"
     structure: str = "none"  # "salaad": couple every 2-D weight to L + S (section salaad:)
+    topology: str | None = None  # the hardware the mesh is laid out for (compile's --topology)
 
     def __post_init__(self):
         if not isinstance(self.run_dir, str) or not self.run_dir.strip():

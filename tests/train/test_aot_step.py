@@ -157,3 +157,12 @@ def test_the_step_compiles_for_8_h200_without_a_gpu():
     # no TPU padding on a GPU: the compiled arguments are the packed shards of the rules
     assert report.memory["argument_bytes"] == report.planned_argument_bytes
     assert "of NVIDIA H200's 140.4 GiB HBM" in report.table()
+
+
+def test_the_pod_configs_name_their_topology_and_others_need_one(capsys):
+    assert load_config("tpu_v5e_256").topology == "v5e-256"
+    assert load_config("gpu_8xh200").topology == "8xh200"
+    assert cli_main(["compile", "--config", "tiny"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["lowrank-jax compile: error: --topology is needed: config 'tiny' names none "
+                   "(e.g. --topology v5e-8, or topology: v5e-8 in the config)."], err
