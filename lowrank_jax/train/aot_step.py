@@ -232,11 +232,12 @@ class StepCompile:
         lines = [f"{self.config} on {self.topology}: {self.devices} x {CHIPS[self.chip].name}, "
                  f"mesh {self.mesh}, compiled in {self.seconds:.1f} s"]
         lines += [f"  {k:<{width}}  {v}  {note}".rstrip() for k, v, note in rows]
-        compiled = ("n/a" if self.compiled_flops is None
-                    else f"{self.compiled_flops / 1e12:.2f} TFLOP")
-        lines.append(f"  FLOPs per device per step: compiled {compiled} (XLA cost analysis, "
-                     f"with recomputation), analytic {self.model_flops / 1e12:.2f} TFLOP "
-                     "(model FLOPs, 6N + attention)")
+        compiled = ("n/a (no XLA cost analysis for this target)"
+                    if self.compiled_flops is None else
+                    f"{self.compiled_flops / 1e12:.2f} TFLOP (XLA cost analysis, with "
+                    "recomputation)")
+        lines.append(f"  FLOPs per device per step: compiled {compiled}, analytic "
+                     f"{self.model_flops / 1e12:.2f} TFLOP (model FLOPs, 6N + attention)")
         lines.append("  fits" if self.fits else
                      f"  DOES NOT FIT: {self.total_bytes / GIB:.2f} GiB > {hbm / GIB:.4g} GiB")
         return "\n".join(lines)
