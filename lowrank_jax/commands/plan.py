@@ -10,7 +10,8 @@ def register(subparsers) -> None:
     p.add_argument("--config", default="1b")
     p.add_argument("--devices", type=int, required=True)
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--no-remat", action="store_true", help="assume no rematerialisation")
+    p.add_argument("--no-remat", action="store_true",
+                   help="assume no rematerialisation (default: the config's model.remat)")
     p.set_defaults(func=run)
 
 
@@ -21,7 +22,7 @@ def run(args) -> int:
     if args.devices < 1:
         raise ValueError(f"--devices={args.devices} must be a positive integer.")
     cfg = load_config(args.config, args.overrides)
-    plan = plan_memory(cfg, args.devices, remat=not args.no_remat)
+    plan = plan_memory(cfg, args.devices, remat=False if args.no_remat else None)
     print(f"config {args.config}: {cfg.model.n_layers} layers, d_model {cfg.model.d_model}, "
           f"{cfg.model.projection} (rank ratio {cfg.model.rank_ratio}), batch "
           f"{cfg.train.batch_size} x {cfg.train.seq_len}")

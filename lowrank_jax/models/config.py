@@ -65,6 +65,7 @@ class LlamaConfig:
     attention: str | tuple[str, ...] = "reference"
     dtype: str = "float32"
     param_dtype: str = "float32"
+    remat: bool = False
     family: str = "llama"
     rope_scaling: dict | None = None
     rope_local_theta: float | None = None

@@ -292,6 +292,7 @@ class DecoderLayer(nnx.Module):
             self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
         self.mlp = MLP(cfg, rngs=rngs)
+        self.remat = bool(cfg.remat)
 
     def __call__(self, x, positions=None, *, kv: KVProvider | None = None, layer_data=None,
                  layer_idx=0):
@@ -309,6 +310,24 @@ class DecoderLayer(nnx.Module):
         x = x + h
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, update
+
+
+def batch_sharded(x, last: str | None = None):
+    """``x [b, ...]`` pinned to the batch split ``("data", "fsdp")`` (and its last axis to
+    ``last``) when traced under a mesh with axes ``data``, ``fsdp``, ``tensor`` (``jax.set_mesh``,
+    as ``pretrain``'s step and ``lowrank-jax compile`` run); unchanged otherwise.
+
+    The residual stream and the logits carry it: without it XLA's propagation follows the
+    ``fsdp``-sharded weights and computes every layer on the whole batch on every device
+    (docs/guides/pod.md: 64 times the activations on the v5e-256 config).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not {"data", "fsdp", "tensor"} <= set(mesh.axis_names):
+        return x
+    if x.shape[0] % (mesh.shape["data"] * mesh.shape["fsdp"]):
+        return x
+    spec = jax.sharding.PartitionSpec(("data", "fsdp"), *([None] * (x.ndim - 2)), last)
+    return jax.lax.with_sharding_constraint(x, spec)
 
 
 class ScannedLayers(NamedTuple):
@@ -349,7 +368,14 @@ def run_layers(layers, x, positions, kv: KVProvider):
     updates = []
     for i, layer in enumerate(layers):
         layer_data = None if data is None else jax.tree.map(lambda a: a[i], data)
-        x, update = layer(x, positions, kv=kv, layer_data=layer_data, layer_idx=i)
+        if getattr(layer, "remat", False):  # LlamaConfig.remat: recompute in the backward pass
+            graph, state = nnx.split(layer)
+            call = lambda state, x, p, d, i=i: nnx.merge(graph, state)(  # noqa: E731
+                x, p, kv=kv, layer_data=d, layer_idx=i)
+            x, update = jax.checkpoint(call)(state, x, positions, layer_data)
+        else:
+            x, update = layer(x, positions, kv=kv, layer_data=layer_data, layer_idx=i)
+        x = batch_sharded(x)
         updates.append(update)
     if kv.scannable:
         updates = jax.tree.map(lambda *u: jnp.stack(u), *updates)
@@ -367,6 +393,7 @@ def decoder_forward(embed, layers, norm, tokens, positions=None, *, cache=None, 
     x = embed(tokens).astype(jnp.dtype(dtype))
     if embed_scale is not None:
         x = x * jnp.asarray(embed_scale, x.dtype)
+    x = batch_sharded(x)
     x, new_cache = run_layers(layers, x, positions, kv)
     return norm(x), new_cache
 
@@ -445,7 +472,7 @@ class Llama(nnx.Module):
     ) -> tuple[Float[Array, "b t vocab"], Any]:
         """Logits (fp32) for every position, and the cache advanced by ``t`` when one is given."""
         x, cache = self.hidden_states(tokens, positions, cache=cache)
-        return self.logits_from_hidden(x), cache
+        return batch_sharded(self.logits_from_hidden(x), "tensor"), cache
 
 
 def projections(model: Llama) -> list[tuple[int, str, nnx.Module, nnx.Module]]:

@@ -73,6 +73,7 @@ class TrainConfig:
     checkpoint_every: int = 200
     log_every: int = 10
     val_fraction: float = 0.1
+    peak_tflops: float | None = None  # per-device bf16 peak for MFU (default: the chip's)
 
     def __post_init__(self):
         for key in ("steps", "batch_size", "seq_len", "eval_every", "checkpoint_every",
@@ -83,6 +84,9 @@ class TrainConfig:
         if not (isinstance(self.seed, int) and self.seed >= 0):
             raise ValueError(f"train.seed={self.seed!r} must be an integer >= 0, e.g. "
                              "--set train.seed=0.")
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            raise ValueError(f"train.peak_tflops={self.peak_tflops} must be > 0 (the device's "
+                             "peak in TFLOP/s, e.g. 197 for a TPU v5e), or null.")
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"train.val_fraction={self.val_fraction} must be in (0, 1), "
                              "e.g. 0.1.")
@@ -132,6 +136,7 @@ class RunConfig:
     run_dir: str = "runs/tiny"
     name: str = "tiny"
     structure: str = "none"  # "salaad": couple every 2-D weight to L + S (section salaad:)
+    topology: str | None = None  # the hardware the mesh is laid out for (compile's --topology)
 
     def __post_init__(self):
         if not isinstance(self.run_dir, str) or not self.run_dir.strip():

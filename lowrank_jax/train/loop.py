@@ -54,17 +54,33 @@ class TrainState:
     step: int
 
 
-def init_state(cfg: RunConfig, mesh=None) -> tuple[TrainState, optax.GradientTransformation]:
-    """Build model and optimizer state; on a mesh, parameters are created already sharded."""
+def init_state(cfg: RunConfig, mesh=None, *,
+               abstract: bool = False) -> tuple[TrainState, optax.GradientTransformation]:
+    """Build model and optimizer state; on a mesh, parameters are created already sharded.
+
+    With ``abstract`` nothing is allocated: the state's leaves are ``jax.ShapeDtypeStruct``s
+    carrying the shardings the real state would have on ``mesh`` (what ``lowrank-jax compile``
+    lowers the step with, for a pod this host does not have).
+    """
     tx = with_structure(build_optimizer(cfg.optimizer, cfg.train.steps), cfg)
     make = lambda: nnx.split(Llama(cfg.model, rngs=nnx.Rngs(cfg.train.seed)), nnx.Param)
-    graphdef, abstract = nnx.eval_shape(lambda: Llama(cfg.model, rngs=nnx.Rngs(0))), None
-    graphdef, abstract = nnx.split(graphdef, nnx.Param)
+    graphdef, abstract_params = nnx.eval_shape(lambda: Llama(cfg.model, rngs=nnx.Rngs(0))), None
+    graphdef, abstract_params = nnx.split(graphdef, nnx.Param)
+    if abstract:
+        if mesh is None:
+            raise ValueError("init_state(abstract=True) needs the mesh the state is laid on.")
+        with_sharding = lambda tree, shardings: jax.tree.map(  # noqa: E731
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+        params = with_sharding(abstract_params,
+                               shard_lib.param_shardings(abstract_params, mesh))
+        opt_state = jax.eval_shape(tx.init, params)
+        opt_state = with_sharding(opt_state, shard_lib.state_shardings(opt_state, params, mesh))
+        return TrainState(graphdef, params, opt_state, 0), tx
     if mesh is None:
         params = make()[1]
         opt_state = jax.jit(tx.init)(params)
     else:
-        shardings = shard_lib.param_shardings(abstract, mesh)
+        shardings = shard_lib.param_shardings(abstract_params, mesh)
         params = jax.jit(lambda: make()[1], out_shardings=shardings)()
         # moments on their parameters' shardings, the rest (step counts) replicated
         opt_state = shard_lib.init_optimizer_state(tx, params, mesh)
@@ -88,6 +104,32 @@ def make_train_step(graphdef, tx, *, params=None, opt_state=None, batch_sharding
     fields = 5 if packed else 2
     return make_step(loss_fn, tx, skip_nonfinite=True, shardings=(
         sharding_of(params), sharding_of(opt_state), (batch_sharding,) * fields))
+
+
+def pretrain_step(state: TrainState, tx, mesh=None, *, packed: bool = False):
+    """``(step, batch_sharding)``: the train step of ``pretrain`` for ``state`` on ``mesh``.
+
+    The one construction shared by :func:`train` and ``lowrank-jax compile`` (which passes an
+    abstract state from ``init_state(..., abstract=True)`` and calls ``step.lower``);
+    ``batch_sharding`` is ``None`` without a mesh. On a mesh the step is traced and run under
+    ``jax.set_mesh(mesh)``, so the loss keeps the logits split over the batch
+    (:func:`~lowrank_jax.train.losses.batch_sharded`).
+    """
+    if mesh is None:
+        return make_train_step(state.graphdef, tx), None
+    batch_spec = shard_lib.batch_sharding(mesh)
+    jitted = make_train_step(state.graphdef, tx, params=state.params, opt_state=state.opt_state,
+                             batch_sharding=batch_spec, packed=packed)
+
+    def on_mesh(method):
+        def call(*args):
+            with jax.set_mesh(mesh):
+                return method(*args)
+        return call
+
+    step = on_mesh(jitted)
+    step.lower = on_mesh(jitted.lower)
+    return step, batch_spec
 
 
 def make_eval_fn(graphdef) -> Callable:
@@ -205,6 +247,59 @@ def plot_losses(metrics_path: pathlib.Path, out_png: pathlib.Path, entropy_bits:
     plt.close(fig)
 
 
+class Throughput:
+    """Tokens/s, tokens/s/device and MFU of the steps since the last logged one.
+
+    The clock restarts after the run's first step when that step is not logged, so its
+    compilation is not counted. MFU is model FLOPs
+    (:func:`~lowrank_jax.models.flops.training_flops_per_token`, factorized layers at their
+    factors' cost) per device over the chip's bf16 peak (``train.peak_tflops``, else the
+    :data:`~lowrank_jax.models.flops.CHIPS` entry of ``jax.devices()[0].device_kind``); on a
+    CPU without ``train.peak_tflops`` it is ``None`` (``null`` in metrics.jsonl).
+
+    Example::
+
+        >>> from lowrank_jax.train.config import load_config
+        >>> meter = Throughput(load_config("tiny", ["train.peak_tflops=1"]), devices=1)
+        >>> sorted(meter.step(2048, logged=True))
+        ['mfu', 'tokens_per_s', 'tokens_per_s_per_device']
+    """
+
+    def __init__(self, cfg: RunConfig, devices: int):
+        from lowrank_jax.models.flops import peak_flops, training_flops_per_token
+
+        self.devices = devices
+        self.flops_per_token = training_flops_per_token(cfg.model, cfg.train.seq_len)
+        self.peak = peak_flops(jax.devices()[0].device_kind, cfg.train.peak_tflops)
+        self.start, self.tokens, self.steps = time.perf_counter(), 0, 0
+
+    def step(self, tokens: int, logged: bool) -> dict | None:
+        """Count a step of ``tokens`` (global) tokens; the rates when ``logged``, else None."""
+        from lowrank_jax.models.flops import mfu
+
+        self.steps += 1
+        self.tokens += tokens
+        if not logged:
+            if self.steps == 1:  # the first step compiled the step: keep it out of the rates
+                self.start, self.tokens = time.perf_counter(), 0
+            return None
+        now = time.perf_counter()
+        rate = self.tokens / max(now - self.start, 1e-9)
+        self.start, self.tokens = now, 0
+        per_device = rate / self.devices
+        return {"tokens_per_s": rate, "tokens_per_s_per_device": per_device,
+                "mfu": mfu(self.flops_per_token, per_device, self.peak)}
+
+    @staticmethod
+    def postfix(speed: dict) -> dict:
+        """The progress bar's fields of :meth:`step`'s rates."""
+        shown = {"tok_s": f"{speed['tokens_per_s']:,.0f}",
+                 "tok_s_dev": f"{speed['tokens_per_s_per_device']:,.0f}"}
+        if speed["mfu"] is not None:
+            shown["mfu"] = f"{speed['mfu']:.1%}"
+        return shown
+
+
 @dataclasses.dataclass
 class TrainResult:
     state: TrainState
@@ -285,13 +380,7 @@ def train(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None
             + (f" ({dropped} metrics rows after it dropped)" if dropped else ""))
     if main:
         atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    batch_spec = shard_lib.batch_sharding(mesh) if mesh is not None else None
-    if mesh is None:
-        step_fn = make_train_step(state.graphdef, tx)
-    else:
-        step_fn = make_train_step(state.graphdef, tx, params=state.params,
-                                  opt_state=state.opt_state, batch_sharding=batch_spec,
-                                  packed=data is not None)
+    step_fn, batch_spec = pretrain_step(state, tx, mesh, packed=data is not None)
     eval_fn = make_eval_fn(state.graphdef)
     if main and not resume and metrics_path.exists():
         metrics_path.unlink()  # a stale file of ours (prepare_output refused anyone else's)
@@ -303,8 +392,8 @@ def train(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None
     losses: list[float] = []
     bar = tqdm(total=last, initial=state.step, disable=not (progress and main), desc="pretrain",
                dynamic_ncols=True)
-    t0, tokens_seen = time.perf_counter(), 0
     position = lambda: None if data is None else data.iterator_at(state.step)  # noqa: E731
+    throughput = Throughput(cfg, 1 if mesh is None else mesh.devices.size)
     try:
         with open(metrics_path if main else os.devnull, "a") as metrics_file:
             while state.step < last:
@@ -330,15 +419,15 @@ def train(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None
                         "optimizer.learning_rate or enable optimizer.grad_clip."
                     )
                 losses.append(loss)
-                tokens_seen += x.size
                 bar.update(1)
-                if state.step % cfg.train.log_every == 0 or state.step == last:
-                    rate = tokens_seen / max(time.perf_counter() - t0, 1e-9)
-                    bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:,.0f}")
+                logged = state.step % cfg.train.log_every == 0 or state.step == last
+                speed = throughput.step(x.size, logged)
+                if logged:
+                    bar.set_postfix(loss=f"{loss:.3f}", **throughput.postfix(speed))
                     metrics_file.write(json.dumps({"kind": "train", "step": state.step,
                                                    "loss": loss,
                                                    "grad_norm": float(m["grad_norm"]),
-                                                   "tokens_per_s": rate}) + "\n")
+                                                   **speed}) + "\n")
                     metrics_file.flush()
                 if state.step % cfg.train.eval_every == 0 and state.step < last:
                     vl = _held_out_loss(data, eval_fn, state.params, val_tokens, cfg)
