@@ -269,6 +269,9 @@ def export_peft(
         with open(os.path.join(tmp, CONFIG_NAME), "w") as f:
             json.dump(config, f, indent=2, sort_keys=True)
         save_file(tensors, os.path.join(tmp, WEIGHTS_NAME), metadata={"format": "pt"})
+        from lowrank_jax.io.adapters import read_adapter
+
+        read_adapter(tmp, who="export_peft")  # what every reader checks, before any rename
     return config
 
 
@@ -363,36 +366,9 @@ def import_peft(model: nnx.Module, folder: str | os.PathLike, *,
         >>> import_peft(Llama(cfg, rngs=nnx.Rngs(0)), folder)
         ['layers/0/self_attn/v_proj']
     """
-    from safetensors.numpy import load_file
+    from lowrank_jax.io.adapters import read_adapter
 
-    config_path = os.path.join(folder, CONFIG_NAME)
-    weights_path = os.path.join(folder, WEIGHTS_NAME)
-    for p in (config_path, weights_path):
-        if not os.path.exists(p):
-            raise FileNotFoundError(f"import_peft: {p} not found; a PEFT adapter folder holds "
-                                    f"{CONFIG_NAME} and {WEIGHTS_NAME}.")
-    config = read_adapter_config(config_path)
-    if config.get("peft_type", "LORA") != "LORA":
-        raise ValueError(f"import_peft: peft_type={config.get('peft_type')!r}; only 'LORA' "
-                         "adapters can be imported.")
-    if config.get("use_dora"):
-        raise ValueError("import_peft: use_dora=true adapters are not supported (LoRA only).")
-    try:
-        tensors = load_file(weights_path)
-    except Exception as error:  # noqa: BLE001 - safetensors raises its own error types
-        raise ValueError(f"import_peft: {weights_path} is not a readable safetensors file "
-                         f"({str(error).splitlines()[0]}); export the adapter again.") from None
-    for key, value in tensors.items():
-        if not np.all(np.isfinite(np.asarray(value, np.float32))):
-            raise ValueError(f"import_peft: {weights_path} tensor {key!r} holds NaN or inf "
-                             "values; the adapter is broken (retrain it with a lower lr).")
-    modules: dict[str, dict[str, np.ndarray]] = {}
-    for key, value in tensors.items():
-        match = re.fullmatch(r"base_model\.model\.(.+)\.(lora_A|lora_B)(?:\.default)?\.weight", key)
-        if match is None:
-            raise ValueError(f"import_peft: unexpected tensor {key!r}; expected "
-                             "'base_model.model.<module>.lora_A.weight' / '.lora_B.weight'.")
-        modules.setdefault(match.group(1), {})[match.group(2)] = value
+    config, modules = read_adapter(folder, who="import_peft")  # the one adapter check
     existing = {p: m for p, m in lora_layers(model)}
     plain = set(linear_paths(model))
     available = sorted(set(existing) | plain)

@@ -257,6 +257,13 @@ class ByteTokenizer:
         del skip_special_tokens
         return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
 
+    def save(self, folder: str | os.PathLike) -> None:
+        """Write the byte-level marker :data:`BYTE_TOKENIZER_FILE` into ``folder`` (what
+        :func:`folder_tokenizer` reads back as a :class:`ByteTokenizer`)."""
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(os.fspath(folder), BYTE_TOKENIZER_FILE), "w") as f:
+            json.dump({"tokenizer": "bytes", "vocab_size": 256}, f)
+
     def token_text(self, token_id: int) -> str:
         return bytes([int(token_id) % 256]).decode("latin-1")
 
