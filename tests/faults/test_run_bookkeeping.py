@@ -166,3 +166,20 @@ def test_a_run_killed_before_its_first_checkpoint_gets_one_advice_that_works(
     assert code == 0, err
     assert json.loads((run / "summary.json").read_text())["step"] == 6
     faults.recovered()
+
+
+def test_the_other_processes_of_a_run_share_process_0s_lock(faults, tiny, tmp_path,
+                                                            live_process, monkeypatch):
+    """A multi-process run holds one lock, process 0's: the others neither take it nor are
+    refused by it (here this process plays process 1 while a live process holds the lock)."""
+    from lowrank_jax.train import load_config, multihost, train
+
+    run = tmp_path / "run"
+    run.mkdir()
+    _lock(run, live_process)
+    monkeypatch.setattr(multihost, "is_main_process", lambda: False)
+    result = train(load_config("tiny", tiny + [f"run_dir={run}"]), progress=False,
+                   log=lambda *_: None)
+    assert result.state.step == 6
+    assert json.loads((run / LOCK_NAME).read_text())["pid"] == live_process  # untouched
+    faults.recovered()
