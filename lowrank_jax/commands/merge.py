@@ -50,9 +50,9 @@ def run(args) -> int:
     if not os.path.isdir(args.adapter):
         raise FileNotFoundError(f"--adapter {args.adapter}: no such folder; pass a PEFT adapter "
                                 "folder (adapter_config.json + adapter_model.safetensors).")
-    read_adapter(args.adapter, who=f"--adapter {args.adapter}")  # before any model loads
     prepare_output(args.out, command="merge", overwrite=args.overwrite,
                    reads={"--model": args.model, "--adapter": args.adapter, "--data": args.data})
+    read_adapter(args.adapter, who=f"--adapter {args.adapter}")  # before any model loads
     model, tokenizer = load_model(args.model)
     if args.quantize:
         quantize_base(model, args.quantize)

@@ -56,7 +56,7 @@ def read_adapter(folder: str | os.PathLike, *, who: str | None = None
         {"lora_A": [r, in], "lora_B": [out, r]}}`` as stored.
 
     Raises:
-        FileNotFoundError: the folder, its config or its weights file is missing.
+        FileNotFoundError: the config or the weights file is missing (or the folder).
         ValueError: anything else listed in the module docstring, naming the file, the tensor
             or the key.
     """
@@ -66,9 +66,6 @@ def read_adapter(folder: str | os.PathLike, *, who: str | None = None
 
     folder = os.fspath(folder)
     who = who or f"adapter {folder}"
-    if not os.path.isdir(folder):
-        raise FileNotFoundError(f"{who}: {folder} is not a folder; pass a PEFT adapter folder "
-                                f"({CONFIG_NAME} + {WEIGHTS_NAME}).")
     config_path = os.path.join(folder, CONFIG_NAME)
     weights_path = os.path.join(folder, WEIGHTS_NAME)
     for p in (config_path, weights_path):
