@@ -32,8 +32,12 @@ Example::
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import re
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -61,8 +65,6 @@ def read_adapter(folder: str | os.PathLike, *, who: str | None = None
             or the key.
     """
     from safetensors.numpy import load_file
-
-    from lowrank_jax.io.peft import pattern_value, read_adapter_config
 
     folder = os.fspath(folder)
     who = who or f"adapter {folder}"
@@ -112,4 +114,59 @@ def read_adapter(folder: str | os.PathLike, *, who: str | None = None
     return config, modules
 
 
-__all__ = ["read_adapter"]
+def read_adapter_config(path: str | os.PathLike) -> dict:
+    """A PEFT ``adapter_config.json`` as a dict, checked: valid JSON holding an object, ``r`` a
+    positive integer and ``lora_alpha`` a positive number (and so every value of
+    ``rank_pattern`` / ``alpha_pattern``); a ``ValueError`` names the file and the key."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ValueError(f"import_peft: {path} is not valid JSON ({error}); export the "
+                         "adapter again or fix the file.") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"import_peft: {path} must hold a JSON object, got "
+                         f"{type(config).__name__}.")
+
+    def check(key, value, positive_int=False):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        ok = ok and math.isfinite(value) and value > 0
+        if positive_int:
+            ok = ok and float(value).is_integer()
+        if not ok:
+            kind = "a positive integer" if positive_int else "a positive number"
+            raise ValueError(f"import_peft: {path}: {key}={value!r} must be {kind}.")
+
+    if "r" in config:
+        check("r", config["r"], positive_int=True)
+    if "lora_alpha" in config:
+        check("lora_alpha", config["lora_alpha"])
+    for pattern, is_int in (("rank_pattern", True), ("alpha_pattern", False)):
+        values = config.get(pattern) or {}
+        if not isinstance(values, dict):
+            raise ValueError(f"import_peft: {path}: {pattern} must be an object "
+                             "{module: value}.")
+        for name, value in values.items():
+            check(f"{pattern}[{name!r}]", value, positive_int=is_int)
+    return config
+
+
+def pattern_value(name: str, pattern: Mapping[str, Any], default):
+    """The value a PEFT ``rank_pattern`` / ``alpha_pattern`` gives module ``name``, else
+    ``default``: the first key that matches the end of the dotted name as a regular expression
+    (PEFT's rule: ``"q_proj"`` matches ``"model.layers.0.self_attn.q_proj"``).
+
+    Example::
+
+        >>> pattern_value("model.layers.0.self_attn.q_proj", {"q_proj": 16}, 8)
+        16
+        >>> pattern_value("model.layers.0.mlp.up_proj", {"q_proj": 16}, 8)
+        8
+    """
+    for key, value in pattern.items():
+        if re.match(rf"(.*\.)?({key})$", name):
+            return value
+    return default
+
+
+__all__ = ["pattern_value", "read_adapter", "read_adapter_config"]

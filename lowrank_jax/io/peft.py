@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from lowrank_jax.io.adapters import pattern_value, read_adapter, read_adapter_config
 from lowrank_jax.io.outputs import staged_folder
 from lowrank_jax.nn.inject import LoRARule, apply_lora, linear_paths, lora_layers
 from lowrank_jax.nn.lora import LoRALinear, lora_scaling
@@ -269,65 +270,8 @@ def export_peft(
         with open(os.path.join(tmp, CONFIG_NAME), "w") as f:
             json.dump(config, f, indent=2, sort_keys=True)
         save_file(tensors, os.path.join(tmp, WEIGHTS_NAME), metadata={"format": "pt"})
-        from lowrank_jax.io.adapters import read_adapter
-
         read_adapter(tmp, who="export_peft")  # what every reader checks, before any rename
     return config
-
-
-def read_adapter_config(path: str | os.PathLike) -> dict:
-    """A PEFT ``adapter_config.json`` as a dict, checked: valid JSON holding an object, ``r`` a
-    positive integer and ``lora_alpha`` a positive number (and so every value of
-    ``rank_pattern`` / ``alpha_pattern``); a ``ValueError`` names the file and the key."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (ValueError, UnicodeDecodeError) as error:
-        raise ValueError(f"import_peft: {path} is not valid JSON ({error}); export the "
-                         "adapter again or fix the file.") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"import_peft: {path} must hold a JSON object, got "
-                         f"{type(config).__name__}.")
-
-    def check(key, value, positive_int=False):
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        ok = ok and math.isfinite(value) and value > 0
-        if positive_int:
-            ok = ok and float(value).is_integer()
-        if not ok:
-            kind = "a positive integer" if positive_int else "a positive number"
-            raise ValueError(f"import_peft: {path}: {key}={value!r} must be {kind}.")
-
-    if "r" in config:
-        check("r", config["r"], positive_int=True)
-    if "lora_alpha" in config:
-        check("lora_alpha", config["lora_alpha"])
-    for pattern, is_int in (("rank_pattern", True), ("alpha_pattern", False)):
-        values = config.get(pattern) or {}
-        if not isinstance(values, dict):
-            raise ValueError(f"import_peft: {path}: {pattern} must be an object "
-                             "{module: value}.")
-        for name, value in values.items():
-            check(f"{pattern}[{name!r}]", value, positive_int=is_int)
-    return config
-
-
-def pattern_value(name: str, pattern: Mapping[str, Any], default):
-    """The value a PEFT ``rank_pattern`` / ``alpha_pattern`` gives module ``name``, else
-    ``default``: the first key that matches the end of the dotted name as a regular expression
-    (PEFT's rule: ``"q_proj"`` matches ``"model.layers.0.self_attn.q_proj"``).
-
-    Example::
-
-        >>> pattern_value("model.layers.0.self_attn.q_proj", {"q_proj": 16}, 8)
-        16
-        >>> pattern_value("model.layers.0.mlp.up_proj", {"q_proj": 16}, 8)
-        8
-    """
-    for key, value in pattern.items():
-        if re.match(rf"(.*\.)?({key})$", name):
-            return value
-    return default
 
 
 def import_peft(model: nnx.Module, folder: str | os.PathLike, *,
@@ -366,8 +310,6 @@ def import_peft(model: nnx.Module, folder: str | os.PathLike, *,
         >>> import_peft(Llama(cfg, rngs=nnx.Rngs(0)), folder)
         ['layers/0/self_attn/v_proj']
     """
-    from lowrank_jax.io.adapters import read_adapter
-
     config, modules = read_adapter(folder, who="import_peft")  # the one adapter check
     existing = {p: m for p, m in lora_layers(model)}
     plain = set(linear_paths(model))

@@ -65,7 +65,10 @@ def test_the_transformers_5_rope_format_is_read(faults, folder, tmp_path):
     model = _copy(folder, tmp_path)
     _edit_config(model, rope_theta=None, rope_scaling=None,
                  rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
-    assert load_hf_checkpoint(str(model)).cfg.rope_theta == 500000.0
+    theta = load_hf_checkpoint(str(model)).cfg.rope_theta
+    if theta != 500000.0:
+        faults.outcome = "silent result"  # it ran with another theta, saying nothing
+    assert theta == 500000.0
     faults.recovered()
 
 
