@@ -42,8 +42,8 @@ def read_peft_adapter(folder: str | os.PathLike) -> dict[str, tuple[np.ndarray, 
     Honours ``rank_pattern`` / ``alpha_pattern`` and ``use_rslora``; the folder is checked by
     :func:`lowrank_jax.io.adapters.read_adapter`, as every adapter reader does.
     """
-    from lowrank_jax.io.adapters import read_adapter
-    from lowrank_jax.io.peft import our_module_path, pattern_value
+    from lowrank_jax.io.adapters import pattern_value, read_adapter
+    from lowrank_jax.io.peft import our_module_path
     from lowrank_jax.nn.lora import lora_scaling
 
     config, stored = read_adapter(folder, who=f"--adapter {folder}")  # the one adapter check
