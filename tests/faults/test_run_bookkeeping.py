@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
 import socket
 import subprocess
 
@@ -108,42 +107,53 @@ def test_resuming_a_finished_run_is_a_no_op(faults, tiny_runs, tiny, tmp_path):
     faults.recovered()
 
 
+SIGTERM_DURING_THE_SAVE_OF_STEP_2 = """
+import os, signal, sys
+import lowrank_jax.io.checkpoint as checkpoint
+
+real = checkpoint.checksums
+sent = []
+
+
+def checksums(tree):  # runs inside the save of step 2, while signals are held back
+    if not sent:
+        sent.append(True)
+        os.kill(os.getpid(), signal.SIGTERM)
+    return real(tree)
+
+
+checkpoint.checksums = checksums
+from lowrank_jax.cli import main
+sys.argv = ["lowrank-jax", *sys.argv[1:]]
+sys.exit(main())
+"""
+
+
 def test_sigterm_during_a_checkpoint_save_stops_at_the_next_step(faults, tiny_runs, tiny,
-                                                                 tmp_path, monkeypatch):
+                                                                 tmp_path):
+    """A process of its own: the SIGTERM watchdog of an in-process command would end the
+    test session."""
     import os
+    import sys
 
-    import lowrank_jax.io.checkpoint as checkpoint
-    from lowrank_jax.train import multihost
-
-    monkeypatch.setattr(multihost, "install_interrupt_watchdog", lambda *a, **k: None)
-    real = checkpoint.checksums
-    sent = []
-
-    def checksums(tree):  # runs inside the save of step 2, while signals are held back
-        if not sent:
-            sent.append(True)
-            os.kill(os.getpid(), signal.SIGTERM)
-        return real(tree)
-
-    monkeypatch.setattr(checkpoint, "checksums", checksums)
     run = tmp_path / "run"
     argv = ["pretrain", "--no-progress", *_sets(tiny), "--set", f"run_dir={run}"]
-    previous = signal.getsignal(signal.SIGTERM)
-    try:
-        code, _, err = faults.cli(argv, out=run)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    assert code == 143, err
-    assert err.strip() == (f"lowrank-jax pretrain: stopped by SIGTERM at step 2 of 6; "
-                           f"checkpoint and summary.json saved in {run} — continue with --resume")
+    proc = subprocess.run([sys.executable, "-c", SIGTERM_DURING_THE_SAVE_OF_STEP_2, *argv],
+                          capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert proc.returncode == 143, proc.stderr[-2000:]
+    assert proc.stderr.strip() == (
+        f"lowrank-jax pretrain: stopped by SIGTERM at step 2 of 6; checkpoint and "
+        f"summary.json saved in {run} — continue with --resume")
     assert json.loads((run / "summary.json").read_text()) == {"step": 2, "stopped": "SIGTERM",
                                                               "steps": 6}
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["2"]
-    monkeypatch.undo()
     code, out, err = faults.cli([*argv, "--resume"], out=run)
     assert code == 0 and "resumed from step 2" in out, err
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["val_loss"] == tiny_runs["full_result"].val_loss  # as if never stopped
+    # as if never stopped (bit for bit between two plain processes: the slow test of
+    # test_checkpoints.py; this in-process reference may differ in the last bits)
+    assert summary["val_loss"] == pytest.approx(tiny_runs["full_result"].val_loss, rel=1e-5)
     faults.recovered()
 
 
