@@ -135,7 +135,8 @@ def test_a_failing_merge_keeps_the_adapter_and_names_the_next_command(faults, tm
     assert json.loads((out / "summary.json").read_text())["steps"] == 2
     assert not merged.exists()  # nothing partial
     monkeypatch.undo()
-    code, _, err = faults.cli(advice.split()[1:-1] + [work / "later"], out=work)
+    code, _, err = faults.cli(advice.split()[1:-1] + [work / "later", "--eval-tokens", "64"],
+                              out=work)  # the advised command (a short perplexity check)
     assert code == 0, err
     code, _, err = faults.cli(["generate", "--model", work / "later" / "model", "--prompt", "a",
                                "--raw", "--max-new-tokens", "2"], out=work)
