@@ -229,37 +229,4 @@ def save_model(model: Llama, folder: str | os.PathLike, *, tokenizer=None,
     return folder
 
 
-def load_tokenizer(name_or_path: str | os.PathLike):
-    """The tokenizer :func:`load_model` would return for ``name_or_path``, without loading the
-    weights (a GGUF's metadata, a folder's ``tokenizer.json`` / byte marker, a PEFT adapter's
-    base, a preset's bytes); ``None`` when the checkpoint has none.
-
-    Example::
-
-        >>> type(load_tokenizer("tiny")).__name__
-        'ByteTokenizer'
-    """
-    from lowrank_jax.models.gguf import gguf_metadata, open_gguf
-    from lowrank_jax.models.presets import PRESETS
-    from lowrank_jax.models.tokenizer import BPETokenizer, ByteTokenizer, folder_tokenizer
-
-    text = os.fspath(name_or_path)
-    if text in PRESETS:
-        return ByteTokenizer()
-    if os.path.isdir(text) and os.path.isfile(os.path.join(text, PEFT_CONFIG)):
-        import json
-
-        with open(os.path.join(text, PEFT_CONFIG)) as f:
-            base = json.load(f).get("base_model_name_or_path")
-        return None if not base else load_tokenizer("smollm2" if base == SMOLLM2_HF_NAME
-                                                    else base)
-    if os.path.isdir(text) and _is_quantized_folder(text):
-        return folder_tokenizer(text)
-    path = resolve_model(text)
-    if os.path.isdir(path):
-        return folder_tokenizer(path)
-    return BPETokenizer.from_gguf_metadata(gguf_metadata(open_gguf(path)))
-
-
-__all__ = ["factorize_projections", "load_model", "load_tokenizer", "resolve_model",
-           "save_model"]
+__all__ = ["factorize_projections", "load_model", "resolve_model", "save_model"]

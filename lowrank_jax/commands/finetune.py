@@ -182,12 +182,11 @@ def _save_merged(model, args, adapter_dir: str, save_merged) -> None:
     """Write ``--save-merged`` (weights + the base's tokenizer) all or nothing; on a failure
     say that the adapter is kept and how to merge it later (a full disk: a user error, exit 2;
     anything else: an internal error, exit 1)."""
-    from lowrank_jax.hub import load_tokenizer
     from lowrank_jax.io.outputs import describe_os_error, os_error_of, staged_folder
     from lowrank_jax.train import multihost
 
     try:
-        tokenizer = load_tokenizer(args.model)
+        tokenizer = _base_tokenizer(args.model)
         if multihost.is_main_process():
             with staged_folder(args.save_merged) as tmp:
                 save_merged(model, tmp)
@@ -207,6 +206,23 @@ def _save_merged(model, args, adapter_dir: str, save_merged) -> None:
         reason = str(error).splitlines()[0] if str(error) else ""
         raise RuntimeError(f"--save-merged {args.save_merged}: not written "
                            f"({type(error).__name__}: {reason}); {kept}.") from error
+
+
+def _base_tokenizer(name: str):
+    """The tokenizer of ``--model`` (a preset's bytes, a folder's ``tokenizer.json`` or byte
+    marker, else what :func:`lowrank_jax.hub.load_model` returns: a GGUF's, an adapter's
+    base's)."""
+    from lowrank_jax.models.presets import PRESETS
+    from lowrank_jax.models.tokenizer import ByteTokenizer, folder_tokenizer
+
+    if name in PRESETS:
+        return ByteTokenizer()
+    tokenizer = folder_tokenizer(name) if os.path.isdir(name) else None
+    if tokenizer is None:
+        from lowrank_jax.hub import load_model
+
+        tokenizer = load_model(name)[1]
+    return tokenizer
 
 
 def _mesh_of(args):
