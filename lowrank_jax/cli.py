@@ -4,7 +4,9 @@ One error boundary: every user mistake (a bad config key or value, a file that i
 UTF-8 or not writable, a full disk, malformed YAML, a bad regex) exits with status 2 and one
 line ``lowrank-jax <command>: error: ...`` naming the argument / file / key, what was wrong and
 how to fix it. Anything else is a bug: one line asking for ``--debug``, status 1. ``--debug``
-shows the full traceback in both cases.
+shows the full traceback in both cases. A run stopped by SIGTERM at a step boundary (checkpoint
+and summary written, :mod:`lowrank_jax.io.signals`) exits 143; Ctrl-C exits 130. An output
+folder the failed command created and left empty is removed; run locks are released.
 
 The libraries' own detail (orbax / TensorStore / absl / asyncio log records, Python warnings,
 ``Exception ignored in ...`` at shutdown) goes to the run folder's ``lowrank-jax.log``, not to
@@ -94,22 +96,39 @@ def _close_checkpoints() -> None:
 
 
 def _run(args) -> int:
+    from lowrank_jax.io import lock, outputs, signals
+
+    outputs.forget_created()
     try:
         try:
-            return int(args.func(args) or 0)
+            code = int(args.func(args) or 0)
+            outputs.forget_created()  # what the command made is its output
+            return code
         finally:
             _close_checkpoints()  # before the message: nothing of orbax's comes after it
+            lock.release_all()
+    except signals.Stopped as stopped:
+        outputs.forget_created()
+        print(f"lowrank-jax {args.command}: {stopped}", file=sys.stderr)
+        return signals.EXIT_STOPPED
     except KeyboardInterrupt:
         print(f"lowrank-jax {args.command}: interrupted", file=sys.stderr)
         return 130
     except USER_ERRORS as error:
+        outputs.discard_unused()
         if args.debug:
             raise
         print(f"lowrank-jax {args.command}: error: {describe_error(error)}", file=sys.stderr)
         return 2
     except Exception as error:  # a bug: one line, the traceback on --debug
+        outputs.discard_unused()
         if args.debug:
             raise
+        io_error = outputs.os_error_of(error)  # a full disk in a library that says so in text
+        if io_error is not None:
+            print(f"lowrank-jax {args.command}: error: {describe_error(io_error)}",
+                  file=sys.stderr)
+            return 2
         print(f"lowrank-jax {args.command}: internal error ({type(error).__name__}: "
               f"{describe_error(error)}); rerun with --debug for the traceback and report it.",
               file=sys.stderr)

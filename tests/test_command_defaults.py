@@ -42,6 +42,12 @@ CALLS = {
 EXEMPT = {
     ("select", "chunk_rows"): "the CLI streams only matrices taller than --chunk-rows "
                               "(it passes None below); the library streams when given a number",
+    ("select", "rank"): "unset, it is the library's 32 capped below the embedding dimension "
+                        "(a rank at the dimension leaves no residual)",
+    ("eval", "kv_group"): "unset, it is the library's 4 capped at the model's layer count "
+                          "(kv_factory_from_args)",
+    ("generate", "kv_group"): "unset, it is the library's 4 capped at the model's layer count "
+                              "(kv_factory_from_args)",
 }
 
 

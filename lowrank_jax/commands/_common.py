@@ -31,7 +31,9 @@ def add_model_arguments(parser, *, kv_help: str) -> None:
     parser.add_argument("--kv-ratio", type=positive_float, default=8.0,
                         help="target KV-cache compression against the exact fp16 cache, every "
                              "byte counted; the method picks its ranks/bits to meet it")
-    parser.add_argument("--kv-group", type=positive_int, default=4, help="layers per xKV group")
+    parser.add_argument("--kv-group", type=positive_int, default=None,
+                        help="layers per xKV group (default 4, or the model's layer count when "
+                             "it has fewer)")
     parser.add_argument("--kv-sink", type=non_negative_int, default=1,
                         help="leading prompt tokens kept exact by the --kv method (0 = the "
                              "papers' xKV / KIVI)")
@@ -52,3 +54,20 @@ def load_model_from_args(args):
     if tokenizer is None:
         raise ValueError(f"--model {args.model}: the checkpoint has no tokenizer.json.")
     return model, tokenizer
+
+
+def kv_factory_from_args(args, model):
+    """The KV-cache factory of ``--kv --kv-ratio --kv-group --kv-sink`` for ``model``: an
+    unset ``--kv-group`` is xKV's 4, or the model's layer count when it has fewer; a set one
+    larger than the layer count is refused naming the flag."""
+    from lowrank_jax.kv import kv_cache_factory
+    from lowrank_jax.kv.ranks import DEFAULT_GROUP_SIZE
+
+    layers = int(model.cfg.n_layers)
+    group = getattr(args, "kv_group", None)
+    if group is None:
+        group = min(DEFAULT_GROUP_SIZE, layers)
+    elif group > layers:
+        raise ValueError(f"--kv-group {group} exceeds the model's {layers} layers; pass "
+                         f"--kv-group between 1 and {layers}.")
+    return kv_cache_factory(args.kv, args.kv_ratio, group, args.kv_sink)

@@ -62,9 +62,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _eval_xkv(args, model, ids, window: int, source: str) -> int:
     """Per window: prefill ``window - kv_eval_tokens - 1`` tokens, compress, score the rest."""
-    from lowrank_jax.kv import kv_cache_factory, xkv_windowed_perplexity
+    from lowrank_jax.commands._common import kv_factory_from_args
+    from lowrank_jax.kv import xkv_windowed_perplexity
 
-    factory = kv_cache_factory(args.kv, args.kv_ratio, args.kv_group, args.kv_sink)
+    factory = kv_factory_from_args(args, model)
     ppl, n_windows = xkv_windowed_perplexity(model, ids, factory, window=window,
                                              eval_len=args.kv_eval_tokens,
                                              progress=not args.no_progress)

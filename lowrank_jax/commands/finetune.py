@@ -79,7 +79,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from lowrank_jax.io.outputs import atomic_write_text, check_not_input, prepare_output
+    from lowrank_jax.io.outputs import atomic_write_text, prepare_output, staged_folder
     from lowrank_jax.io.validate import check_jobs_file, check_regex, check_text_file
 
     mesh = _mesh_of(args)
@@ -112,10 +112,18 @@ def run(args) -> int:
         lambda: prepare_output(args.out, command="finetune", overwrite=args.overwrite,
                                reads={"--model": args.model, "--data": args.data}),
         what="checking --out")
-    for flag in ("--save-base", "--save-merged"):  # extra outputs: never over an input
-        check_not_input(getattr(args, flag[2:].replace("-", "_"), None),
-                        {"--model": args.model, "--data": args.data, "--out": args.out},
-                        argument=flag)
+    if getattr(args, "save_base", None) and not getattr(args, "quantize", None):
+        raise ValueError("--save-base writes the quantized base; it needs --quantize "
+                         "nf4|rtn4|unisvq2.")
+    for flag in ("--save-base", "--save-merged"):  # extra outputs: the same rule as --out
+        folder = getattr(args, flag[2:].replace("-", "_"), None)
+        if folder:
+            reads = {"--model": args.model, "--data": args.data, "--out": args.out}
+            multihost.on_main_process(
+                lambda folder=folder, flag=flag, reads=reads: prepare_output(
+                    folder, command="finetune", argument=flag, overwrite=args.overwrite,
+                    reads=reads),
+                what=f"checking {flag}")
     lr = args.lr if args.lr is not None else default_lr(args.method)
     model, tokens, base_name = load_model_and_tokens(args.model, args.data)
     if getattr(args, "quantize", None):
@@ -126,10 +134,9 @@ def run(args) -> int:
                              "use lora, balora or lokra.")
         quantize_base(model, args.quantize)
         if args.save_base:
-            print(f"quantized base: {save_quantized_base(model, args.model, args.save_base)}")
-    elif getattr(args, "save_base", None):
-        raise ValueError("--save-base writes the quantized base; it needs --quantize "
-                         "nf4|rtn4|unisvq2.")
+            with staged_folder(args.save_base) as tmp:  # all or nothing
+                save_quantized_base(model, args.model, tmp)
+            print(f"quantized base: {args.save_base}")
     if len(tokens) < args.seq_len + 2:
         raise ValueError(f"--data has {len(tokens)} tokens, fewer than --seq-len + 2 = "
                          f"{args.seq_len + 2}; pass more text or a smaller --seq-len.")
@@ -145,12 +152,10 @@ def run(args) -> int:
                       progress=not args.no_progress, description=f"finetune {args.method}",
                       mesh=mesh)
     adapter_dir = os.path.join(args.out, "adapter")
-    config = export_adapter(model, adapter_dir, base_model_name_or_path=base_name,
+    config = export_adapter(model, adapter_dir,  # a preset's name: --model ADAPTER loads it
+                            base_model_name_or_path=base_name or args.model,
                             initial_adapters=result.initial_adapters or None)
-    if args.save_merged:  # PiSSA / OLoRA: the residual base plus the adapter, the tuned weight
-        save_merged(model, args.save_merged)
-    if not multihost.is_main_process():
-        return 0
+    main = multihost.is_main_process()
     summary = {
         "model": args.model, "method": args.method, "steps": args.steps, "lr": lr,
         "rank": args.rank, "alpha": args.alpha, "targets": args.targets,
@@ -159,15 +164,65 @@ def run(args) -> int:
         "ranks": result.ranks, "probe_scores": scores, "peft_r": config["r"],
         "quantize": getattr(args, "quantize", None), "memory_bytes": result.memory,
     }
-    atomic_write_text(os.path.join(args.out, "summary.json"), json.dumps(summary, indent=2))
-    atomic_write_text(os.path.join(args.out, "losses.json"), json.dumps(result.losses))
-    print(f"{args.method}: loss {result.losses[0]:.4f} -> {summary['final_loss']:.4f} "
-          f"(mean of the last 10 steps) in {args.steps} steps, {result.seconds:.1f} s; "
-          f"{len(result.adapted)} modules adapted")
-    print(f"PEFT adapter: {adapter_dir} (load with peft.PeftModel.from_pretrained)")
-    if args.save_merged:
-        print(f"merged model: {args.save_merged} (pass it as --model)")
+    if main:  # the trained work is on disk before any last step that may fail
+        atomic_write_text(os.path.join(args.out, "summary.json"), json.dumps(summary, indent=2))
+        atomic_write_text(os.path.join(args.out, "losses.json"), json.dumps(result.losses))
+        print(f"{args.method}: loss {result.losses[0]:.4f} -> {summary['final_loss']:.4f} "
+              f"(mean of the last 10 steps) in {args.steps} steps, {result.seconds:.1f} s; "
+              f"{len(result.adapted)} modules adapted")
+        print(f"PEFT adapter: {adapter_dir} (load with peft.PeftModel.from_pretrained)")
+    if args.save_merged:  # PiSSA / OLoRA: the residual base plus the adapter, the tuned weight
+        _save_merged(model, args, adapter_dir, save_merged)
+        if main:
+            print(f"merged model: {args.save_merged} (pass it as --model)")
     return 0
+
+
+def _save_merged(model, args, adapter_dir: str, save_merged) -> None:
+    """Write ``--save-merged`` (weights + the base's tokenizer) all or nothing; on a failure
+    say that the adapter is kept and how to merge it later (a full disk: a user error, exit 2;
+    anything else: an internal error, exit 1)."""
+    from lowrank_jax.io.outputs import describe_os_error, os_error_of, staged_folder
+    from lowrank_jax.train import multihost
+
+    try:
+        tokenizer = _base_tokenizer(args.model)
+        if multihost.is_main_process():
+            with staged_folder(args.save_merged) as tmp:
+                save_merged(model, tmp)
+                if tokenizer is not None:  # --model DIR needs it (generate, eval)
+                    tokenizer.save(tmp)
+        else:
+            save_merged(model, args.save_merged)  # the gather; process 0 writes
+    except Exception as error:
+        quantize = f" --quantize {args.quantize}" if getattr(args, "quantize", None) else ""
+        kept = (f"the adapter and summary.json are saved in {args.out}; merge later with "
+                f"`lowrank-jax merge --model {args.model}{quantize} --adapter {adapter_dir} "
+                f"--to fp --out MERGED`")
+        io_error = os_error_of(error)
+        if io_error is not None:
+            raise ValueError(f"--save-merged {args.save_merged}: not written "
+                             f"({describe_os_error(io_error).rstrip('.')}); {kept}.") from error
+        reason = str(error).splitlines()[0] if str(error) else ""
+        raise RuntimeError(f"--save-merged {args.save_merged}: not written "
+                           f"({type(error).__name__}: {reason}); {kept}.") from error
+
+
+def _base_tokenizer(name: str):
+    """The tokenizer of ``--model`` (a preset's bytes, a folder's ``tokenizer.json`` or byte
+    marker, else what :func:`lowrank_jax.hub.load_model` returns: a GGUF's, an adapter's
+    base's)."""
+    from lowrank_jax.models.presets import PRESETS
+    from lowrank_jax.models.tokenizer import ByteTokenizer, folder_tokenizer
+
+    if name in PRESETS:
+        return ByteTokenizer()
+    tokenizer = folder_tokenizer(name) if os.path.isdir(name) else None
+    if tokenizer is None:
+        from lowrank_jax.hub import load_model
+
+        tokenizer = load_model(name)[1]
+    return tokenizer
 
 
 def _mesh_of(args):

@@ -75,11 +75,12 @@ def run(args: argparse.Namespace, *, cache_factory=None) -> int:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
 
     if getattr(args, "kv", "none") != "none":
-        from lowrank_jax.kv import generate_text_with_kv, kv_cache_factory
+        from lowrank_jax.commands._common import kv_factory_from_args
+        from lowrank_jax.kv import generate_text_with_kv
 
         if args.temperature > 0:
             raise ValueError(f"--kv {args.kv} generates greedily; drop --temperature.")
-        factory = kv_cache_factory(args.kv, args.kv_ratio, args.kv_group, args.kv_sink)
+        factory = kv_factory_from_args(args, model)
         print(generate_text_with_kv(model, tokenizer, prompt, factory,
                                     max_new_tokens=args.max_new_tokens))
         print(f"[{factory.describe()}]", file=sys.stderr)

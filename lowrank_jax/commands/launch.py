@@ -32,6 +32,9 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
+    import pkgutil
+
+    from lowrank_jax import commands
     from lowrank_jax.train.multihost import launch
 
     rest = list(args.rest)
@@ -42,6 +45,11 @@ def run(args) -> int:
                          "--processes 2 -- pretrain --mesh data=2,fsdp=4.")
     if rest[0] == "launch":
         raise ValueError("launch: the command to run cannot be launch itself.")
+    names = sorted(m.name for m in pkgutil.iter_modules(commands.__path__)
+                   if not m.name.startswith("_") and m.name != "launch")
+    if rest[0] not in names:
+        raise ValueError(f"launch: {rest[0]!r} is not a lowrank-jax command; put one of "
+                         f"{', '.join(names)} after --.")
     status, why = launch([sys.executable, "-m", "lowrank_jax.cli", *rest],
                          processes=args.processes, devices_per_process=args.devices_per_process,
                          stop_timeout=args.stop_timeout)

@@ -37,7 +37,8 @@ def register(subparsers) -> None:
 def run(args) -> int:
     import numpy as np
 
-    from lowrank_jax.io.outputs import atomic_write_text, prepare_output
+    from lowrank_jax.io.adapters import read_adapter
+    from lowrank_jax.io.outputs import atomic_write_text, prepare_output, staged_folder
     from lowrank_jax.io.peft import import_peft
     from lowrank_jax.io.validate import check_text_file
     from lowrank_jax.models import english_eval_text, perplexity
@@ -51,6 +52,7 @@ def run(args) -> int:
                                 "folder (adapter_config.json + adapter_model.safetensors).")
     prepare_output(args.out, command="merge", overwrite=args.overwrite,
                    reads={"--model": args.model, "--adapter": args.adapter, "--data": args.data})
+    read_adapter(args.adapter, who=f"--adapter {args.adapter}")  # before any model loads
     model, tokenizer = load_model(args.model)
     if args.quantize:
         quantize_base(model, args.quantize)
@@ -72,7 +74,8 @@ def run(args) -> int:
         model, lambda m: perplexity(m, ids, window=window, progress=False).perplexity,
         target=args.to)
     model_dir = os.path.join(args.out, "model")
-    save_model(merged, model_dir, tokenizer=tokenizer)  # fp: HF folder; quantized: its folder
+    with staged_folder(model_dir) as tmp:  # all or nothing (a full disk leaves no half model)
+        save_model(merged, tmp, tokenizer=tokenizer)  # fp: HF folder; quantized: its folder
     report["saved"] = model_dir
     atomic_write_text(os.path.join(args.out, "report.json"), json.dumps(report, indent=2))
     print(f"merge --to {args.to}: perplexity {report['ppl_adapter']:.3f} (adapter on its base) "

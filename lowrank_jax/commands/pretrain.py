@@ -44,16 +44,14 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    import signal
-
+    from lowrank_jax.io import signals
     from lowrank_jax.train import multihost, sharding
     from lowrank_jax.train.config import MeshConfig, load_config
     from lowrank_jax.train.loop import train
 
-    def _interrupt(signum, frame):  # SIGTERM (a scheduler, a closed session) → checkpoint, exit
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, _interrupt)
+    # SIGTERM (a scheduler, a closed session): stop at the next step boundary with a checkpoint
+    # and summary.json, exit 143; a second SIGTERM interrupts at once (exit 130)
+    signals.install()
     multihost.install_interrupt_watchdog(args.interrupt_timeout)
     sharding.maybe_initialize_distributed()
     data_flags = [f"data.{key}={value}" for key, value in (

@@ -105,7 +105,10 @@ def run(args: argparse.Namespace) -> int:
     report = quantize_model(model, calib, method=args.method, bits=args.bits,
                             group_size=args.group_size, zero_point=args.zero_point, cfg=cfg,
                             layers=layers, progress=True)
-    save_model(model, args.out, tokenizer=tokenizer, report=report)
+    from lowrank_jax.io.outputs import staged_folder
+
+    with staged_folder(args.out) as tmp:  # all or nothing (a full disk leaves no half model)
+        save_model(model, tmp, tokenizer=tokenizer, report=report)
     summary = {k: report[k] for k in ("method", "bits", "bits_per_weight", "seconds")}
     summary["seconds_per_block"] = report["seconds"] / max(len(report["layers"]), 1)
     weights = os.path.join(args.out, "model.safetensors")

@@ -29,7 +29,9 @@ def register(subparsers) -> None:
     p.add_argument("--out", required=True, help="output .npy of selected row/chunk indices")
     p.add_argument("--losses", default=None, help="[n] .npy of per-row losses (optional)")
     p.add_argument("--method", default="lowrank", choices=("lowrank", "kmeans", "uniform"))
-    p.add_argument("--rank", type=positive_int, default=32, help="subspace rank k")
+    p.add_argument("--rank", type=positive_int, default=None,
+                   help="subspace rank k, below the embedding dimension d (default 32, or "
+                        "d - 1 for smaller embeddings)")
     p.add_argument("--angular", action="store_true", help="normalise rows (angular residuals)")
     p.add_argument("--chunk-rows", type=positive_int, default=65536,
                    help="rows per streamed block")
@@ -69,6 +71,28 @@ def _check_finite(array, flag: str, path: str, block: int = 65536) -> None:
             row = start + int(np.argwhere(~np.isfinite(part))[0][0])
             raise ValueError(f"{flag} {path}: row {row} holds NaN or inf values; remove or "
                              "fix those rows.")
+
+
+def _rank(args, A) -> int:
+    """``--rank``, checked against the embeddings ``A [n, d]``: a rank of ``min(n, d)`` or
+    more leaves no residual (every row lies in the subspace), so the sampling has nothing to
+    measure; unset, it is 32 capped at ``min(n, d) - 1``."""
+    default = 32
+    if getattr(A, "ndim", 0) != 2 or args.method == "uniform":
+        return default if args.rank is None else args.rank
+    limit = min(int(A.shape[0]), int(A.shape[1])) - 1
+    source = f"--embeddings {args.embeddings}" if args.embeddings else f"--text {args.text}"
+    if limit < 1:
+        raise ValueError(f"{source}: {A.shape[0]} rows of dimension {A.shape[1]} leave no room "
+                         "for a subspace fit; give more rows and dimensions, or --method "
+                         "uniform.")
+    if args.rank is None:
+        return min(default, limit)
+    if args.rank > limit:
+        raise ValueError(f"--rank {args.rank} must be below min(rows, dimension) = "
+                         f"{limit + 1} of {source} (at that rank every row lies in the "
+                         f"subspace and the residuals are 0); pass --rank {limit} or less.")
+    return args.rank
 
 
 def _weights_path(out: str) -> str:
@@ -117,14 +141,15 @@ def run(args: argparse.Namespace) -> int:
         chunk_rows = args.chunk_rows if A.shape[0] > args.chunk_rows else None
         if chunk_rows is None:
             A = np.asarray(A, np.float32)
+    rank = _rank(args, A)
     coreset = select_subset(jax.random.key(args.seed), A, args.budget, losses=losses,
-                            method=args.method, rank=args.rank, angular=args.angular,
+                            method=args.method, rank=rank, angular=args.angular,
                             chunk_rows=chunk_rows)
     idx, weights = compact(coreset.idx, coreset.weights)
     np.save(args.out, idx)
     weights_path = _weights_path(args.out)
     np.save(weights_path, weights.astype(np.float32))
     print(f"selected {len(idx)} distinct of {A.shape[0]} rows ({args.budget} draws, "
-          f"method={args.method}, rank={args.rank}, lipschitz={float(coreset.lipschitz):.4g}, "
+          f"method={args.method}, rank={rank}, lipschitz={float(coreset.lipschitz):.4g}, "
           f"queried {len(coreset.rep_idx)} representatives) -> {args.out}, {weights_path}")
     return 0

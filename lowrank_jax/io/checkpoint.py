@@ -158,7 +158,8 @@ def save_checkpoint(manager, state, cfg=None, data_iterator=None) -> None:
     manager made with ``data_iterator=True``) is saved in the same step.
 
     A Ctrl-C / SIGTERM arriving during the save waits until the step is complete on disk,
-    then raises ``KeyboardInterrupt``.
+    then goes to its handler (Ctrl-C: ``KeyboardInterrupt``; the SIGTERM handler of
+    :mod:`lowrank_jax.io.signals`: a stop at the next step boundary).
 
     Raises:
         OSError: the disk is full or the folder is not writable; the message names the step
@@ -186,8 +187,11 @@ def save_checkpoint(manager, state, cfg=None, data_iterator=None) -> None:
         except Exception as error:  # orbax/tensorstore wrap OS errors
             quiet.record(f"saving step {int(state.step)} failed: {error!r}")
             raise _save_error(error, manager, state.step) from error
-    if pending:
-        raise KeyboardInterrupt
+    for signum in pending:  # now to the handlers the caller installed (SIGTERM: a request)
+        handler = signal.getsignal(signum)
+        if not callable(handler):
+            raise KeyboardInterrupt
+        handler(signum, None)
 
 
 def _save_error(error: Exception, manager, step: int) -> OSError:

@@ -36,11 +36,15 @@ import pathlib
 import shutil
 import tempfile
 
+from lowrank_jax.io import lock as run_lock
+
 MARKER = ".lowrank-jax.json"
+_BOOKKEEPING = (MARKER, run_lock.LOCK_NAME)  # our files in an output folder, not its content
+_CREATED: list[pathlib.Path] = []  # folders prepare_output made in this process
 
 
 def _listing(folder: pathlib.Path, limit: int = 4) -> str:
-    names = sorted(p.name for p in folder.iterdir() if p.name != MARKER)
+    names = sorted(p.name for p in folder.iterdir() if p.name not in _BOOKKEEPING)
     shown = ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")
     return shown
 
@@ -142,7 +146,8 @@ def check_writable(path: str | os.PathLike, argument: str) -> pathlib.Path:
 
 def prepare_output(path: str | os.PathLike, *, command: str, argument: str = "--out",
                    overwrite: bool = False, resume: bool = False,
-                   owned_names: tuple[str, ...] = (), reads: dict | None = None) -> pathlib.Path:
+                   owned_names: tuple[str, ...] = (), reads: dict | None = None,
+                   lock: bool = False, log=None) -> pathlib.Path:
     """Check and claim the output folder ``path`` before any work starts.
 
     Args:
@@ -158,13 +163,20 @@ def prepare_output(path: str | os.PathLike, *, command: str, argument: str = "--
             checkpoints of a previous run, which would otherwise be resumed).
         reads: ``{argument: path}`` of what the command reads; ``path`` may not be, contain or
             lie inside the output (see :func:`check_not_input`).
+        lock: take the folder's run lock (:mod:`lowrank_jax.io.lock`) before anything in it
+            is removed: a folder in use by another live process is refused, even with
+            ``overwrite``; a stale lock is taken over (``log`` gets a note). Release it with
+            :func:`lowrank_jax.io.lock.release`.
+        log: where the note of a taken-over lock goes (default: nowhere).
 
     Returns:
-        The folder, created, with its marker.
+        The folder, created, with its marker. A folder this call created that still holds
+        nothing but the marker when the command fails is removed by :func:`discard_unused`.
 
     Raises:
         ValueError: the folder is not writable, not empty and not ours, holds another run, is
-            a folder of another command (even with ``overwrite``), or is one of ``reads``.
+            a folder of another command (even with ``overwrite``), is one of ``reads``, or
+            (``lock``) is in use by another process.
     """
     check_not_input(path, reads or {}, argument=argument)
     target = check_writable(path, argument)
@@ -173,9 +185,31 @@ def prepare_output(path: str | os.PathLike, *, command: str, argument: str = "--
         raise ValueError(
             f"{argument} {path}: the folder holds a {kind} run; choose another folder for "
             f"{command} (a folder's kind never changes, not even with --overwrite).")
-    if target.is_dir() and any(p.name != MARKER for p in target.iterdir()):
+    if not target.exists():
+        _CREATED.append(_resolved(target))
+    if lock:
+        target.mkdir(parents=True, exist_ok=True)
+        note = run_lock.acquire(target, argument=argument)
+        if note and log is not None:
+            log(note)
+    try:
+        _claim(target, path, command=command, argument=argument, overwrite=overwrite,
+               resume=resume, owned_names=owned_names)
+    except BaseException:
+        if lock:
+            run_lock.release(target)
+        discard_unused()
+        raise
+    return target
+
+
+def _claim(target: pathlib.Path, path, *, command, argument, overwrite, resume, owned_names):
+    """The content checks of :func:`prepare_output` (the lock, if any, is held)."""
+    if target.is_dir() and any(p.name not in _BOOKKEEPING for p in target.iterdir()):
         owner = _owner(target)
         contents = _listing(target)
+        steps = target / "checkpoints"
+        has_steps = steps.is_dir() and any(p.name.isdigit() for p in steps.iterdir())
         if overwrite:
             for name in owned_names:
                 victim = target / name
@@ -183,11 +217,16 @@ def prepare_output(path: str | os.PathLike, *, command: str, argument: str = "--
                     shutil.rmtree(victim)
                 elif victim.exists() or victim.is_symlink():
                     victim.unlink()
-        elif owner is None and not (resume and (target / "checkpoints").is_dir()):
+        elif owner is None and not (resume and steps.is_dir()):
             raise ValueError(
                 f"{argument} {path}: the folder is not empty ({contents}) and was not created "
                 f"by lowrank-jax; choose an empty or new folder, or pass --overwrite to "
                 "write into it anyway.")
+        elif not resume and command == "pretrain" and not has_steps:
+            raise ValueError(
+                f"{argument} {path}: the folder holds a pretrain run that stopped before its "
+                f"first checkpoint ({contents}), so there is nothing to resume; pass "
+                "--overwrite to start it again, or choose another folder.")
         elif not resume:
             hint = "pass --resume to continue it, " if command == "pretrain" else ""
             raise ValueError(
@@ -196,7 +235,38 @@ def prepare_output(path: str | os.PathLike, *, command: str, argument: str = "--
     target.mkdir(parents=True, exist_ok=True)
     if _owner(target) is None or overwrite:
         atomic_write_text(target / MARKER, json.dumps({"command": command}) + "\n")
-    return target
+
+
+def discard_unused() -> list[pathlib.Path]:
+    """Remove the folders :func:`prepare_output` created in this process that still hold
+    nothing but the marker (a command that failed after claiming its output, e.g. on a bad
+    argument, leaves no empty output folder behind). Returns the removed folders.
+
+    Example::
+
+        >>> import tempfile
+        >>> out = prepare_output(os.path.join(tempfile.mkdtemp(), "new"), command="analyze")
+        >>> discard_unused() == [out.resolve()], out.exists()
+        (True, False)
+    """
+    removed = []
+    while _CREATED:
+        folder = _CREATED.pop()
+        with contextlib.suppress(OSError):
+            if folder.is_dir() and all(p.name in _BOOKKEEPING for p in folder.iterdir()):
+                owner = run_lock.holder(folder)
+                if owner is not None and owner.get("pid") != os.getpid():
+                    continue  # another process took it meanwhile
+                run_lock.release(folder)
+                shutil.rmtree(folder)
+                removed.append(folder)
+    return removed
+
+
+def forget_created() -> None:
+    """Keep the folders made so far (the command succeeded): :func:`discard_unused` will not
+    remove them."""
+    _CREATED.clear()
 
 
 def inside(folder: str | os.PathLike, name: str, *, argument: str = "name") -> pathlib.Path:
@@ -275,5 +345,44 @@ def describe_os_error(error: OSError) -> str:
     return f"{where}{error.strerror.lower()}; {fix}."
 
 
+# how libraries that do not raise OSError (safetensors' Rust IoError, TensorStore) spell one
+_OS_ERROR_TEXTS = (
+    ("no space left on device", errno.ENOSPC), ("storagefull", errno.ENOSPC),
+    ("os error 28", errno.ENOSPC), ("disk quota exceeded", errno.EDQUOT),
+    ("input/output error", errno.EIO), ("os error 5)", errno.EIO),
+    ("read-only file system", errno.EROFS), ("permission denied", errno.EACCES),
+)
+
+
+def os_error_of(error: BaseException) -> OSError | None:
+    """The I/O fault behind ``error``, as an ``OSError``: ``error`` itself, an ``OSError`` in
+    its ``__cause__`` / ``__context__`` chain, or a library error whose text names one (a full
+    disk reported by safetensors as ``SafetensorError: ... No space left on device``);
+    ``None`` when it is not an I/O fault.
+
+    Example::
+
+        >>> os_error_of(RuntimeError("IoError(Os { code: 28, kind: StorageFull })")).errno == 28
+        True
+        >>> os_error_of(RuntimeError("a bug")) is None
+        True
+    """
+    seen = set()
+    current = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno is not None:
+            return current
+        text = str(current).lower()
+        for needle, code in _OS_ERROR_TEXTS:
+            if needle in text:
+                where = getattr(current, "filename", None)
+                return OSError(code, os.strerror(code), where) if where else \
+                    OSError(code, os.strerror(code))
+        current = current.__cause__ or current.__context__
+    return None
+
+
 __all__ = ["MARKER", "atomic_write_text", "check_not_input", "check_writable",
-           "describe_os_error", "inside", "prepare_output", "staged_folder"]
+           "describe_os_error", "discard_unused", "forget_created", "inside", "os_error_of",
+           "prepare_output", "staged_folder"]

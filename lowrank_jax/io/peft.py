@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from lowrank_jax.io.adapters import pattern_value, read_adapter, read_adapter_config
 from lowrank_jax.io.outputs import staged_folder
 from lowrank_jax.io.peft_layout import export_modules, import_modules, model_slots
 from lowrank_jax.io.peft_names import (
@@ -232,62 +233,8 @@ def export_peft(
         with open(os.path.join(tmp, CONFIG_NAME), "w") as f:
             json.dump(config, f, indent=2, sort_keys=True)
         save_file(tensors, os.path.join(tmp, WEIGHTS_NAME), metadata={"format": "pt"})
+        read_adapter(tmp, who="export_peft")  # what every reader checks, before any rename
     return config
-
-
-def read_adapter_config(path: str | os.PathLike) -> dict:
-    """A PEFT ``adapter_config.json`` as a dict, checked: valid JSON holding an object, ``r`` a
-    positive integer and ``lora_alpha`` a positive number (and so every value of
-    ``rank_pattern`` / ``alpha_pattern``); a ``ValueError`` names the file and the key."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (ValueError, UnicodeDecodeError) as error:
-        raise ValueError(f"import_peft: {path} is not valid JSON ({error}); export the "
-                         "adapter again or fix the file.") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"import_peft: {path} must hold a JSON object, got "
-                         f"{type(config).__name__}.")
-
-    def check(key, value, positive_int=False):
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        ok = ok and math.isfinite(value) and value > 0
-        if positive_int:
-            ok = ok and float(value).is_integer()
-        if not ok:
-            kind = "a positive integer" if positive_int else "a positive number"
-            raise ValueError(f"import_peft: {path}: {key}={value!r} must be {kind}.")
-
-    if "r" in config:
-        check("r", config["r"], positive_int=True)
-    if "lora_alpha" in config:
-        check("lora_alpha", config["lora_alpha"])
-    for pattern, is_int in (("rank_pattern", True), ("alpha_pattern", False)):
-        values = config.get(pattern) or {}
-        if not isinstance(values, dict):
-            raise ValueError(f"import_peft: {path}: {pattern} must be an object "
-                             "{module: value}.")
-        for name, value in values.items():
-            check(f"{pattern}[{name!r}]", value, positive_int=is_int)
-    return config
-
-
-def pattern_value(name: str, pattern: Mapping[str, Any], default):
-    """The value a PEFT ``rank_pattern`` / ``alpha_pattern`` gives module ``name``, else
-    ``default``: the first key that matches the end of the dotted name as a regular expression
-    (PEFT's rule: ``"q_proj"`` matches ``"model.layers.0.self_attn.q_proj"``).
-
-    Example::
-
-        >>> pattern_value("model.layers.0.self_attn.q_proj", {"q_proj": 16}, 8)
-        16
-        >>> pattern_value("model.layers.0.mlp.up_proj", {"q_proj": 16}, 8)
-        8
-    """
-    for key, value in pattern.items():
-        if re.match(rf"(.*\.)?({key})$", name):
-            return value
-    return default
 
 
 def import_peft(model: nnx.Module, folder: str | os.PathLike, *,
@@ -329,37 +276,8 @@ def import_peft(model: nnx.Module, folder: str | os.PathLike, *,
         >>> import_peft(Llama(cfg, rngs=nnx.Rngs(0)), folder)
         ['layers/0/self_attn/v_proj']
     """
-    from safetensors.numpy import load_file
-
     name_map = _default_map(model, name_map)
-    config_path = os.path.join(folder, CONFIG_NAME)
-    weights_path = os.path.join(folder, WEIGHTS_NAME)
-    for p in (config_path, weights_path):
-        if not os.path.exists(p):
-            raise FileNotFoundError(f"import_peft: {p} not found; a PEFT adapter folder holds "
-                                    f"{CONFIG_NAME} and {WEIGHTS_NAME}.")
-    config = read_adapter_config(config_path)
-    if config.get("peft_type", "LORA") != "LORA":
-        raise ValueError(f"import_peft: peft_type={config.get('peft_type')!r}; only 'LORA' "
-                         "adapters can be imported.")
-    if config.get("use_dora"):
-        raise ValueError("import_peft: use_dora=true adapters are not supported (LoRA only).")
-    try:
-        tensors = load_file(weights_path)
-    except Exception as error:  # noqa: BLE001 - safetensors raises its own error types
-        raise ValueError(f"import_peft: {weights_path} is not a readable safetensors file "
-                         f"({str(error).splitlines()[0]}); export the adapter again.") from None
-    for key, value in tensors.items():
-        if not np.all(np.isfinite(np.asarray(value, np.float32))):
-            raise ValueError(f"import_peft: {weights_path} tensor {key!r} holds NaN or inf "
-                             "values; the adapter is broken (retrain it with a lower lr).")
-    modules: dict[str, dict[str, np.ndarray]] = {}
-    for key, value in tensors.items():
-        match = re.fullmatch(r"base_model\.model\.(.+)\.(lora_A|lora_B)(?:\.default)?\.weight", key)
-        if match is None:
-            raise ValueError(f"import_peft: unexpected tensor {key!r}; expected "
-                             "'base_model.model.<module>.lora_A.weight' / '.lora_B.weight'.")
-        modules.setdefault(match.group(1), {})[match.group(2)] = value
+    config, modules = read_adapter(folder, who="import_peft")  # the one adapter check
     for hf_name, pair in modules.items():
         if set(pair) != {"lora_A", "lora_B"}:
             raise ValueError(f"import_peft: module {hf_name!r} lacks lora_A or lora_B.")

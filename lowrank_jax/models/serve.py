@@ -39,42 +39,20 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 def read_peft_adapter(folder: str | os.PathLike) -> dict[str, tuple[np.ndarray, np.ndarray, float]]:
     """``{our module path: (A [in, r], B [r, out], scale)}`` from a PEFT LoRA folder.
 
-    Honours ``rank_pattern`` / ``alpha_pattern`` and ``use_rslora``; the errors are those of
-    :func:`lowrank_jax.io.peft.import_peft` (missing files, DoRA, unexpected tensors).
+    Honours ``rank_pattern`` / ``alpha_pattern`` and ``use_rslora``; the folder is checked by
+    :func:`lowrank_jax.io.adapters.read_adapter`, as every adapter reader does.
     """
-    import re
-
-    from safetensors.numpy import load_file
-
-    from lowrank_jax.io.peft import CONFIG_NAME, WEIGHTS_NAME, pattern_value, read_adapter_config
+    from lowrank_jax.io.adapters import pattern_value, read_adapter
     from lowrank_jax.io.peft import our_module_path
     from lowrank_jax.nn.lora import lora_scaling
 
-    config_path = os.path.join(folder, CONFIG_NAME)
-    weights_path = os.path.join(folder, WEIGHTS_NAME)
-    for p in (config_path, weights_path):
-        if not os.path.exists(p):
-            raise FileNotFoundError(f"--adapter {folder}: {p} not found; a PEFT adapter folder "
-                                    f"holds {CONFIG_NAME} and {WEIGHTS_NAME}.")
-    config = read_adapter_config(config_path)
-    if config.get("peft_type", "LORA") != "LORA" or config.get("use_dora"):
-        raise ValueError(f"--adapter {folder}: only plain LoRA adapters can be served "
-                         f"(peft_type={config.get('peft_type')!r}, "
-                         f"use_dora={config.get('use_dora')}).")
-    tensors = load_file(weights_path)
-    pairs: dict[str, dict[str, np.ndarray]] = {}
-    for key, value in tensors.items():
-        match = re.fullmatch(r"base_model\.model\.(.+)\.(lora_A|lora_B)(?:\.default)?\.weight", key)
-        if match is None:
-            raise ValueError(f"--adapter {folder}: unexpected tensor {key!r}; expected "
-                             "'base_model.model.<module>.lora_A.weight' / '.lora_B.weight'.")
-        pairs.setdefault(match.group(1), {})[match.group(2)] = np.asarray(value, np.float32)
+    config, stored = read_adapter(folder, who=f"--adapter {folder}")  # the one adapter check
+    pairs = {name: {k: np.asarray(v, np.float32) for k, v in pair.items()}
+             for name, pair in stored.items()}
     alpha_default = config.get("lora_alpha", 8)
     use_rslora = bool(config.get("use_rslora", False))
     out = {}
     for name, pair in sorted(pairs.items()):
-        if set(pair) != {"lora_A", "lora_B"}:
-            raise ValueError(f"--adapter {folder}: module {name!r} lacks lora_A or lora_B.")
         rank = int(pair["lora_A"].shape[0])
         alpha = float(pattern_value(name, config.get("alpha_pattern") or {}, alpha_default))
         out[our_module_path(name)] = (pair["lora_A"].T, pair["lora_B"].T,

@@ -29,6 +29,8 @@ from lowrank_jax.data import (
     train_val_split,
     unigram_entropy_bits,
 )
+from lowrank_jax.io import lock as run_lock
+from lowrank_jax.io import signals
 from lowrank_jax.io.outputs import atomic_write_text, prepare_output
 from lowrank_jax.models.llama import Llama, count_params
 from lowrank_jax.train import multihost
@@ -314,6 +316,20 @@ class TrainResult:
 RUN_FILES = ("checkpoints", "metrics.jsonl", "config.yaml", "summary.json", "loss.png")
 
 
+def _finished_summary(run_dir: pathlib.Path, step: int, steps: int) -> dict | None:
+    """The ``summary.json`` of a run that completed ``steps`` steps at ``step``, else None."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    keys = ("val_loss", "val_bits_per_byte", "unigram_entropy_bits_per_byte")
+    if (not isinstance(summary, dict) or summary.get("step") != step or step < steps
+            or "stopped" in summary or not all(k in summary for k in keys)):
+        return None
+    return summary
+
+
+@run_lock.releasing  # the run_dir's lock is held while train runs
 def train(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None,
           progress: bool = True, mesh=None, log=print, overwrite: bool = False) -> TrainResult:
     """Pretrain ``cfg.model`` on the embedded corpus, or on ``cfg.data.path`` through grain
@@ -349,12 +365,16 @@ def train(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None
     checkpoints = run_dir / "checkpoints"
     has_steps = checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())
     if resume and not has_steps:
+        started = run_dir.is_dir() and (run_dir / "config.yaml").is_file()
         raise FileNotFoundError(
-            f"--resume: no checkpoint in {checkpoints}; run without --resume first."
-        )
-    multihost.on_main_process(
+            f"--resume: no checkpoint in {checkpoints}; " + (
+                "the run stopped before its first checkpoint, so start it again: drop "
+                "--resume and pass --overwrite." if started else
+                "run without --resume first."))
+    multihost.on_main_process(  # one lock per run, held by process 0 (it writes the files)
         lambda: prepare_output(run_dir, command="pretrain", argument="run_dir",
-                               overwrite=overwrite, resume=resume, owned_names=RUN_FILES),
+                               overwrite=overwrite, resume=resume, owned_names=RUN_FILES,
+                               lock=True, log=log),
         what="checking run_dir")
     data = None  # the user's corpus (checked here, before anything is compiled)
     if cfg.data.path is None:
@@ -375,6 +395,12 @@ def train(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None
     if resume:
         state, manager = restore_checkpoint(manager, state, cfg, log=log,
                                             data_iterator=None if data is None else data.rows)
+        finished = _finished_summary(run_dir, state.step, cfg.train.steps)
+        if finished is not None:  # nothing to do: no second eval row, no new files
+            log(f"the run already finished at step {state.step} ({run_dir / 'summary.json'}); "
+                "nothing to do (raise train.steps to train further)")
+            return TrainResult(state, finished["val_loss"], finished["val_bits_per_byte"],
+                               finished["unigram_entropy_bits_per_byte"], run_dir, [])
         dropped = truncate_metrics(metrics_path, state.step) if main else 0
         log(f"resumed from step {state.step}"
             + (f" ({dropped} metrics rows after it dropped)" if dropped else ""))
@@ -397,6 +423,8 @@ def train(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None
     try:
         with open(metrics_path if main else os.devnull, "a") as metrics_file:
             while state.step < last:
+                if signals.stop_agreed():  # SIGTERM: stop at this step boundary
+                    raise signals.Stopped(state.step)
                 if data is not None:  # this process's packed rows, as global arrays
                     batch = data.next_batch()
                 elif batch_spec is None:
@@ -438,6 +466,16 @@ def train(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None
             val_loss = _held_out_loss(data, eval_fn, state.params, val_tokens, cfg)
             metrics_file.write(json.dumps({"kind": "eval", "step": state.step,
                                            "val_loss": val_loss}) + "\n")
+    except signals.Stopped:
+        save_checkpoint(manager, state, cfg, position())
+        bar.close()
+        if main:
+            atomic_write_text(run_dir / "summary.json", json.dumps(
+                {"step": state.step, "stopped": "SIGTERM", "steps": cfg.train.steps},
+                indent=2))
+        raise signals.Stopped(
+            f"stopped by SIGTERM at step {state.step} of {cfg.train.steps}; checkpoint and "
+            f"summary.json saved in {run_dir} — continue with --resume") from None
     except KeyboardInterrupt:
         try:
             save_checkpoint(manager, state, cfg, position())

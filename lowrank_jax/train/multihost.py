@@ -145,10 +145,11 @@ def launch(command: Sequence[str], *, processes: int, devices_per_process: int,
             if failed:
                 first, code = failed[0]
                 status = code if code > 0 else 128 - code
+                then = ("fix what they name and run again" if code == 2  # a usage error
+                        else "rerun with --resume to continue from the last complete checkpoint")
                 why = (f"process {first} of {processes} {_describe_status(code)}; the other "
                        "processes were stopped. Its last lines above (prefix "
-                       f"[p{first}]) say why; rerun with --resume to continue from the last "
-                       "complete checkpoint.")
+                       f"[p{first}]) say why; {then}.")
                 break
             if all(c == 0 for c in codes):
                 break

@@ -93,7 +93,7 @@ def export_salaad(run_dir, budget: float, out, *, gamma: float = 0.5, overwrite:
     """
     from flax import nnx
 
-    from lowrank_jax.io.outputs import atomic_write_text, prepare_output
+    from lowrank_jax.io.outputs import atomic_write_text, prepare_output, staged_folder
     from lowrank_jax.hub import save_model
     from lowrank_jax.optim.salaad_deploy import apply_surrogate, hpa_allocate, hpa_materialize
 
@@ -120,7 +120,6 @@ def export_salaad(run_dir, budget: float, out, *, gamma: float = 0.5, overwrite:
             "--budget.")
     folder = prepare_output(out, command="export", overwrite=overwrite, owned_names=EXPORT_FILES)
     surrogate = apply_surrogate(state.params, sstate, allocation)
-    save_model(nnx.merge(state.graphdef, surrogate), folder)
     tensors = {}
     for path, (left, right, (rows, cols, values)) in hpa_materialize(sstate,
                                                                       allocation).items():
@@ -130,8 +129,6 @@ def export_salaad(run_dir, budget: float, out, *, gamma: float = 0.5, overwrite:
                         f"{name}.rows": np.asarray(rows, np.int32),
                         f"{name}.cols": np.asarray(cols, np.int32),
                         f"{name}.values": np.asarray(values, np.float32)})
-    with open(folder / FACTORS_FILE, "wb") as f:
-        np.savez(f, **tensors)
     stats = salaad_stats(state.params, sstate)
     weights = _param_tree(state.params)
     report = {
@@ -143,10 +140,14 @@ def export_salaad(run_dir, budget: float, out, *, gamma: float = 0.5, overwrite:
                                            **stats.get("/".join(map(str, p)), {})}
                    for p in allocation.ranks},
     }
-    atomic_write_text(folder / REPORT_FILE, json.dumps(report, indent=1))
-    if cfg.model.vocab_size == 256:
-        atomic_write_text(folder / BYTE_TOKENIZER_FILE,
-                          json.dumps({"tokenizer": "bytes", "vocab_size": 256}))
+    with staged_folder(folder) as stage:  # all or nothing: a failure leaves no half model
+        save_model(nnx.merge(state.graphdef, surrogate), stage)
+        with open(stage / FACTORS_FILE, "wb") as f:
+            np.savez(f, **tensors)
+        atomic_write_text(stage / REPORT_FILE, json.dumps(report, indent=1))
+        if cfg.model.vocab_size == 256:
+            atomic_write_text(stage / BYTE_TOKENIZER_FILE,
+                              json.dumps({"tokenizer": "bytes", "vocab_size": 256}))
     log(f"SALAAD model at {budget:.0%} of {n_total:,} parameters: {allocation.n_params:,} "
         f"(target {target:,}) in {folder}")
     return report

@@ -31,7 +31,8 @@ TINY = [
     "optimizer.learning_rate=0.01",
 ]
 
-_RESULTS: list[tuple[str, str]] = []
+_RESULTS: list[tuple[str, str, str]] = []  # (test, outcome, the command it tried)
+API = "(library calls)"  # a case that calls the library, not a command
 STDERR_BUDGET = 5  # lines a user sees after a fault (issue 40: recoveries printed thousands)
 _STDERR_LINES: dict[str, int] = {}
 
@@ -56,11 +57,14 @@ class Faults:
         self.name, self.capsys, self.tmp_path = name, capfd, tmp_path
         self.outcome = None
         self.stderr_lines = 0
+        self.command = None  # the first command the case runs: the one it tries
 
     def cli(self, argv, *, out=None):
         """Run ``lowrank-jax argv``; return ``(code, stdout, stderr)``. Files under
         ``tmp_path`` outside ``out`` must not change."""
         self.capsys.readouterr()
+        if self.command is None and argv:
+            self.command = str(argv[0])
         before = tree_digest(self.tmp_path, skip=(out,) if out else ())
         try:
             code = cli_main([str(a) for a in argv])
@@ -112,7 +116,8 @@ def faults(request, capfd, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # a stray relative write would land here and be noticed
     recorder = Faults(request.node.name, capfd, tmp_path)
     yield recorder
-    _RESULTS.append((request.node.nodeid, recorder.outcome or "unclassified"))
+    _RESULTS.append((request.node.nodeid, recorder.outcome or "unclassified",
+                     recorder.command or API))
     _STDERR_LINES[request.node.nodeid] = recorder.stderr_lines
 
 
@@ -160,7 +165,7 @@ def salaad_run(tmp_path_factory):
 def pytest_terminal_summary(terminalreporter):
     if not _RESULTS:
         return
-    counts = collections.Counter(outcome for _, outcome in _RESULTS)
+    counts = collections.Counter(outcome for _, outcome, _ in _RESULTS)
     stats = terminalreporter.stats
     failed = {r.nodeid for r in stats.get("failed", []) + stats.get("error", [])}
     table = {
@@ -171,16 +176,29 @@ def pytest_terminal_summary(terminalreporter):
         "unclear errors": counts["unclear error"],
         "silent results": counts["silent result"],
         "data lost": counts["data lost"],
-        "other failures": sum(1 for node, _ in _RESULTS if node in failed)
+        "other failures": sum(1 for node, _, _ in _RESULTS if node in failed)
         - counts["traceback"] - counts["unclear error"] - counts["silent result"]
         - counts["data lost"],
     }
     table[f"most stderr lines of a case (budget {STDERR_BUDGET})"] = max(
         _STDERR_LINES.values(), default=0)
+    per_command: dict[str, collections.Counter] = {}
+    for node, outcome, command in _RESULTS:
+        per_command.setdefault(command, collections.Counter())[outcome] += 1
+        if node in failed and outcome in ("clear error", "recovered"):
+            per_command[command]["other failure"] += 1
     terminalreporter.write_sep("-", "reliability (tests/faults)")
     for key, value in table.items():
         terminalreporter.write_line(f"{key:<40}{value:>5}")
+    terminalreporter.write_line(f"{'command':<18}{'cases':>6}{'clear':>6}{'recov':>6}"
+                                f"{'unclr':>6}{'silent':>7}{'lost':>5}{'trace':>6}")
+    for command, c in sorted(per_command.items()):
+        terminalreporter.write_line(
+            f"{command:<18}{sum(c.values()) - c['other failure']:>6}{c['clear error']:>6}"
+            f"{c['recovered']:>6}{c['unclear error']:>6}{c['silent result']:>7}"
+            f"{c['data lost']:>5}{c['traceback']:>6}")
     if os.environ.get("LOWRANK_FAULTS_JSON"):
         pathlib.Path(os.environ["LOWRANK_FAULTS_JSON"]).write_text(
-            json.dumps({"table": table, "results": _RESULTS, "stderr_lines": _STDERR_LINES},
+            json.dumps({"table": table, "results": _RESULTS, "stderr_lines": _STDERR_LINES,
+                        "per_command": {k: dict(v) for k, v in per_command.items()}},
                        indent=1))

@@ -198,12 +198,13 @@ def test_sigterm_mid_run_saves_and_resumes(faults, tiny, tmp_path):
             "--set", f"run_dir={run}"]
     proc = _cli_process(SIGTERM_AT_STEP_3, argv)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode == 130, proc.stderr[-2000:]
-    assert lines == ["lowrank-jax pretrain: interrupted"], lines[:5]
-    assert "interrupted at step 3; checkpoint saved — continue with --resume" in proc.stdout
-    assert (run / "checkpoints" / "3" / "lowrank_jax_integrity.json").exists()
+    assert proc.returncode == 143, proc.stderr[-2000:]  # the step under way (4) completes
+    assert lines == [f"lowrank-jax pretrain: stopped by SIGTERM at step 4 of 6; checkpoint and "
+                     f"summary.json saved in {run} — continue with --resume"], lines[:5]
+    assert (run / "checkpoints" / "4" / "lowrank_jax_integrity.json").exists()
+    assert json.loads((run / "summary.json").read_text())["stopped"] == "SIGTERM"
     code, out, err = faults.cli([*argv, "--resume"], out=run)
-    assert code == 0 and "resumed from step 3" in out, err
+    assert code == 0 and "resumed from step 4" in out, err
     assert json.loads((run / "summary.json").read_text())["step"] == 6
     faults.recovered()
 
@@ -216,7 +217,7 @@ def test_sigterm_mid_run_then_resume_is_bit_identical(faults, tiny, tmp_path):
     sets = [a for s in tiny for a in ("--set", s)]
     run, ref = tmp_path / "run", tmp_path / "ref"
     assert _cli_process(SIGTERM_AT_STEP_3, ["pretrain", "--no-progress", *sets, "--set",
-                                            f"run_dir={run}"]).returncode == 130
+                                            f"run_dir={run}"]).returncode == 143
     resumed = _cli_process(None, ["pretrain", "--no-progress", "--resume", *sets, "--set",
                                   f"run_dir={run}"])
     assert resumed.returncode == 0 and resumed.stderr.strip() == "", resumed.stderr[-2000:]

@@ -22,7 +22,7 @@ def test_new_folder_is_created_with_its_owner(tmp_path):
 
 def test_our_run_is_refused_then_resumed_or_overwritten(tmp_path):
     out = prepare_output(tmp_path / "run", command="pretrain")
-    (out / "checkpoints").mkdir()
+    (out / "checkpoints" / "2").mkdir(parents=True)  # a run with a checkpoint (step 2)
     (out / "metrics.jsonl").write_text("{}\n")
     (out / "notes.txt").write_text("the user's notes")
     with pytest.raises(ValueError, match="already holds a pretrain run .*pass --resume"):
