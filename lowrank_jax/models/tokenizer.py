@@ -357,7 +357,6 @@ class ByteTokenizer:
         del skip_special_tokens
         return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
 
-
     def token_text(self, token_id: int) -> str:
         return bytes([int(token_id) % 256]).decode("latin-1")
 
