@@ -69,8 +69,8 @@ def _pairs():
 
 
 def test_every_command_of_the_cli_is_covered():
-    assert set(_subparsers()) - set(CALLS) == {"federate", "merge", "plan", "pretrain"}
-    # those four take a config file (its defaults are the config dataclasses') or none
+    assert set(_subparsers()) - set(CALLS) == {"compile", "federate", "merge", "plan", "pretrain"}
+    # those take a config file (its defaults are the config dataclasses') or none
 
 
 def test_the_renames_name_real_arguments_and_parameters():

@@ -155,16 +155,16 @@ def run(args) -> int:
     config = export_adapter(model, adapter_dir,  # a preset's name: --model ADAPTER loads it
                             base_model_name_or_path=base_name or args.model,
                             initial_adapters=result.initial_adapters or None)
-    main = multihost.is_main_process()
-    summary = {
-        "model": args.model, "method": args.method, "steps": args.steps, "lr": lr,
-        "rank": args.rank, "alpha": args.alpha, "targets": args.targets,
-        "first_loss": result.losses[0], "final_loss": float(np.mean(result.losses[-10:])),
-        "seconds": result.seconds, "adapted_modules": len(result.adapted),
-        "ranks": result.ranks, "probe_scores": scores, "peft_r": config["r"],
-        "quantize": getattr(args, "quantize", None), "memory_bytes": result.memory,
-    }
+    main = multihost.is_main_process()  # export_adapter returns the config on process 0 only
     if main:  # the trained work is on disk before any last step that may fail
+        summary = {
+            "model": args.model, "method": args.method, "steps": args.steps, "lr": lr,
+            "rank": args.rank, "alpha": args.alpha, "targets": args.targets,
+            "first_loss": result.losses[0], "final_loss": float(np.mean(result.losses[-10:])),
+            "seconds": result.seconds, "adapted_modules": len(result.adapted),
+            "ranks": result.ranks, "probe_scores": scores, "peft_r": config["r"],
+            "quantize": getattr(args, "quantize", None), "memory_bytes": result.memory,
+        }
         atomic_write_text(os.path.join(args.out, "summary.json"), json.dumps(summary, indent=2))
         atomic_write_text(os.path.join(args.out, "losses.json"), json.dumps(result.losses))
         print(f"{args.method}: loss {result.losses[0]:.4f} -> {summary['final_loss']:.4f} "

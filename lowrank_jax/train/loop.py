@@ -267,6 +267,10 @@ class Throughput:
         ['mfu', 'tokens_per_s', 'tokens_per_s_per_device']
     """
 
+    #: the keys of :meth:`step`'s rates: wall-clock measurements, which differ between two
+    #: runs that are otherwise bit-identical.
+    FIELDS = ("tokens_per_s", "tokens_per_s_per_device", "mfu")
+
     def __init__(self, cfg: RunConfig, devices: int):
         from lowrank_jax.models.flops import peak_flops, training_flops_per_token
 

@@ -272,7 +272,8 @@ def test_save_model_round_trips_and_finetune_runs(name, models, tmp_path):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_lora_and_qlora_on_every_family(name, models):
-    from lowrank_jax.nn import apply_lora, quantize_projections
+    from lowrank_jax.nn import apply_lora
+    from lowrank_jax.quant import quantize_projections
 
     model, ids = nnx.clone(models[name]), tokens()
     want = logits(model, ids)

@@ -165,8 +165,10 @@ def test_two_processes_match_one_and_checkpoints_move_between_them(tmp_path):
     watcher = threading.Thread(target=freeze_then_terminate, daemon=True)
     status, why = launch(command, processes=2, devices_per_process=4, stop_timeout=3.0, out=out,
                          on_start=lambda started: (procs.extend(started), watcher.start()))
-    stopped_after = time.monotonic() - timing["sigterm"]
     log = out.text()
+    assert "sigterm" in timing, f"the run ended (status {status}: {why}) before a checkpoint " \
+        f"after step 2 was written:\n{log}"
+    stopped_after = time.monotonic() - timing["sigterm"]
     assert status == 143, log
     assert "process 0 of 2 exited with status 143" in why
     assert "[p0] SIGTERM received 3 s ago" in log and "Giving up the interrupt checkpoint" in log

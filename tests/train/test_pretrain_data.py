@@ -36,7 +36,7 @@ def write_jsonl_folder(folder: pathlib.Path, files: int = 3, per_file: int = 40)
 
 
 def _rows(run_dir):
-    return [{k: v for k, v in json.loads(line).items() if k != "tokens_per_s"}
+    return [{k: v for k, v in json.loads(line).items() if k not in loop.Throughput.FIELDS}
             for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
