@@ -73,6 +73,7 @@ def test_randomized_phi_matches_exact_with_spectral_gap():
     np.testing.assert_allclose(float(rand.phi), float(exact.phi), rtol=0.01)
 
 
+@pytest.mark.slow
 def test_scaling_invariance():
     A, losses, _ = _instance()
     A = A[:500]
@@ -134,6 +135,7 @@ def test_power_lowrank_passes_uniform_fails_tight_bound():
     assert np.mean(np.asarray(un_err) > tight) > 0.5
 
 
+@pytest.mark.slow
 def test_budget_and_determinism():
     A, losses, _ = _instance()
     calls = []
@@ -152,6 +154,7 @@ def test_budget_and_determinism():
     assert len(np.unique(np.asarray(a.rep_idx))) == 32
 
 
+@pytest.mark.slow
 def test_jit_matches_eager():
     A, losses, _ = _instance()
     A = A[:300]

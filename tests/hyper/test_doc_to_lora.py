@@ -349,6 +349,7 @@ def test_answer_cross_entropy_term_is_the_nll_of_the_answer_tokens(base, trained
     np.testing.assert_allclose(float(kl2), float(kl), rtol=1e-6)  # the KL is reported alone
 
 
+@pytest.mark.slow
 def test_evaluations_are_logged_and_an_interrupted_run_restores(tmp_path, base, fresh, data):
     calls = []
 

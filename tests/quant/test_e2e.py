@@ -53,6 +53,7 @@ def test_e2e_lowers_the_calibration_kl_and_keeps_codes_and_reference(_quantized)
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_cached_teacher_logits_give_the_same_pass(_quantized):
     """``cache_teacher`` runs the FP model once instead of every step: the same losses."""
     fp, q, tokens = _quantized_pair(_quantized)

@@ -159,6 +159,7 @@ def test_3bit_model_folder_accounting_equals_stored_arrays(tmp_path):
     np.testing.assert_array_equal(back.layers[0].mlp.down_proj.codes[...], lin.codes[...])
 
 
+@pytest.mark.slow
 def test_quantize_command_writes_a_3bit_folder(tmp_path, capsys):
     from lowrank_jax.cli import main
 

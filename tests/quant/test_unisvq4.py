@@ -174,6 +174,7 @@ def test_folder_without_bits_metadata_still_loads_as_2bit(tmp_path):
     np.testing.assert_allclose(back(tokens)[0], model(tokens)[0], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_quantize_command_writes_a_4bit_folder(tmp_path, capsys):
     from lowrank_jax.cli import main
     from lowrank_jax.commands.quantize import METHOD_BITS as COMMAND_BITS
