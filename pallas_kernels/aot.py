@@ -86,10 +86,10 @@ def tpu_devices(name: str = "v5e:2x2") -> list:
             "compiling for TPU needs libtpu, the TPU compiler, which runs on a CPU host too: "
             'pip install -e ".[tpu]" (installs the libtpu that jax[tpu] pairs with your jax).')
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-    # libtpu takes a host-wide lockfile (libtpu_lockfile in the temp folder) meant for a real TPU; compile-only
-    # devices touch no chip, so two processes (pytest-xdist workers, a script next to the
-    # tests) may both compile: without this the second fails "Internal error when accessing
-    # libtpu multi-process lockfile".
+    # libtpu takes a host-wide lockfile (libtpu_lockfile in the temp folder) meant for a real
+    # TPU; compile-only devices touch no chip, so two processes (pytest-xdist workers, a script
+    # next to the tests) may both compile: without this the second fails "Internal error when
+    # accessing libtpu multi-process lockfile".
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from jax.experimental import topologies
 
