@@ -81,8 +81,9 @@ def test_resume_after_damage_continues_bit_identically(faults, tiny_runs, tiny, 
                                  f"run_dir={run}", *[a for s in tiny for a in ("--set", s)]],
                                 out=run)
     assert code == 0, err
-    assert "step 4 is corrupt (checksum mismatch in " in out
-    assert "; resuming from step 2" in out
+    # where the flipped bytes land decides the detector: the checksums (raw chunk bytes) or
+    # TensorStore itself (a compressed chunk or its index); either names step 4 and moves on
+    assert "step 4 is corrupt (" in out and "; resuming from step 2" in out
     full = tiny_runs["full_result"].state
     from lowrank_jax.io.checkpoint import checkpoint_manager, restore_checkpoint
 

@@ -87,7 +87,8 @@ def test_newest_checkpoint_corrupt_recovers_in_few_lines(faults, tiny_runs, tiny
     code, out, err = faults.cli(["pretrain", "--no-progress", "--resume",
                                  *_sets(tiny + [f"run_dir={run}"])], out=run)
     assert code == 0, err
-    assert "step 4 is corrupt (checksum mismatch in " in out and "resuming from step 2" in out
+    # the checksums or TensorStore catch the flipped bytes (it depends on where they land)
+    assert "step 4 is corrupt (" in out and "resuming from step 2" in out
     assert err.strip() == ""  # the noise: in the run's log, not on the terminal
     log = _log(run)
     assert "restore 4: TensorStore spec" in log and "params.39" in log
