@@ -27,6 +27,10 @@ from lowrank_jax.io.validate import (
 from lowrank_jax.train.finetune import FALLBACK_LR, METHODS, default_lr
 
 
+_PER_RUN = ("method", "quantize", "save_base", "data", "rank_plan", "rank", "alpha", "steps",
+            "lr", "batch_size", "seq_len", "targets", "lokra_lambda", "seed", "save_merged")
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "finetune", help="LoRA fine-tuning (lora|balora|pissa|olora|gap|lokra), PEFT export",
@@ -75,19 +79,27 @@ def register(subparsers) -> None:
     p.add_argument("--jobs", default=None, metavar="JOBS.yaml",
                    help="train several LoRA jobs at once on one base (PLoRA packing); see "
                         "lowrank_jax/train/jobs.py for the file format")
-    p.set_defaults(func=run)
+    # with --jobs every job's settings come from the file: these flags would be ignored
+    p.set_defaults(func=run, jobs_ignores={dest: p.get_default(dest) for dest in _PER_RUN})
 
 
 def run(args) -> int:
     from lowrank_jax.io.outputs import atomic_write_text, prepare_output, staged_folder
     from lowrank_jax.io.validate import check_jobs_file, check_regex, check_text_file
 
-    mesh = _mesh_of(args)
     if getattr(args, "jobs", None):
         from lowrank_jax.train.jobs import load_jobs, run_jobs
 
-        if mesh is not None:
+        if getattr(args, "mesh", None):
             raise ValueError("--jobs trains packed jobs on one device; drop --mesh (or --jobs).")
+        ignored = [f"--{dest.replace('_', '-')}" for dest, default in args.jobs_ignores.items()
+                   if getattr(args, dest) != default]
+        if ignored:
+            raise ValueError(
+                f"--jobs takes every job's settings from {args.jobs}; {', '.join(ignored)} would "
+                "be ignored. Put them in the file (per job: rank, alpha, lr, batch, data; for "
+                "all jobs: targets, seq_len, steps, seed), or drop --jobs (it has no --quantize, "
+                "--rank-plan or --save-merged).")
 
         jobs_out = check_jobs_file(args.jobs, args.out)[1]
         prepare_output(jobs_out, command="finetune", overwrite=args.overwrite,
@@ -96,6 +108,7 @@ def run(args) -> int:
         run_jobs(load_jobs(args.jobs), model=args.model, out=args.out,
                  progress=not args.no_progress, log=print)
         return 0
+    mesh = _mesh_of(args)
     from lowrank_jax.nn.rank_plan import plan_ranks
     from lowrank_jax.train import multihost
     from lowrank_jax.train.finetune import (

@@ -49,3 +49,17 @@ def test_bad_jobs_files_fail_with_one_line(tmp_path, capsys, body, message):
     assert cli_main(["finetune", "--jobs", str(spec), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--rank", "4"], "--rank"),
+    (["--method", "balora", "--lr", "1e-3", "--data", "x.txt"], "--method, --data, --lr"),
+    (["--quantize", "nf4"], "--quantize"),
+])
+def test_flags_that_jobs_would_ignore_are_refused_by_name(tmp_path, capsys, flags, named):
+    spec = tmp_path / "jobs.yaml"
+    spec.write_text(SPEC.format(out=tmp_path / "out"))
+    assert cli_main(["finetune", "--jobs", str(spec), "--no-progress", *flags]) == 2
+    err = capsys.readouterr().err
+    assert f"{named} would be ignored" in err and "jobs.yaml" in err, err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
