@@ -1,6 +1,9 @@
-"""Training: configs, the jitted loop, orbax checkpoints, sharding."""
+"""Training: configs, the jitted loop, LoRA fine-tuning (one job or packed jobs), orbax
+checkpoints, sharding."""
 
 from lowrank_jax.train.config import RunConfig, load_config
+from lowrank_jax.train.finetune import FinetuneResult, finetune
+from lowrank_jax.train.jobs import run_jobs
 from lowrank_jax.train.loop import (
     TrainResult,
     TrainState,
@@ -8,9 +11,11 @@ from lowrank_jax.train.loop import (
     make_eval_fn,
     make_train_step,
     train,
+    train_windows,
 )
 from lowrank_jax.train.losses import lm_loss
 from lowrank_jax.core.step import make_step
 
-__all__ = ["RunConfig", "TrainResult", "TrainState", "init_state", "lm_loss", "load_config",
-           "make_eval_fn", "make_step", "make_train_step", "train"]
+__all__ = ["FinetuneResult", "RunConfig", "TrainResult", "TrainState", "finetune", "init_state",
+           "lm_loss", "load_config", "make_eval_fn", "make_step", "make_train_step", "run_jobs",
+           "train", "train_windows"]
