@@ -87,10 +87,11 @@ def run(args) -> int:
     from lowrank_jax.io.outputs import atomic_write_text, prepare_output, staged_folder
     from lowrank_jax.io.validate import check_jobs_file, check_regex, check_text_file
 
+    mesh = _mesh_of(args)
     if getattr(args, "jobs", None):
         from lowrank_jax.train.jobs import load_jobs, run_jobs
 
-        if getattr(args, "mesh", None):
+        if mesh is not None:
             raise ValueError("--jobs trains packed jobs on one device; drop --mesh (or --jobs).")
         ignored = [f"--{dest.replace('_', '-')}" for dest, default in args.jobs_ignores.items()
                    if getattr(args, dest) != default]
@@ -108,7 +109,6 @@ def run(args) -> int:
         run_jobs(load_jobs(args.jobs), model=args.model, out=args.out,
                  progress=not args.no_progress, log=print)
         return 0
-    mesh = _mesh_of(args)
     from lowrank_jax.nn.rank_plan import plan_ranks
     from lowrank_jax.train import multihost
     from lowrank_jax.train.finetune import (

@@ -2,7 +2,7 @@
 checkpoints, sharding."""
 
 from lowrank_jax.train.config import RunConfig, load_config
-from lowrank_jax.train.finetune import FinetuneResult, finetune
+from lowrank_jax.train.finetune import FinetuneResult
 from lowrank_jax.train.jobs import run_jobs
 from lowrank_jax.train.loop import (
     TrainResult,
@@ -16,6 +16,8 @@ from lowrank_jax.train.loop import (
 from lowrank_jax.train.losses import lm_loss
 from lowrank_jax.core.step import make_step
 
-__all__ = ["FinetuneResult", "RunConfig", "TrainResult", "TrainState", "finetune", "init_state",
-           "lm_loss", "load_config", "make_eval_fn", "make_step", "make_train_step", "run_jobs",
-           "train", "train_windows"]
+# ``finetune`` (the function) stays in lowrank_jax.train.finetune: exported here it would hide
+# the module of the same name (``lowrank_jax.train.finetune.save_merged`` …)
+__all__ = ["FinetuneResult", "RunConfig", "TrainResult", "TrainState", "init_state", "lm_loss",
+           "load_config", "make_eval_fn", "make_step", "make_train_step", "run_jobs", "train",
+           "train_windows"]
