@@ -105,3 +105,19 @@ def test_generate_cli_uses_the_template(tmp_path, capsys, monkeypatch):
     assert main(["generate", "--model", str(tmp_path / "m"), "--prompt", "Hi",
                  "--max-new-tokens", "2"]) == 0
     assert seen[0] == "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("family", ["llama3", "gemma"])
+def test_chat_template_renders_as_transformers_renders_it(family, tmp_path):
+    """hf tier: transformers' ``apply_chat_template`` on the same folder gives the same text."""
+    try:
+        import transformers
+    except ImportError as err:
+        pytest.fail(f"the hf tier needs transformers: pip install transformers ({err})")
+    write_tokenizer(tmp_path, family)
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    for add in (True, False):
+        want = theirs.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=add)
+        assert folder_tokenizer(tmp_path).apply_chat_template(
+            CHAT, add_generation_prompt=add) == want

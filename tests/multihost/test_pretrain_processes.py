@@ -54,24 +54,6 @@ SETTINGS = [f"train.steps={STEPS}", "train.log_every=1", "train.batch_size=8",
             "train.checkpoint_every=2", "train.eval_batches=1", "train.eval_every=1000"]
 
 
-class Lines:
-    """A thread-safe sink for the launcher's prefixed output."""
-
-    def __init__(self):
-        self.lines, self.lock = [], threading.Lock()
-
-    def write(self, text):
-        with self.lock:
-            self.lines.append(text)
-
-    def flush(self):
-        pass
-
-    def text(self):
-        with self.lock:
-            return "".join(self.lines)
-
-
 def _losses(run_dir) -> dict[int, float]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train_rows = [r for r in rows if r["kind"] == "train"]
@@ -128,7 +110,7 @@ def _check_lora(single, multi):
     assert np.abs(protected[:3]).max() < 1e-6 < np.abs(protected).max()
 
 
-def test_two_processes_match_one_and_checkpoints_move_between_them(tmp_path):
+def test_two_processes_match_one_and_checkpoints_move_between_them(launcher_output, tmp_path):
     reference, shared = tmp_path / "reference", tmp_path / "shared"
     single, multi = tmp_path / "lora_single", tmp_path / "lora_multi"
     multi.mkdir()
@@ -147,7 +129,7 @@ def test_two_processes_match_one_and_checkpoints_move_between_them(tmp_path):
                "--set", f"run_dir={shared}"]
     for setting in SETTINGS:
         command += ["--set", setting]
-    out, procs, timing = Lines(), [], {}
+    out, procs, timing = launcher_output(), [], {}
 
     def freeze_then_terminate():
         # wait until a checkpoint after step 2 is complete (process 0 writes its integrity file
