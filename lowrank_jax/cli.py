@@ -5,12 +5,12 @@ UTF-8 or not writable, a full disk, malformed YAML, a bad regex) exits with stat
 line ``lowrank-jax <command>: error: ...`` naming the argument / file / key, what was wrong and
 how to fix it. Anything else is a bug: one line asking for ``--debug``, status 1. ``--debug``
 shows the full traceback in both cases. A run stopped by SIGTERM at a step boundary (checkpoint
-and summary written, :mod:`lowrank_jax.io.signals`) exits 143; Ctrl-C exits 130. An output
+and summary written, :mod:`lowrank_jax.runs.signals`) exits 143; Ctrl-C exits 130. An output
 folder the failed command created and left empty is removed; run locks are released.
 
 The libraries' own detail (orbax / TensorStore / absl / asyncio log records, Python warnings,
 ``Exception ignored in ...`` at shutdown) goes to the run folder's ``lowrank-jax.log``, not to
-the terminal (:mod:`lowrank_jax.io.quiet`; ``--debug`` shows it), and every checkpoint manager
+the terminal (:mod:`lowrank_jax.runs.quiet`; ``--debug`` shows it), and every checkpoint manager
 is closed before the command returns, so the one clear line is the last line of stderr.
 """
 
@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def describe_error(error: BaseException) -> str:
     """The one-line message of a user error (the first line of it, never a traceback)."""
-    from lowrank_jax.io.outputs import describe_os_error
+    from lowrank_jax.runs.outputs import describe_os_error
 
     if isinstance(error, UnicodeDecodeError):
         return (f"input is not UTF-8 text (byte {error.object[error.start]:#04x} at offset "
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    from lowrank_jax.io.quiet import quiet_libraries
+    from lowrank_jax.runs.quiet import quiet_libraries
 
     # called as the program (argv None): the hooks stay for the interpreter's shutdown
     quiet = (contextlib.nullcontext() if args.debug
@@ -96,7 +96,7 @@ def _close_checkpoints() -> None:
 
 
 def _run(args) -> int:
-    from lowrank_jax.io import lock, outputs, signals
+    from lowrank_jax.runs import lock, outputs, signals
 
     outputs.forget_created()
     try:

@@ -8,9 +8,10 @@ folder (``adapter_config.json``; its base model is loaded and the adapter applie
 presets of :mod:`lowrank_jax.models.presets` (``"tiny"``, random weights, byte tokenizer).
 
 The hub sits above the layers and formats it loads: the model core (:mod:`lowrank_jax.models`),
-PEFT adapters (:mod:`lowrank_jax.io.peft`) and quantized folders (:mod:`lowrank_jax.quant.io`,
-marked by ``quantization.json``). Those two are imported where they are used, so importing
-``lowrank_jax.models`` stays cheap; nothing below the hub imports it.
+PEFT adapters (:mod:`lowrank_jax.io.peft`) and quantized folders
+(:mod:`lowrank_jax.quantize.folder`, marked by ``quantization.json``). Those two are imported
+where they are used, so importing ``lowrank_jax.models`` stays cheap; nothing below the hub
+imports it.
 """
 
 from __future__ import annotations
@@ -160,7 +161,7 @@ def load_model(
         if projection != "dense" or dtype != "float32" or attention != "reference":
             raise ValueError(f"{text}: a quantized folder loads as stored; drop --projection, "
                              "--dtype and --attention.")
-        from lowrank_jax.quant.io import load_quantized
+        from lowrank_jax.quantize.folder import load_quantized
 
         return load_quantized(text)
     if text in PRESETS:
@@ -236,7 +237,7 @@ def load_tokenizer(name_or_path: str | os.PathLike = BYTE_TOKENIZER):
 
 
 def _is_quantized_folder(folder: str) -> bool:
-    from lowrank_jax.quant.io import is_quantized_folder
+    from lowrank_jax.quantize.folder import is_quantized_folder
 
     return is_quantized_folder(folder)
 
@@ -287,7 +288,7 @@ def save_model(model: Llama, folder: str | os.PathLike, *, tokenizer=None,
     quantized = any(type(m).__module__.startswith("lowrank_jax.quant")
                     for _, _, _, m in projections(model))
     if quantized:
-        from lowrank_jax.quant.io import save_quantized
+        from lowrank_jax.quantize.folder import save_quantized
 
         folder = save_quantized(model, folder, tokenizer=tokenizer, report=report)
     else:
@@ -295,7 +296,7 @@ def save_model(model: Llama, folder: str | os.PathLike, *, tokenizer=None,
     if not hasattr(tokenizer, "save") and model.cfg.vocab_size == 256:  # a byte-level model
         import json
 
-        from lowrank_jax.io.outputs import atomic_write_text
+        from lowrank_jax.runs.outputs import atomic_write_text
         from lowrank_jax.models.tokenizer import BYTE_TOKENIZER_FILE
 
         atomic_write_text(os.path.join(os.fspath(folder), BYTE_TOKENIZER_FILE),

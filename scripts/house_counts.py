@@ -37,21 +37,22 @@ KERNELS = "pallas_kernels"
 SCRIPT_LINES_BASELINE = 8090  # scripts/*.py when issue 37's move began
 
 # Floors, lowest first. A module may import its own floor or any floor below it. An entry names a
-# subpackage ("nn") or a module inside one ("quant.pipeline"); the longest match wins, and modules
-# no entry names sit on the top floor (applications and clients).
+# top-level subpackage or module of the package (a folder, never a module inside one), and
+# modules no entry names sit on the top floor (applications and clients).
 FLOORS: list[tuple[str, ...]] = [
-    # the ground: shared maths (linear algebra, k-means, packing, sharding, losses)
-    ("core",),
+    # the ground: shared maths (linear algebra, k-means, packing, sharding, losses, the step) and
+    # a run's surroundings (output folders, locks, stop signals, quiet logs, input checks, records)
+    ("core", "runs"),
     # layers, optax transforms, kernels' dispatch, quantizers of one matrix, data
     ("optim", "curvature", "ot", "attention", "nn", "data", "quant"),
-    # adapter / output formats over the layers
+    # adapter and checkpoint formats over the layers
     ("io",),
     # the one model core
     ("models",),
-    # what runs on a model: model-level quantization pipelines and their folder format, the hub
-    # that loads every format, analysis, KV-cache methods, editing, hypernetworks, federated
-    ("hub", "quant.pipeline", "quant.e2e", "quant.io", "quant.model", "quant.qlora_base",
-     "analysis", "kv", "editing", "hyper", "federated"),
+    # what runs on a model: the hub that loads every format, the quantize application (pipelines,
+    # end-to-end fine-tuning, the folder format, QLoRA bases), serving, analysis, KV-cache
+    # methods, editing, hypernetworks, federated
+    ("hub", "quantize", "serve", "analysis", "kv", "editing", "hyper", "federated"),
     # training applications and their infrastructure
     ("train",),
     # clients
@@ -60,13 +61,13 @@ FLOORS: list[tuple[str, ...]] = [
 
 
 def floor_of(module: str) -> int:
-    """The floor of a ``lowrank_jax.x.y`` module (the longest entry of ``FLOORS`` that names it)."""
+    """The floor of a ``lowrank_jax.x.y`` module: the floor of its top-level folder ``x``."""
+    assert not any("." in name for names in FLOORS for name in names), "floors name folders only"
     parts = module.split(".")[1:]
-    for length in range(len(parts), 0, -1):
-        key = ".".join(parts[:length])
-        for level, names in enumerate(FLOORS):
-            if key in names:
-                return level
+    top = parts[0] if parts else ""
+    for level, names in enumerate(FLOORS):
+        if top in names:
+            return level
     return len(FLOORS) - 1
 
 

@@ -14,7 +14,7 @@ from lowrank_jax.hyper import internalize
 from lowrank_jax.hyper.doc_to_lora import DocToLoRAConfig
 from lowrank_jax.kv import kv_cache_factory
 from lowrank_jax.models.generate import generate, perplexity
-from lowrank_jax.quant.pipeline import calibration_tokens, quantize_model
+from lowrank_jax.quantize.pipeline import calibration_tokens, quantize_model
 from lowrank_jax.quant.unisvq import UniSVQConfig
 from lowrank_jax.train.finetune import default_lr, finetune
 from lowrank_jax.train.multihost import launch

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import inspect
 
-from lowrank_jax.io.validate import non_negative_int, positive_float, positive_int
+from lowrank_jax.runs.validate import non_negative_int, positive_float, positive_int
 
 
 def library_default(fn, name: str):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import time
 
-from lowrank_jax.io.validate import positive_int
+from lowrank_jax.runs.validate import positive_int
 
 
 def register(subparsers) -> None:
@@ -64,8 +64,8 @@ def run(args) -> int:
     from lowrank_jax.analysis import checkpoint as ckpt
     from lowrank_jax.analysis import report
     from lowrank_jax.analysis.model_report import model_report
-    from lowrank_jax.io.outputs import prepare_output
-    from lowrank_jax.io.validate import check_regex
+    from lowrank_jax.runs.outputs import prepare_output
+    from lowrank_jax.runs.validate import check_regex
 
     check_regex(args.layers, "--layers")
     prepare_output(args.out, command="analyze", overwrite=args.overwrite,

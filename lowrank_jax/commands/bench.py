@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 def register(subparsers) -> None:
-    from lowrank_jax.io.validate import positive_int
+    from lowrank_jax.runs.validate import positive_int
 
     p = subparsers.add_parser(
         "bench", help="benchmark suite: method vs baseline time ratios, one table + JSON",
@@ -25,7 +25,7 @@ def run(args) -> int:
     import json
 
     from lowrank_jax.bench import check_record, format_markdown, format_table, run_suite, select
-    from lowrank_jax.io.outputs import atomic_write_text, prepare_output
+    from lowrank_jax.runs.outputs import atomic_write_text, prepare_output
 
     select(args.only)  # a bad name fails before any work
     # resume=True: a folder of an earlier bench run is reused (bench.json replaced)

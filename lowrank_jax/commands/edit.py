@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 
-from lowrank_jax.io.validate import positive_float, positive_int
+from lowrank_jax.runs.validate import positive_float, positive_int
 
 
 def register(subparsers) -> None:
@@ -45,8 +45,8 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from lowrank_jax import editing as ed
-    from lowrank_jax.io.outputs import prepare_output
-    from lowrank_jax.io.validate import check_regex, check_text_file
+    from lowrank_jax.runs.outputs import prepare_output
+    from lowrank_jax.runs.validate import check_regex, check_text_file
     from lowrank_jax.hub import load_model, save_model
 
     if not 0.0 < args.gamma <= 1.0:

@@ -6,7 +6,7 @@ import argparse
 import os
 
 from lowrank_jax.commands._common import add_model_arguments, load_model_from_args
-from lowrank_jax.io.validate import check_text_file, positive_int
+from lowrank_jax.runs.validate import check_text_file, positive_int
 
 
 def register(subparsers) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 
-from lowrank_jax.io.validate import positive_float
+from lowrank_jax.runs.validate import positive_float
 
 
 def register(subparsers) -> None:
@@ -38,7 +38,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lowrank_jax.io.outputs import check_not_input
+    from lowrank_jax.runs.outputs import check_not_input
     from lowrank_jax.train.structure import export_salaad
 
     check_not_input(args.out, {"--run": args.run})  # before the run is read: fails in a second

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 
-from lowrank_jax.io.validate import positive_int
+from lowrank_jax.runs.validate import positive_int
 
 
 def register(subparsers) -> None:
@@ -38,12 +38,12 @@ def run(args) -> int:
             raise ValueError(f"--seeds {args.seeds!r}: give integers like 0,1,2.") from error
     import os
 
-    from lowrank_jax.io.validate import read_yaml_mapping
+    from lowrank_jax.runs.validate import read_yaml_mapping
 
     if os.path.isfile(args.config):
         read_yaml_mapping(args.config, "--config")  # invalid YAML: one line with file and line
     config = experiment.load_config(args.config, overrides)
-    from lowrank_jax.io.outputs import check_not_input
+    from lowrank_jax.runs.outputs import check_not_input
 
     check_not_input(config.run_dir, {"--config": args.config}, argument="run_dir")
     if args.rounds is not None:

@@ -18,7 +18,7 @@ import os
 
 import numpy as np
 
-from lowrank_jax.io.validate import (
+from lowrank_jax.runs.validate import (
     non_negative_float,
     non_negative_int,
     positive_float,
@@ -84,8 +84,8 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from lowrank_jax.io.outputs import atomic_write_text, prepare_output, staged_folder
-    from lowrank_jax.io.validate import check_jobs_file, check_regex, check_text_file
+    from lowrank_jax.runs.outputs import atomic_write_text, prepare_output, staged_folder
+    from lowrank_jax.runs.validate import check_jobs_file, check_regex, check_text_file
 
     mesh = _mesh_of(args)
     if getattr(args, "jobs", None):
@@ -140,7 +140,9 @@ def run(args) -> int:
     lr = args.lr if args.lr is not None else default_lr(args.method)
     model, tokens, base_name = load_model_and_tokens(args.model, args.data)
     if getattr(args, "quantize", None):
-        from lowrank_jax.quant.qlora_base import quantize_base, save_quantized_base
+        from lowrank_jax.hub import load_tokenizer, save_model
+        from lowrank_jax.models.presets import PRESETS
+        from lowrank_jax.quantize import quantize_base
 
         if args.method not in ("lora", "balora", "lokra"):
             raise ValueError(f"--method {args.method} rewrites the base weights; with --quantize "
@@ -148,7 +150,8 @@ def run(args) -> int:
         quantize_base(model, args.quantize)
         if args.save_base:
             with staged_folder(args.save_base) as tmp:  # all or nothing
-                save_quantized_base(model, args.model, tmp)
+                save_model(model, tmp, tokenizer=None if args.model in PRESETS
+                           else load_tokenizer(args.model))
             print(f"quantized base: {args.save_base}")
     if len(tokens) < args.seq_len + 2:
         raise ValueError(f"--data has {len(tokens)} tokens, fewer than --seq-len + 2 = "
@@ -195,7 +198,7 @@ def _save_merged(model, args, adapter_dir: str, save_merged) -> None:
     """Write ``--save-merged`` (weights + the base's tokenizer) all or nothing; on a failure
     say that the adapter is kept and how to merge it later (a full disk: a user error, exit 2;
     anything else: an internal error, exit 1)."""
-    from lowrank_jax.io.outputs import describe_os_error, os_error_of, staged_folder
+    from lowrank_jax.runs.outputs import describe_os_error, os_error_of, staged_folder
     from lowrank_jax.train import multihost
 
     try:

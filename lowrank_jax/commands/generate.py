@@ -10,7 +10,7 @@ from lowrank_jax.commands._common import (
     library_default,
     load_model_from_args,
 )
-from lowrank_jax.io.validate import (
+from lowrank_jax.runs.validate import (
     non_negative_float,
     non_negative_int,
     positive_float,
@@ -64,9 +64,7 @@ def run(args: argparse.Namespace, *, cache_factory=None) -> int:
     if args.top_p > 1:
         raise ValueError(f"--top-p {args.top_p} must lie in (0, 1], e.g. 0.9.")
     if getattr(args, "adapter", None):
-        from lowrank_jax.models.serve import serve_command
-
-        return serve_command(args, model, tokenizer)
+        return _serve(args, model, tokenizer)
     prompts = [args.prompt] if isinstance(args.prompt, str) else list(args.prompt)
     if len(prompts) > 1:
         raise ValueError("--prompt was given several times; that needs one --adapter each.")
@@ -100,4 +98,29 @@ def run(args: argparse.Namespace, *, cache_factory=None) -> int:
     sys.stdout.write("\n")
     reason = "end token" if result.stopped_at_eos else f"{len(result.token_ids)} new tokens"
     print(f"[stopped: {reason}]", file=sys.stderr)
+    return 0
+
+
+def _serve(args, model, tokenizer) -> int:
+    """``generate --adapter DIR ...``: each adapter's answer, one batch, one compiled model."""
+    import sys
+
+    import jax
+
+    from lowrank_jax.serve import generate_with_adapters
+
+    if getattr(args, "kv", "none") != "none":
+        raise ValueError("--adapter cannot be combined with --kv; drop one of them.")
+    chat = args.chat or (not args.raw and getattr(tokenizer, "chat_template", None))
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) if chat else p
+               for p in ([args.prompt] if isinstance(args.prompt, str) else args.prompt)]
+    results = generate_with_adapters(
+        model, tokenizer, prompts, args.adapter, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_p=args.top_p, key=jax.random.key(args.seed))
+    for folder, result in zip(args.adapter, results):
+        ids = [t for t in result.token_ids if t != tokenizer.eos_id]
+        print(f"[adapter {folder}]")
+        print(tokenizer.decode(ids))
+    print(f"[{len(results)} adapter(s) resident, one batch, one compiled model]",
+          file=sys.stderr)
     return 0

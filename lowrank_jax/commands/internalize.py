@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from lowrank_jax.io.validate import positive_int
+from lowrank_jax.runs.validate import positive_int
 
 
 def register(subparsers) -> None:
@@ -53,8 +53,8 @@ def run(args) -> int:
 
     from lowrank_jax.commands._common import load_model_from_args
     from lowrank_jax.hyper import DocToLoRA, export_adapter, internalize, load_hypernetwork
-    from lowrank_jax.io.outputs import prepare_output
-    from lowrank_jax.io.validate import check_text_file
+    from lowrank_jax.runs.outputs import prepare_output
+    from lowrank_jax.runs.validate import check_text_file
     from lowrank_jax.hub import SMOLLM2_HF_NAME
 
     text = check_text_file(args.doc, "--doc")

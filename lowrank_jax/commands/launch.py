@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from lowrank_jax.io.validate import positive_float, positive_int
+from lowrank_jax.runs.validate import positive_float, positive_int
 
 
 def register(subparsers) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from lowrank_jax.io.validate import positive_float, positive_int
+from lowrank_jax.runs.validate import positive_float, positive_int
 
 
 def register(subparsers) -> None:
@@ -44,7 +44,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from lowrank_jax.io import signals
+    from lowrank_jax.runs import signals
     from lowrank_jax.train import multihost, sharding
     from lowrank_jax.train.config import MeshConfig, load_config
     from lowrank_jax.train.loop import train

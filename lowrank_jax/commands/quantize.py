@@ -8,7 +8,7 @@ Example::
     lowrank-jax quantize --model smollm2 --bits 4 --method rtn --out runs/smollm2-rtn4
 
 The folder (``quantization.json``, ``model.safetensors``, ``tokenizer.json``) loads with
-:func:`lowrank_jax.quant.model.load_quantized`.
+:func:`lowrank_jax.quantize.load_quantized`.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import json
 import os
 
 
-from lowrank_jax.io.validate import non_negative_int, positive_int
+from lowrank_jax.runs.validate import non_negative_int, positive_int
 
-# the same as lowrank_jax.quant.pipeline.METHOD_BITS (tested), without importing jax here
+# the same as lowrank_jax.quantize.pipeline.METHOD_BITS (tested), without importing jax here
 METHOD_BITS = {"unisvq": (2, 3, 4), "rtn": (2, 3, 4, 8), "kmeans": (2,)}
 
 
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
 
     from lowrank_jax.hub import save_model
     from lowrank_jax.models.llama import projections
-    from lowrank_jax.quant.pipeline import calibration_tokens, model_bits_per_weight, quantize_model
+    from lowrank_jax.quantize import calibration_tokens, model_bits_per_weight, quantize_model
     from lowrank_jax.quant.unisvq import UniSVQConfig
 
     allowed = METHOD_BITS.get(args.method)
@@ -77,10 +77,10 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.calib_file is not None and not os.path.isfile(args.calib_file):
         raise FileNotFoundError(f"--calib-file {args.calib_file!r} does not exist.")
-    from lowrank_jax.io.validate import check_text_file
+    from lowrank_jax.runs.validate import check_text_file
 
     check_text_file(args.calib_file, "--calib-file")
-    from lowrank_jax.io.outputs import prepare_output
+    from lowrank_jax.runs.outputs import prepare_output
 
     prepare_output(args.out, command="quantize", overwrite=args.overwrite,
                    reads={"--model": args.model, "--calib-file": args.calib_file})
@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     report = quantize_model(model, calib, method=args.method, bits=args.bits,
                             group_size=args.group_size, zero_point=args.zero_point, cfg=cfg,
                             layers=layers, progress=True)
-    from lowrank_jax.io.outputs import staged_folder
+    from lowrank_jax.runs.outputs import staged_folder
 
     with staged_folder(args.out) as tmp:  # all or nothing (a full disk leaves no half model)
         save_model(model, tmp, tokenizer=tokenizer, report=report)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from lowrank_jax.io.validate import non_negative_int, positive_int
+from lowrank_jax.runs.validate import non_negative_int, positive_int
 
 
 def register(subparsers) -> None:
@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
 
     from lowrank_jax.data.selection import chunk_tokens, compact, select_subset, text_embeddings
 
-    from lowrank_jax.io.outputs import check_not_input
+    from lowrank_jax.runs.outputs import check_not_input
 
     if args.budget < 1:
         raise ValueError(f"--budget {args.budget} must be a positive number of draws.")

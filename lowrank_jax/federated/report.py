@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from lowrank_jax.federated.fedtreelora import tree_report
-from lowrank_jax.io.results import markdown_table
+from lowrank_jax.runs.results import markdown_table
 
 
 def client_row(result, labels: Sequence[str], domains: Sequence[str]) -> dict:

@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from lowrank_jax.hyper.doc_to_lora import DocToLoRA, DocToLoRAConfig, LoRABank
-from lowrank_jax.io.outputs import atomic_write_text
+from lowrank_jax.runs.outputs import atomic_write_text
 from lowrank_jax.io.peft import export_peft
 from lowrank_jax.nn.inject import LoRARule, apply_lora, lora_layers, remove_lora
 

@@ -1,6 +1,6 @@
 """The one check of a PEFT LoRA adapter folder, shared by every reader and writer.
 
-``generate --adapter`` (:func:`lowrank_jax.models.serve.read_peft_adapter`), ``merge`` and
+``generate --adapter`` (:func:`lowrank_jax.serve.read_peft_adapter`), ``merge`` and
 ``--model ADAPTER`` (:func:`lowrank_jax.io.peft.import_peft`) read adapters, and
 :func:`lowrank_jax.io.peft.export_peft` checks what it wrote before it replaces anything: all
 through :func:`read_adapter`, so an adapter one of them refuses, all refuse, with the same

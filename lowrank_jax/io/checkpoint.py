@@ -36,8 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from lowrank_jax.io import quiet
-from lowrank_jax.io.outputs import atomic_write_text
+from lowrank_jax.runs import quiet
+from lowrank_jax.runs.outputs import atomic_write_text
 
 INTEGRITY_NAME = "lowrank_jax_integrity.json"
 CORRUPT_DIR = "corrupt_checkpoints"
@@ -60,7 +60,7 @@ def checkpoint_manager(run_dir: pathlib.Path, *, create: bool = True,
     ``process_I-of-N.json`` per process), committed together.
 
     ``create=True`` (a run that writes): the libraries' detail (orbax / TensorStore log records,
-    see :mod:`lowrank_jax.io.quiet`) goes to ``run_dir/lowrank-jax.log``. Every manager made
+    see :mod:`lowrank_jax.runs.quiet`) goes to ``run_dir/lowrank-jax.log``. Every manager made
     here is closed by :func:`close_managers` (the ``lowrank-jax`` command calls it on every
     path, so no background thread or event loop outlives the command).
     """
@@ -159,7 +159,7 @@ def save_checkpoint(manager, state, cfg=None, data_iterator=None) -> None:
 
     A Ctrl-C / SIGTERM arriving during the save waits until the step is complete on disk,
     then goes to its handler (Ctrl-C: ``KeyboardInterrupt``; the SIGTERM handler of
-    :mod:`lowrank_jax.io.signals`: a stop at the next step boundary).
+    :mod:`lowrank_jax.runs.signals`: a stop at the next step boundary).
 
     Raises:
         OSError: the disk is full or the folder is not writable; the message names the step

@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from lowrank_jax.io.adapters import pattern_value, read_adapter, read_adapter_config
-from lowrank_jax.io.outputs import staged_folder
+from lowrank_jax.runs.outputs import staged_folder
 from lowrank_jax.io.peft_layout import export_modules, import_modules, model_slots
 from lowrank_jax.io.peft_names import (
     HF_DECODER_MAP,

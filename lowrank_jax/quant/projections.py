@@ -134,7 +134,7 @@ def quantize_matrix(weight, method: str, *, group_size: int = 64, double_quant: 
         return RTNLinear(rtn_quantize(weight, 4, group_size))
     raise ValueError(f"quantize_projections: method={method!r} is unknown; use one of "
                      f"{', '.join(PROJECTION_QUANTIZERS)} (UniSVQ needs calibration: "
-                     "lowrank_jax.quant.pipeline).")
+                     "lowrank_jax.quantize.pipeline).")
 
 
 def quantize_projections(model: nnx.Module, rules, method: str = "nf4", *,

@@ -18,7 +18,7 @@ weights, ``4 + 16(m+n+20)/(mn)``). The digit width is explicit metadata of the w
 2. LDLQ (Hessian-aware rounding, GPTQ/QuIP#-style) with the calibration Hessian ``E[x xᵀ]``,
    followed by ``tune_iters`` passes of block coordinate descent;
 3. block-wise fine-tuning of the float parameters on the block output error
-   (:func:`finetune_block`; the model-level driver is :mod:`lowrank_jax.quant.model`).
+   (:func:`finetune_block`; the model-level driver is :mod:`lowrank_jax.quantize`).
 
 References:
     Wang et al, `UniSVQ: 2-bit Unified Scalar-Vector Quantization

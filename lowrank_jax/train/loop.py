@@ -29,9 +29,9 @@ from lowrank_jax.data import (
     train_val_split,
     unigram_entropy_bits,
 )
-from lowrank_jax.io import lock as run_lock
-from lowrank_jax.io import signals
-from lowrank_jax.io.outputs import atomic_write_text, prepare_output
+from lowrank_jax.runs import lock as run_lock
+from lowrank_jax.runs import signals
+from lowrank_jax.runs.outputs import atomic_write_text, prepare_output
 from lowrank_jax.models.llama import Llama, count_params
 from lowrank_jax.train import multihost
 from lowrank_jax.train import sharding as shard_lib
@@ -350,7 +350,7 @@ def train(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None
         overwrite: start afresh in a ``run_dir`` that holds another run or files of the user
             (its previous checkpoints and metrics are removed; other files are kept).
             Without it such a folder is refused before any work (see
-            :func:`lowrank_jax.io.outputs.prepare_output`).
+            :func:`lowrank_jax.runs.outputs.prepare_output`).
     """
     from tqdm.auto import tqdm
 

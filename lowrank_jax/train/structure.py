@@ -86,14 +86,14 @@ def export_salaad(run_dir, budget: float, out, *, gamma: float = 0.5, overwrite:
         out: output folder.
         gamma: fraction of the reduction taken from the low-rank parts (HPA's ``γ``).
         overwrite: write into a non-empty folder (see
-            :func:`lowrank_jax.io.outputs.prepare_output`).
+            :func:`lowrank_jax.runs.outputs.prepare_output`).
 
     Returns:
         The report dict (also ``out/salaad.json``).
     """
     from flax import nnx
 
-    from lowrank_jax.io.outputs import atomic_write_text, prepare_output, staged_folder
+    from lowrank_jax.runs.outputs import atomic_write_text, prepare_output, staged_folder
     from lowrank_jax.hub import save_model
     from lowrank_jax.optim.salaad_deploy import apply_surrogate, hpa_allocate, hpa_materialize
 

@@ -58,7 +58,7 @@ def parse_args(argv=None):
 
 
 def print_table(title, rows):
-    from lowrank_jax.io.results import markdown_table
+    from lowrank_jax.runs.results import markdown_table
 
     cells = list(next(iter(rows.values())))
     print(f"\n{title}: relative error median / p90 (oracle calls)")

@@ -32,7 +32,7 @@ from flax import nnx
 from lowrank_jax.core.step import make_step
 from lowrank_jax.data.continual_text import build_continual_text
 from lowrank_jax.hub import load_model
-from lowrank_jax.io.results import RunCache, write_result
+from lowrank_jax.runs.results import RunCache, write_result
 from lowrank_jax.nn import LoRARule, apply_lora, lora_layers, plan_ranks
 from lowrank_jax.optim.balora import balora
 from lowrank_jax.train.losses import adapter_loss, window_evaluator

@@ -36,7 +36,7 @@ from lowrank_jax.federated.experiment import plot_tree
 from lowrank_jax.federated.report import client_row, fedtree_verdict, tree_of, write_domain_note
 from lowrank_jax.data.continual_text import build_continual_text
 from lowrank_jax.hub import load_model
-from lowrank_jax.io.results import machine_line, run_command
+from lowrank_jax.runs.results import machine_line, run_command
 from lowrank_jax.models.presets import preset_model
 from lowrank_jax.nn import LoRARule, apply_lora
 

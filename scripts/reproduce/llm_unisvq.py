@@ -29,11 +29,11 @@ from flax import nnx
 
 from lowrank_jax.data import corpus_text
 from lowrank_jax.hub import load_model
-from lowrank_jax.io.results import write_result
+from lowrank_jax.runs.results import write_result
 from lowrank_jax.models.generate import english_eval_text
 from lowrank_jax.models.llama import PROJECTIONS
 from lowrank_jax.quant.codebooks import CODEBOOK_ARMS, codebook_arm
-from lowrank_jax.quant.pipeline import (
+from lowrank_jax.quantize.pipeline import (
     SHARED_INPUT,
     calibration_hessians,
     calibration_tokens,

@@ -1,7 +1,7 @@
 """QLoRA on SmolLM2-135M: the same LoRA fine-tuning on fp32, RTN-4, NF4 and UniSVQ-2 bases.
 
 For each base: quantize the 7 projections of every block
-(``lowrank_jax.quant.qlora_base.quantize_base``),
+(``lowrank_jax.quantize.qlora_base.quantize_base``),
 measure held-out perplexity, fine-tune rank-``r`` LoRA adapters on q/k/v/o/gate/up/down with the
 same data, seed and AdamW settings (``lowrank_jax.train.finetune.finetune``), measure perplexity
 again, and record trainable / frozen / optimizer bytes. Then merge each quantized adapter back
@@ -76,8 +76,8 @@ def main(argv=None) -> int:
     from lowrank_jax.models import perplexity
     from lowrank_jax.hub import load_model
     from lowrank_jax.nn.merge import merge_report
-    from lowrank_jax.quant.qlora_base import quantize_base
-    from lowrank_jax.quant.pipeline import calibration_tokens
+    from lowrank_jax.quantize.qlora_base import quantize_base
+    from lowrank_jax.quantize.pipeline import calibration_tokens
     from lowrank_jax.quant.unisvq import UniSVQConfig
     from lowrank_jax.train.finetune import finetune, token_batches
 

@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     from lowrank_jax.io.peft import export_peft
     from lowrank_jax.hub import load_model, save_model
     from lowrank_jax.nn.merge import dequantize_model
-    from lowrank_jax.quant.qlora_base import quantize_base
+    from lowrank_jax.quantize.qlora_base import quantize_base
     from lowrank_jax.train.finetune import finetune, token_batches
 
     os.makedirs(args.out, exist_ok=True)

@@ -40,7 +40,7 @@ from flax import nnx
 
 from lowrank_jax.analysis.report import plot_panels
 from lowrank_jax.data import corpus_bytes, train_val_split
-from lowrank_jax.io.results import markdown_table
+from lowrank_jax.runs.results import markdown_table
 from lowrank_jax.models import Llama, LlamaConfig
 from lowrank_jax.models.llama import count_params
 from lowrank_jax.optim import (

@@ -92,7 +92,7 @@ def run_e2e(args, fp_model, calib, ppl, source_rows, source: str, tokenizer,
     from lowrank_jax.bench.timing import cpu_usage
     from lowrank_jax.cli import save_and_check
     from lowrank_jax.hub import load_model
-    from lowrank_jax.quant.e2e import finetune_end_to_end
+    from lowrank_jax.quantize.e2e import finetune_end_to_end
 
     if source_rows is None or not source_rows.get("folder"):
         raise ValueError(f"the e2e pass on {source} needs its folder of the same protocol; run "
@@ -131,11 +131,11 @@ def main(argv=None) -> int:
     from lowrank_jax.cli import save_and_check
     from lowrank_jax.data import corpus_text
     from lowrank_jax.hub import load_model
-    from lowrank_jax.io.outputs import atomic_write_text
-    from lowrank_jax.io.results import RecordFolder, markdown_table
+    from lowrank_jax.runs.outputs import atomic_write_text
+    from lowrank_jax.runs.results import RecordFolder, markdown_table
     from lowrank_jax.models import perplexity
     from lowrank_jax.models.llama import projections
-    from lowrank_jax.quant.pipeline import (
+    from lowrank_jax.quantize.pipeline import (
         FINETUNED,
         calibration_tokens,
         quantize_model,

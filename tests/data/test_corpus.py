@@ -9,7 +9,7 @@ from lowrank_jax.data.corpus import collect_docstrings, corpus_bytes, corpus_tex
 
 
 def test_a_patched_standard_library_does_not_change_the_corpus(monkeypatch):
-    # what `lowrank_jax.io.quiet` does while a command runs (and what a user's mock may do)
+    # what `lowrank_jax.runs.quiet` does while a command runs (and what a user's mock may do)
     monkeypatch.setattr(warnings, "showwarning", lambda *args, **kwargs: None)
     modules = ("warnings", "json")
     live = collect_docstrings(modules)

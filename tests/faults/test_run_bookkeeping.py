@@ -18,7 +18,7 @@ import subprocess
 
 import pytest
 
-from lowrank_jax.io.lock import LOCK_NAME
+from lowrank_jax.runs.lock import LOCK_NAME
 
 
 def _sets(overrides):
@@ -73,7 +73,7 @@ def test_a_stale_lock_is_taken_over_with_a_note(faults, tiny_runs, tiny, tmp_pat
 def test_the_lock_is_held_while_training_and_released_after(faults, tiny, tmp_path,
                                                             monkeypatch):
     import lowrank_jax.train.loop as loop
-    from lowrank_jax.io.lock import holder
+    from lowrank_jax.runs.lock import holder
 
     seen = []
     real = loop.batch_at

@@ -1,10 +1,10 @@
-"""``lowrank_jax.io.outputs``: output folders are claimed, refused or replaced as documented."""
+"""``lowrank_jax.runs.outputs``: output folders are claimed, refused or replaced as documented."""
 
 import json
 
 import pytest
 
-from lowrank_jax.io.outputs import (
+from lowrank_jax.runs.outputs import (
     MARKER,
     atomic_write_text,
     inside,

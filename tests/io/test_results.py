@@ -2,7 +2,7 @@
 
 import json
 
-from lowrank_jax.io.results import markdown_table, write_result
+from lowrank_jax.runs.results import markdown_table, write_result
 
 
 def test_write_result_writes_json_and_note(tmp_path, capsys):
@@ -25,7 +25,7 @@ def test_markdown_table_lines():
 
 
 def test_record_folder_reads_only_its_protocol(tmp_path):
-    from lowrank_jax.io.results import RecordFolder
+    from lowrank_jax.runs.results import RecordFolder
 
     store = RecordFolder(tmp_path / "rows", {"model": "tiny", "layers": [0, 1]})
     assert store.read("fp32") is None

@@ -338,7 +338,7 @@ def test_unisvq_calibration_follows_each_layers_inputs(name, models):
     """UniSVQ's layer-by-layer calibration sees the inputs the full forward gives each layer
     (Gemma's embedding scale, each layer's window and RoPE base): the last layer's calibration
     Hessian equals the one captured in a plain forward."""
-    from lowrank_jax.quant.pipeline import calibration_hessians, quantize_model
+    from lowrank_jax.quantize.pipeline import calibration_hessians, quantize_model
     from lowrank_jax.quant.unisvq import UniSVQConfig
 
     model, ids = nnx.clone(models[name]), tokens(4, 8)
@@ -346,7 +346,7 @@ def test_unisvq_calibration_follows_each_layers_inputs(name, models):
     paths = [f"layers/{model.cfg.n_layers - 1}/mlp/down_proj"]
     reference = calibration_hessians(model, ids, paths)[paths[0]]
     seen = {}
-    import lowrank_jax.quant.pipeline as pipeline
+    import lowrank_jax.quantize.pipeline as pipeline
 
     original = pipeline._capture_hessians
 
@@ -389,7 +389,7 @@ def test_kv_compression_is_exact_at_full_rank_or_names_what_it_lacks(name, model
 @pytest.mark.parametrize("name", ["qwen3", "gemma3"])
 def test_quantized_folder_keeps_the_family_norms(name, models, tmp_path):
     """A quantized model of a family with q/k and sandwich norms saves and loads exactly."""
-    from lowrank_jax.quant.pipeline import quantize_model
+    from lowrank_jax.quantize.pipeline import quantize_model
 
     model, ids = nnx.clone(models[name]), tokens()
     quantize_model(model, None, method="rtn", bits=8, group_size=16, progress=False)
@@ -399,7 +399,7 @@ def test_quantized_folder_keeps_the_family_norms(name, models, tmp_path):
 
 
 def test_quantizing_away_projection_biases_is_refused(models):
-    from lowrank_jax.quant.pipeline import quantize_model
+    from lowrank_jax.quantize.pipeline import quantize_model
 
     with pytest.raises(ValueError, match="layers/0/q_proj.*has a bias"):
         quantize_model(nnx.clone(models["qwen2"]), None, method="rtn", bits=8, group_size=16,

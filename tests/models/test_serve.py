@@ -9,7 +9,7 @@ from flax import nnx
 
 from lowrank_jax.io.peft import export_peft, import_peft
 from lowrank_jax.models.llama import Llama, LlamaConfig
-from lowrank_jax.models.serve import AdapterServer
+from lowrank_jax.serve import AdapterServer
 from lowrank_jax.nn import apply_lora, lora_layers
 
 # its module-scoped fixtures are built once: every test of this file runs on one worker
@@ -95,7 +95,7 @@ def alone_tokens(folder, prompt, n, tokenizer=None):
 
 @pytest.mark.slow
 def test_generate_batch_with_two_adapters_equals_each_alone(folders):
-    from lowrank_jax.models.serve import generate_batch
+    from lowrank_jax.serve import generate_batch
 
     a, b, _ = folders
     server = AdapterServer(base(), slots=2, max_rank=8)
@@ -110,7 +110,7 @@ def test_generate_batch_with_two_adapters_equals_each_alone(folders):
 
 
 def test_generate_batch_stops_each_example_at_its_eos(folders):
-    from lowrank_jax.models.serve import generate_batch
+    from lowrank_jax.serve import generate_batch
 
     server = AdapterServer(base(), slots=1, max_rank=8)
     server.load(0, folders[0])
@@ -127,7 +127,7 @@ def test_generate_batch_stops_each_example_at_its_eos(folders):
 
 
 def test_generate_batch_rejects_empty_prompts():
-    from lowrank_jax.models.serve import generate_batch
+    from lowrank_jax.serve import generate_batch
 
     with pytest.raises(ValueError, match="at least one token"):
         generate_batch(base(), [[1, 2], []])

@@ -249,7 +249,7 @@ def test_finetune_quantize_nf4_save_merged_round_trips(tmp_path):
     from lowrank_jax.hub import load_model
     from lowrank_jax.io.peft import import_peft
     from lowrank_jax.models.presets import preset_model
-    from lowrank_jax.quant.qlora_base import quantize_base
+    from lowrank_jax.quantize.qlora_base import quantize_base
 
     out, merged = tmp_path / "run", tmp_path / "merged"
     assert main(["finetune", "--model", "tiny", "--quantize", "nf4", "--steps", "2",

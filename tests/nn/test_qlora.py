@@ -12,7 +12,7 @@ from lowrank_jax.models.llama import Llama, LlamaConfig
 from lowrank_jax.nn import apply_lora, dense_matrix, lora_layers
 from lowrank_jax.nn.merge import merge_adapters, merge_report
 from lowrank_jax.nn.qlora import QLoRALinear
-from lowrank_jax.quant.qlora_base import quantize_base
+from lowrank_jax.quantize.qlora_base import quantize_base
 
 CFG = LlamaConfig(vocab_size=64, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=128,
                   max_seq_len=32)

@@ -10,7 +10,7 @@ from flax import nnx
 
 from lowrank_jax.hub import load_model, save_model
 from lowrank_jax.models.llama import Llama, LlamaConfig, projections
-from lowrank_jax.quant.qlora_base import quantize_base
+from lowrank_jax.quantize.qlora_base import quantize_base
 from lowrank_jax.quant.layers import RTNLinear
 from lowrank_jax.quant.nf4 import NF4Linear
 

@@ -13,7 +13,7 @@ from lowrank_jax.io.peft import export_peft, import_peft
 from lowrank_jax.models.llama import Llama, LlamaConfig
 from lowrank_jax.nn import apply_lora, lora_layers
 from lowrank_jax.nn.merge import dequantize_model
-from lowrank_jax.quant.qlora_base import quantize_base
+from lowrank_jax.quantize.qlora_base import quantize_base
 
 INSTALL = "pip install torch transformers peft (CPU wheels are enough)"
 CFG = LlamaConfig(vocab_size=64, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=128,

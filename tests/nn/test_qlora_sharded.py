@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from lowrank_jax.models.llama import Llama, LlamaConfig
 from lowrank_jax.nn import apply_lora
-from lowrank_jax.quant.qlora_base import quantize_base
+from lowrank_jax.quantize.qlora_base import quantize_base
 from lowrank_jax.train import sharding
 
 CFG = LlamaConfig(vocab_size=64, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=128,

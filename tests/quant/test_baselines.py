@@ -10,8 +10,8 @@ from flax import nnx
 from lowrank_jax.models.llama import Llama, LlamaConfig
 from lowrank_jax.quant.kmeans_vq import kmeans_vq_quantize, kmeans_vq_weight, vq_dequantize
 from lowrank_jax.quant.layers import VQLinear
-from lowrank_jax.quant.model import load_quantized, quantize_model, save_quantized
-from lowrank_jax.quant.pipeline import unfinetuned_model
+from lowrank_jax.quantize import load_quantized, quantize_model, save_quantized
+from lowrank_jax.quantize.pipeline import unfinetuned_model
 from lowrank_jax.quant.packing import rtn_bits_per_weight, storage_bits
 from lowrank_jax.quant.rtn import rtn_dequantize, rtn_from_arrays, rtn_quantize, rtn_to_arrays
 from lowrank_jax.quant.scalar_ldlq import (

@@ -5,7 +5,7 @@ import numpy as np
 from flax import nnx
 
 from lowrank_jax.models import Llama, LlamaConfig
-from lowrank_jax.quant.pipeline import calibration_hessians
+from lowrank_jax.quantize.pipeline import calibration_hessians
 
 
 def test_hessian_of_the_first_layers_input_is_the_normed_embeddings_gram():

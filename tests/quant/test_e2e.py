@@ -8,9 +8,9 @@ import pytest
 from flax import nnx
 
 from lowrank_jax.models.presets import preset_model
-from lowrank_jax.quant.e2e import finetune_end_to_end
+from lowrank_jax.quantize.e2e import finetune_end_to_end
 from lowrank_jax.quant.layers import QuantCodes
-from lowrank_jax.quant.pipeline import quantize_model
+from lowrank_jax.quantize.pipeline import quantize_model
 from lowrank_jax.quant.unisvq import UniSVQConfig
 
 

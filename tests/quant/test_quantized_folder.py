@@ -53,8 +53,8 @@ def test_quick_unisvq_folder_answers_the_chat_prompt(tmp_path, capsys):
 
 def test_interrupted_save_never_leaves_a_folder_that_loads(tmp_path):
     from lowrank_jax.models.presets import preset_model
-    from lowrank_jax.quant.io import is_quantized_folder, load_quantized, save_quantized
-    from lowrank_jax.quant.pipeline import quantize_model
+    from lowrank_jax.quantize.folder import is_quantized_folder, load_quantized, save_quantized
+    from lowrank_jax.quantize.pipeline import quantize_model
 
     model = preset_model("tiny")
     quantize_model(model, None, method="rtn", bits=4, group_size=16, progress=False)
@@ -84,7 +84,7 @@ def test_save_and_check_weighs_the_folder_against_fp16(tmp_path):
 
     from lowrank_jax.cli import captured, save_and_check
     from lowrank_jax.models.presets import preset_model
-    from lowrank_jax.quant.pipeline import quantize_model
+    from lowrank_jax.quantize.pipeline import quantize_model
 
     model, n_params = preset_model("tiny"), 100_000
     quantize_model(model, None, method="rtn", bits=4, group_size=16, progress=False)

@@ -9,9 +9,8 @@ import pytest
 from flax import nnx
 
 from lowrank_jax.models.llama import Llama, LlamaConfig
-from lowrank_jax.quant.model import (
-    QuantizedLinear,
-    RTNLinear,
+from lowrank_jax.quant.layers import QuantizedLinear, RTNLinear
+from lowrank_jax.quantize import (
     load_quantized,
     model_bits_per_weight,
     quantize_model,
@@ -232,7 +231,7 @@ def test_quantize_command_bad_input(tmp_path):
     import argparse
 
     from lowrank_jax.commands.quantize import register, run
-    from lowrank_jax.quant.pipeline import calibration_tokens
+    from lowrank_jax.quantize.pipeline import calibration_tokens
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
@@ -254,7 +253,8 @@ def test_save_model_writes_a_quantized_folder_that_load_model_and_generate_read(
     from lowrank_jax.models.generate import generate
     from lowrank_jax.hub import load_model, save_model
     from lowrank_jax.models.presets import preset_model
-    from lowrank_jax.quant.model import RTNLinear, quantize_model
+    from lowrank_jax.quant.layers import RTNLinear
+    from lowrank_jax.quantize import quantize_model
 
     model = preset_model("tiny")
     quantize_model(model, None, method="rtn", bits=4, group_size=32, progress=False)

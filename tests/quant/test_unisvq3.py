@@ -129,7 +129,7 @@ def test_3bit_model_folder_accounting_equals_stored_arrays(tmp_path):
     from lowrank_jax.hub import load_model, save_model
     from lowrank_jax.models.presets import preset_model
     from lowrank_jax.quant.layers import QuantizedLinear
-    from lowrank_jax.quant.pipeline import model_bits_per_weight, quantize_model
+    from lowrank_jax.quantize.pipeline import model_bits_per_weight, quantize_model
 
     model = preset_model("tiny")
     calib = np.random.default_rng(0).integers(0, 256, size=(4, 32))

@@ -119,7 +119,7 @@ def test_4bit_model_folder_round_trip_and_accounting(tmp_path):
     from lowrank_jax.hub import load_model, save_model
     from lowrank_jax.models.presets import preset_model
     from lowrank_jax.quant.layers import QuantizedLinear
-    from lowrank_jax.quant.pipeline import model_bits_per_weight, quantize_model
+    from lowrank_jax.quantize.pipeline import model_bits_per_weight, quantize_model
 
     model = preset_model("tiny")  # block 0 quantized (fast), the others stay dense
     calib = np.random.default_rng(0).integers(0, 256, size=(4, 32))
@@ -156,7 +156,7 @@ def test_folder_without_bits_metadata_still_loads_as_2bit(tmp_path):
     """Folders written before the ``bits`` field (2-bit ``uint8`` codes, no ``"bits"``)."""
     from lowrank_jax.hub import load_model, save_model
     from lowrank_jax.models.presets import preset_model
-    from lowrank_jax.quant.pipeline import quantize_model
+    from lowrank_jax.quantize.pipeline import quantize_model
 
     model = preset_model("tiny")
     calib = np.random.default_rng(0).integers(0, 256, size=(4, 32))
@@ -178,7 +178,7 @@ def test_folder_without_bits_metadata_still_loads_as_2bit(tmp_path):
 def test_quantize_command_writes_a_4bit_folder(tmp_path, capsys):
     from lowrank_jax.cli import main
     from lowrank_jax.commands.quantize import METHOD_BITS as COMMAND_BITS
-    from lowrank_jax.quant.pipeline import METHOD_BITS
+    from lowrank_jax.quantize.pipeline import METHOD_BITS
 
     assert all(COMMAND_BITS[k] == METHOD_BITS[k] for k in COMMAND_BITS)  # one table of bits
 

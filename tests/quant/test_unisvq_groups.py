@@ -142,7 +142,7 @@ def test_codebook_arms_store_one_lattice_per_group_and_simulate_in_place():
 
     from lowrank_jax.models.llama import Llama, LlamaConfig
     from lowrank_jax.quant.codebooks import codebook_arm
-    from lowrank_jax.quant.pipeline import dequantized_projections
+    from lowrank_jax.quantize.pipeline import dequantized_projections
 
     w = jax.random.normal(jax.random.PRNGKey(0), (32, 32))
     key = jax.random.PRNGKey(1)

@@ -1,6 +1,6 @@
 """End-to-end tuning of a quantized model's continuous parameters against the full-precision model.
 
-After block-wise quantization (:func:`lowrank_jax.quant.pipeline.quantize_model`) every block
+After block-wise quantization (:func:`lowrank_jax.quantize.pipeline.quantize_model`) every block
 was fitted to the FP block's output on *FP* inputs; errors still add up across blocks. This pass
 (beyond the UniSVQ paper) tunes, on the calibration tokens, only what is continuous: the scales
 ``s_in``/``s_out``, the lattice ``A``/``b`` (or a VQ codebook, an RTN scale) and the RMSNorm

@@ -18,7 +18,7 @@ import math
 import os
 import re
 
-from lowrank_jax.io.outputs import inside
+from lowrank_jax.runs.outputs import inside
 
 
 def _number(text: str, kind):

@@ -12,7 +12,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from lowrank_jax.io.outputs import atomic_write_text
+from lowrank_jax.runs.outputs import atomic_write_text
 from lowrank_jax.models.llama import (
     Llama,
     LlamaConfig,

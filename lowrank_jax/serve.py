@@ -248,30 +248,5 @@ def generate_with_adapters(model, tokenizer, prompts: Sequence[str], adapters: S
             for r in results]
 
 
-def serve_command(args, model, tokenizer) -> int:
-    """``lowrank-jax generate --adapter DIR ...``: print each adapter's answer (CLI body)."""
-    import sys
-
-    import jax
-
-    if getattr(args, "kv", "none") != "none":
-        raise ValueError("--adapter cannot be combined with --kv; drop one of them.")
-    if args.top_p > 1:
-        raise ValueError(f"--top-p {args.top_p} must lie in (0, 1], e.g. 0.9.")
-    chat = args.chat or (not args.raw and getattr(tokenizer, "chat_template", None))
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) if chat else p
-               for p in ([args.prompt] if isinstance(args.prompt, str) else args.prompt)]
-    results = generate_with_adapters(
-        model, tokenizer, prompts, args.adapter, max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature, top_p=args.top_p, key=jax.random.key(args.seed))
-    for folder, result in zip(args.adapter, results):
-        ids = [t for t in result.token_ids if t != tokenizer.eos_id]
-        print(f"[adapter {folder}]")
-        print(tokenizer.decode(ids))
-    print(f"[{len(results)} adapter(s) resident, one batch, one compiled model]",
-          file=sys.stderr)
-    return 0
-
-
 __all__ = ["AdapterServer", "TARGETS", "generate_batch", "generate_with_adapters",
-           "read_peft_adapter", "serve_command"]
+           "read_peft_adapter"]

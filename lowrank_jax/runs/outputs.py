@@ -36,7 +36,7 @@ import pathlib
 import shutil
 import tempfile
 
-from lowrank_jax.io import lock as run_lock
+from lowrank_jax.runs import lock as run_lock
 
 MARKER = ".lowrank-jax.json"
 _BOOKKEEPING = (MARKER, run_lock.LOCK_NAME)  # our files in an output folder, not its content
@@ -163,10 +163,10 @@ def prepare_output(path: str | os.PathLike, *, command: str, argument: str = "--
             checkpoints of a previous run, which would otherwise be resumed).
         reads: ``{argument: path}`` of what the command reads; ``path`` may not be, contain or
             lie inside the output (see :func:`check_not_input`).
-        lock: take the folder's run lock (:mod:`lowrank_jax.io.lock`) before anything in it
+        lock: take the folder's run lock (:mod:`lowrank_jax.runs.lock`) before anything in it
             is removed: a folder in use by another live process is refused, even with
             ``overwrite``; a stale lock is taken over (``log`` gets a note). Release it with
-            :func:`lowrank_jax.io.lock.release`.
+            :func:`lowrank_jax.runs.lock.release`.
         log: where the note of a taken-over lock goes (default: nowhere).
 
     Returns:

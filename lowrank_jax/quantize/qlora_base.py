@@ -1,7 +1,7 @@
-"""The model-level QLoRA base: quantize a dense Llama's projections and save it as a folder.
+"""The model-level QLoRA base: quantize a dense Llama's projections (saved by ``hub.save_model``).
 
-These are pipelines over a whole model (they call :mod:`lowrank_jax.quant.pipeline`, the NF4
-model pass and :mod:`lowrank_jax.hub`), so they sit above ``models``; the layer itself,
+These are pipelines over a whole model (they call :mod:`lowrank_jax.quantize.pipeline` and the
+NF4 model pass), so they sit above ``models``; the layer itself,
 :class:`lowrank_jax.nn.qlora.QLoRALinear`, and the per-projection
 :func:`~lowrank_jax.nn.qlora.quantize_projections` stay in :mod:`lowrank_jax.nn.qlora`.
 
@@ -14,20 +14,12 @@ Example::
 
 from __future__ import annotations
 
-import json
-import os
-
 from flax import nnx
 
-from lowrank_jax.io.outputs import atomic_write_text
-from lowrank_jax.hub import load_model, save_model
 from lowrank_jax.models.llama import replace_projections
-from lowrank_jax.models.presets import PRESETS
-from lowrank_jax.models.tokenizer import BYTE_TOKENIZER_FILE
-from lowrank_jax.nn.qlora import QLoRALinear
 from lowrank_jax.quant.layers import QuantizedLinear, dense_weight
 from lowrank_jax.quant.nf4 import NF4_BLOCK, NF4Linear, nf4_quantize
-from lowrank_jax.quant.pipeline import quantize_model
+from lowrank_jax.quantize.pipeline import quantize_model
 from lowrank_jax.quant.unisvq import UniSVQConfig, quantize_linear
 
 QUANTIZE_METHODS = ("nf4", "rtn4", "unisvq2")
@@ -83,20 +75,4 @@ def quantize_base(model, method: str, *, calib_tokens=None, layers=None,
     return {"method": method, "quantized": len(done)}
 
 
-def save_quantized_base(model, source: str, folder) -> str:
-    """Write the quantized ``model`` (no adapters yet) as a quantized folder that ``--model``
-    reads (:func:`lowrank_jax.quant.io.save_quantized`: NF4, RTN and UniSVQ layouts), with the
-    tokenizer of ``source`` (the model name it was loaded from); a byte-level model (vocab 256,
-    e.g. the ``tiny`` preset) gets the byte-tokenizer marker instead. Returns the folder."""
-    if any(isinstance(m, QLoRALinear) for _, m in nnx.iter_modules(model)):
-        raise ValueError("save_quantized_base: the model already holds adapters; save the base "
-                         "before apply_lora (or merge with lowrank_jax.nn.merge first).")
-    tokenizer = None if source in PRESETS else load_model(source)[1]
-    save_model(model, folder, tokenizer=tokenizer)
-    if tokenizer is None and model.cfg.vocab_size == 256:
-        atomic_write_text(os.path.join(os.fspath(folder), BYTE_TOKENIZER_FILE),
-                          json.dumps({"tokenizer": "bytes", "vocab_size": 256}))
-    return os.fspath(folder)
-
-
-__all__ = ["QUANTIZE_METHODS", "nf4_quantize_model", "quantize_base", "save_quantized_base"]
+__all__ = ["QUANTIZE_METHODS", "nf4_quantize_model", "quantize_base"]

@@ -15,7 +15,7 @@ import platform
 import sys
 from collections.abc import Sequence
 
-from lowrank_jax.io.outputs import atomic_write_text
+from lowrank_jax.runs.outputs import atomic_write_text
 
 
 def machine_line() -> str:
