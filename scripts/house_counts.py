@@ -18,6 +18,12 @@ Counts:
   define or import a ``BlockSizes`` class;
 - **training steps**: functions (package + scripts) that call ``value_and_grad``/``grad`` and an
   optimizer ``update``;
+- **training loops**: functions (package + scripts) with a ``for``/``while`` loop that runs a
+  training step: its body assigns a tuple of three or more names from a call that is either named
+  like a step (``step``, ``step_fn``, ``run_step``, ``_adam_step``, ...) or that passes back two of
+  those names (``params, opt_state, loss = local(params, opt_state, ...)``), or its body both
+  takes a gradient (``value_and_grad``/``grad``) and calls an optimizer ``update`` (see
+  :func:`training_loops`);
 - **NLL implementations**: functions that compute a token NLL from ``log_softmax``/``logsumexp``;
 - **lines of scripts/**: every ``*.py`` line under ``scripts/`` (issue 37: 8,090 when the move of
   library logic out of the scripts began; at most 8,090 - 1,500).
@@ -297,6 +303,44 @@ def training_steps() -> list[str]:
     return found
 
 
+def _threads_state(node: ast.Assign) -> bool:
+    """``a, b, c = f(...)``: a step call, by its name (``*step*``) or because it passes back two
+    of its arguments (``params, opt_state, loss = local(params, opt_state, x)``)."""
+    target = node.targets[0] if len(node.targets) == 1 else None
+    if not (isinstance(target, ast.Tuple) and len(target.elts) >= 3
+            and isinstance(node.value, ast.Call)):
+        return False
+    func = node.value.func
+    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+    if "step" in name.lower():
+        return True
+    names = {e.id for e in target.elts if isinstance(e, ast.Name)}
+    args = {a.id if isinstance(a, ast.Name) else a.attr for a in node.value.args
+            if isinstance(a, (ast.Name, ast.Attribute))}
+    return len(names & args) >= 2
+
+
+def _is_training_loop(loop: ast.AST) -> bool:
+    if any(isinstance(n, ast.Assign) and _threads_state(n) for n in ast.walk(loop)):
+        return True
+    calls = [c.rsplit(".", 1)[-1] for c in _calls(loop)]
+    return any(c in GRAD_CALLS for c in calls) and "update" in calls
+
+
+def training_loops() -> list[str]:
+    """Functions (outermost, so a trainer and its inner helpers count once) holding a training
+    loop: a ``for``/``while`` whose body runs a step (:func:`_threads_state`) or takes a gradient
+    and calls an optimizer ``update``."""
+    found = []
+    for path in _source_files():
+        tree = ast.parse(path.read_text())
+        for fn in _outermost_functions(tree):
+            loops = [n for n in ast.walk(fn) if isinstance(n, (ast.For, ast.While))]
+            if any(_is_training_loop(loop) for loop in loops):
+                found.append(f"{path.relative_to(ROOT)}:{fn.lineno} {fn.name}")
+    return found
+
+
 def nll_implementations() -> list[str]:
     """Functions that take log_softmax / logsumexp of logits and pick the target token."""
     found = []
@@ -324,6 +368,7 @@ def counts() -> dict[str, object]:
         "ops_missing_block_sizes": missing,
         "steps": training_steps(),
         "nll": nll_implementations(),
+        "loops": training_loops(),
         "script_lines": sum(len(p.read_text().splitlines())
                             for p in (ROOT / "scripts").rglob("*.py")),
     }
@@ -350,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         ("training-step implementations", len(c["steps"]), "<= 2"),
         ("NLL implementations", len(c["nll"]), "1"),
+        ("training loops", len(c["loops"]), "1"),
         ("lines of scripts/", c["script_lines"], f"<= {SCRIPT_LINES_BASELINE - 1500}"),
     ]
     print(f"{'count':34s} {'now':>8s} {'target':>8s}")
@@ -368,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
             print("step:", s)
         for s in c["nll"]:
             print("nll:", s)
+        for s in c["loops"]:
+            print("loop:", s)
     return 0
 
 
