@@ -66,6 +66,14 @@ def test_the_package_has_one_training_step(counts):
         package
 
 
+def test_the_package_and_scripts_have_one_training_loop(counts):
+    # issue 52: 17 loops over steps (train_steps, train_windows, pretraining, finetune, jobs,
+    # class-incremental x2, hyper x2, LoRDO x2, UniSVQ, e2e, editing, video DiT, lockstep, the
+    # scaling-law script) before core.loop; every trainer now runs its steps there
+    assert counts["loops"] == [s for s in counts["loops"] if "core/loop.py" in s], counts["loops"]
+    assert len(counts["loops"]) == 1 and counts["loops"][0].endswith(" iterate_steps")
+
+
 def test_every_kernel_op_has_block_sizes(counts):
     # 2 of 6 before issue 37's tiling pass; one policy in pallas_kernels/_dispatch.py
     assert len(counts["ops"]) == 6 and counts["ops_missing_block_sizes"] == [], counts

@@ -34,6 +34,7 @@ from jaxtyping import Array, Float, Int
 from lowrank_jax.core.losses import cross_entropy, token_logprob, token_nll
 from lowrank_jax.curvature import kfac
 from lowrank_jax.optim import crispedit as ce
+from lowrank_jax.core.loop import iterate_steps
 from lowrank_jax.core.step import make_step
 
 
@@ -321,12 +322,15 @@ def edit_model(
     t1 = time.perf_counter()
     for epoch in it:
         epoch_losses = []
-        for bi in rng.permutation(len(batches)):
-            new_trainable, new_state, loss = step(trainable, opt_state, rest, batches[bi])
-            loss = float(loss)
-            epoch_losses.append(loss)
-            if loss >= config.stop_loss:  # skip batches already learned
-                trainable, opt_state = new_trainable, new_state
+        order = rng.permutation(len(batches))
+        # one pass over the batches; a non-finite step is skipped, as is a batch already learned
+        for run in iterate_steps(step, trainable, opt_state,
+                                 lambda t, order=order: (rest, batches[order[t]]),
+                                 steps=len(batches), nonfinite="skip", what="edit"):
+            epoch_losses.append(run.loss)
+            if run.loss < config.stop_loss:  # skip batches already learned
+                run.params, run.opt_state = trainable, opt_state
+            trainable = run.params
             if (projector is not None and config.refresh_threshold is not None
                     and capability_batches
                     and ce.needs_refresh(trainable, reference, projector,
@@ -337,9 +341,10 @@ def edit_model(
                     rng=jax.random.key(config.seed + epoch + 1),
                 )
                 projector = ce.build_projector(factors, config.gamma)
-                opt_state = ce.crispedit_refresh(opt_state, projector)
+                run.opt_state = ce.crispedit_refresh(run.opt_state, projector)
                 reference = jax.tree.map(jnp.copy, trainable)
                 log["refreshes"] += 1
+            opt_state = run.opt_state
         log["losses"].append(float(np.mean(epoch_losses)))
         if max(epoch_losses) < config.stop_loss:
             break

@@ -26,6 +26,7 @@ import optax
 from flax import nnx
 
 from lowrank_jax.core.losses import ids_logprob, token_nll, top_logprobs
+from lowrank_jax.core.loop import iterate_steps, run_steps
 from lowrank_jax.core.step import make_step
 from lowrank_jax.hyper.doc_to_lora import DocToLoRA, LoRABank, adapted, chunk_encoder, chunk_tokens
 from lowrank_jax.nn.capture import capture
@@ -377,11 +378,15 @@ def train_doc_to_lora(hyper: DocToLoRA, model, data: DistillData, *, steps: int,
             state, manager = restore_checkpoint(manager, state, log=log or (lambda s: None))
         truncate_metrics(run_dir / CURVE_NAME, state.step)
     history, since_eval, t_start = [], [], time.perf_counter()
-    while state.step < steps:
-        idx = np.random.default_rng((seed, state.step)).choice(n, batch_size, replace=False)
-        params, opt_state, (loss, (kl, l1)) = step_fn(state.params, state.opt_state,
-                                                      base_state, _batch(data, idx))
-        state = HyperTrainState(state.step + 1, params, opt_state)
+
+    def batches(t):
+        idx = np.random.default_rng((seed, t)).choice(n, batch_size, replace=False)
+        return base_state, _batch(data, idx)
+
+    for run in iterate_steps(step_fn, state.params, state.opt_state, batches, steps=steps,
+                             start=state.step, what="doc-to-lora"):
+        state = HyperTrainState(run.step, run.params, run.opt_state)
+        loss, (kl, l1) = run.value
         row = {"step": state.step, "loss": float(loss), "kl": float(kl), "l1": float(l1)}
         history.append(row)
         since_eval.append(row["kl"])
@@ -428,9 +433,8 @@ def context_distiller(model, config, *, total_rank: int, steps: int = 50,
         params = (a0 / np.sqrt(config.d_in), jnp.zeros((1, n_layers, total_rank, config.d_out)))
         opt_state = tx.init(params)
         batch = DistillData(*(jnp.asarray(x) for x in batch))
-        for _ in range(steps):
-            params, opt_state, _ = step_fn(params, opt_state, state, batch)
-        return LoRABank(*params)
+        return LoRABank(*run_steps(step_fn, params, opt_state, lambda t: (state, batch),
+                                   steps=steps, what="context distillation").params)
 
     return distill
 

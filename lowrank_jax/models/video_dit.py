@@ -28,6 +28,7 @@ import optax
 from flax import nnx
 from jaxtyping import Array, Float
 
+from lowrank_jax.core.loop import run_steps
 from lowrank_jax.core.step import make_step
 from lowrank_jax.models.llama import apply_rope
 
@@ -297,17 +298,21 @@ def train_video_dit(config: VideoDiTConfig, data_fn: Callable, *, steps: int = 2
         return flow_matching_loss(nnx.merge(graph, params, rest), clean, k_loss)
 
     step = make_step(loss_fn, tx)
-    opt_state = tx.init(params)
-    key = jax.random.key(seed + 1)
-    losses = []
-    for i in range(steps):
-        key, sub = jax.random.split(key)
-        params, opt_state, loss = step(params, opt_state, rest, sub)
-        losses.append(float(loss))
-        if log_every and (i + 1) % log_every == 0:
-            print(f"step {i + 1:5d}  loss {sum(losses[-log_every:]) / log_every:.4f}", flush=True)
-    nnx.update(model, params)
-    return model, losses
+    keys = [jax.random.key(seed + 1)]
+
+    def batches(t):
+        keys[0], sub = jax.random.split(keys[0])
+        return rest, sub
+
+    def report(run):
+        if log_every and run.step % log_every == 0:
+            print(f"step {run.step:5d}  loss {sum(run.losses[-log_every:]) / log_every:.4f}",
+                  flush=True)
+
+    run = run_steps(step, params, tx.init(params), batches, steps=steps, what="train_video_dit",
+                    on_step=report)
+    nnx.update(model, run.params)
+    return model, run.losses
 
 
 def load_or_train_video_dit(path, *, steps: int = 300, log=print) -> tuple[VideoDiT, str]:

@@ -31,6 +31,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from lowrank_jax.core.loop import iterate_steps, run_steps
 from lowrank_jax.core.step import make_step
 from lowrank_jax.optim.lordo import find_lordo_state
 from lowrank_jax.optim.lordo_distributed import communication_per_sync, lordo_sync, set_projection
@@ -64,9 +65,7 @@ def simulate_ddp(tx: optax.GradientTransformation, params, loss_fn: Callable, ba
     # mean over workers of each worker's loss: its gradient is the all-reduced mean gradient
     step = make_step(lambda p, x, y: jnp.mean(jax.vmap(loss_fn, in_axes=(None, 0, 0))(p, x, y)),
                      tx)
-    state = tx.init(params)
-    for t in range(steps):
-        params, state, _ = step(params, state, *batches(t))
+    params = run_steps(step, params, tx.init(params), batches, steps=steps, what="ddp").params
     return params, {"floats_per_worker": communication_per_sync(params) * steps, "syncs": steps}
 
 
@@ -155,13 +154,12 @@ def simulate_lordo(tx: optax.GradientTransformation, params, loss_fn: Callable,
             out_specs=(specs(anchor, P()), specs(worker_params, P("data")),
                        specs(states, P("data")), specs(outer_state, P()), P())))
     angles, syncs = [], 0
-    for t in range(steps):
-        worker_params, states, _ = local(worker_params, states, *put(t))
-        if (t + 1) % period == 0 or t + 1 == steps:
-            before = find_lordo_state(states).projection
-            anchor, worker_params, states, outer_state, sent = sync(
-                worker_params, anchor, states, outer_state)
-            angles.append(_principal_sines(before, find_lordo_state(states).projection))
+    for run in iterate_steps(local, worker_params, states, put, steps=steps, what="lordo"):
+        if run.step % period == 0 or run.step == steps:  # the sync replaces the loop's state
+            before = find_lordo_state(run.opt_state).projection
+            anchor, run.params, run.opt_state, outer_state, sent = sync(
+                run.params, anchor, run.opt_state, outer_state)
+            angles.append(_principal_sines(before, find_lordo_state(run.opt_state).projection))
             floats += int(sent)
             syncs += 1
     return anchor, {"floats_per_worker": floats, "syncs": syncs,

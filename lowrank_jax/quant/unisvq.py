@@ -39,6 +39,9 @@ import numpy as np
 import optax
 from jaxtyping import Array, Float, UInt
 
+from lowrank_jax.core.loop import run_steps
+from lowrank_jax.core.step import make_step
+
 from lowrank_jax.quant.lattice import (  # noqa: F401 (re-exported: the public lattice API)
     GAUSSIAN_STEP_3BIT,
     GAUSSIAN_STEP_4BIT,
@@ -376,11 +379,12 @@ def _val_mse(block_fn, params, frozen, x, y):
     return _mse(block_fn, params, frozen, x, y)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
-def _adam_step(block_fn, labels, lr_scale, lr_affine, params, state, frozen, x, y):
-    loss, grads = jax.value_and_grad(functools.partial(_mse, block_fn))(params, frozen, x, y)
-    updates, state = _make_tx(labels, lr_scale, lr_affine).update(grads, state, params)
-    return optax.apply_updates(params, updates), state, loss
+@functools.lru_cache(maxsize=64)
+def _block_step(block_fn, labels, lr_scale, lr_affine):
+    """The fine-tuning step of ``block_fn`` (:func:`~lowrank_jax.core.step.make_step` on the
+    MSE), one compiled step per block function and learning rates, as a static jit argument
+    would give."""
+    return make_step(functools.partial(_mse, block_fn), _make_tx(labels, lr_scale, lr_affine))
 
 
 def finetune_block(
@@ -440,17 +444,27 @@ def finetune_block(
     best_val = before = float(_val_mse(block_fn, params, frozen, val_x, val_y))
     batch = max(1, min(cfg.finetune_batch, train_x.shape[0]))
     rng = np.random.default_rng(cfg.seed)
-    check_every = max(1, cfg.finetune_steps // 5)
-    for i in range(cfg.finetune_steps):
+
+    def batches(t):
         rows = np.sort(rng.choice(train_x.shape[0], size=batch, replace=False))
-        params, state, loss = _adam_step(block_fn, labels, cfg.lr_scale, cfg.lr_affine, params,
-                                         state, frozen, train_x[rows], train_y[rows])
+        return frozen, train_x[rows], train_y[rows]
+
+    def keep_best(p):
+        nonlocal best, best_val
+        v = float(_val_mse(block_fn, p, frozen, val_x, val_y))
+        if v < best_val:
+            best, best_val = p, v
+        return v
+
+    def report(run):
         if progress is not None:
-            progress(i, float(loss))
-        if (i + 1) % check_every == 0 or i + 1 == cfg.finetune_steps:
-            v = float(_val_mse(block_fn, params, frozen, val_x, val_y))
-            if v < best_val:
-                best, best_val = params, v
+            progress(run.step - 1, run.loss)
+
+    # keep-best fine-tuning: a non-finite step is skipped, the best checked parameters returned
+    run_steps(_block_step(block_fn, labels, cfg.lr_scale, cfg.lr_affine), params, state,
+              batches, steps=cfg.finetune_steps, nonfinite="skip", what="unisvq block fine-tune",
+              evaluate=keep_best, eval_every=max(1, cfg.finetune_steps // 5),
+              on_step=report)
     return best, {"val_mse_before": before, "val_mse_after": best_val,
                   "steps": cfg.finetune_steps}
 

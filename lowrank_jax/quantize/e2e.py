@@ -27,6 +27,7 @@ import optax
 from flax import nnx
 from jaxtyping import Array, Int
 
+from lowrank_jax.core.loop import run_steps
 from lowrank_jax.core.step import make_step
 from lowrank_jax.models.llama import Llama, projections
 from lowrank_jax.quant.layers import (
@@ -149,20 +150,29 @@ def finetune_end_to_end(
     best = params
     best_val = before = val_loss(params)
     history = [(0, before)]
-    state = tx.init(params)
     rng = np.random.default_rng(seed)
-    check_every = max(1, steps // 5)
-    for i in range(steps):
-        rows = np.sort(rng.choice(train.shape[0], size=size, replace=False))
-        params, state, loss = run_step(params, state, rows)
-        if (i + 1) % check_every == 0 or i + 1 == steps:
-            v = val_loss(params)
-            history.append((i + 1, v))
+
+    def batches(t):
+        return (np.sort(rng.choice(train.shape[0], size=size, replace=False)),)
+
+    def keep_best(p):
+        nonlocal best, best_val
+        v = val_loss(p)
+        if v < best_val:
+            best, best_val = p, v
+        return v
+
+    def report(run):
+        if run.curve and run.curve[-1][0] == run.step:  # checked at this step
+            history.append(run.curve[-1])
             if log is not None:
-                log(f"e2e step {i + 1}/{steps}: train KL {float(loss):.4f}, val KL {v:.4f} "
-                    f"({time.perf_counter() - start:.0f}s)")
-            if v < best_val:
-                best, best_val = params, v
+                log(f"e2e step {run.step}/{steps}: train KL {run.loss:.4f}, val KL "
+                    f"{run.curve[-1][1]:.4f} ({time.perf_counter() - start:.0f}s)")
+
+    # keep-best fine-tuning: a non-finite step is skipped, the best checked parameters returned
+    run_steps(run_step, params, tx.init(params), batches, steps=steps, nonfinite="skip",
+              what="e2e fine-tune", evaluate=keep_best, eval_every=max(1, steps // 5),
+              on_step=report)
     nnx.update(model, *best)
     for _, _, _, lin in projections(model):
         if isinstance(lin, (QuantizedLinear, VQLinear)):

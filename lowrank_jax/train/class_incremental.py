@@ -32,6 +32,7 @@ import numpy as np
 import optax
 
 from lowrank_jax.core.losses import cross_entropy
+from lowrank_jax.core.loop import run_steps
 from lowrank_jax.core.step import make_step
 from lowrank_jax.optim.janus import (
     SubspaceMemory,
@@ -197,10 +198,12 @@ def run_method(method: str, data, seed: int, steps: int, lr: float, batch: int):
             opt = set_subspaces(opt, bases)
         before = jax.tree.map(jnp.array, params)
         protos = jnp.asarray(prototypes) if len(prototypes) else jnp.zeros((1, HIDDEN))
-        n_steps = steps * len(tasks)
-        for i in range(n_steps):
+        def batches(t, x_tr=x_tr, y_tr=y_tr, current=current, protos=protos):
             idx = rng.integers(0, len(y_tr), batch)
-            params, opt, _ = step(params, opt, x_tr[idx], y_tr[idx], current, protos)
+            return x_tr[idx], y_tr[idx], current, protos
+
+        params = run_steps(step, params, opt, batches, steps=steps * len(tasks),
+                           what=method).params
         # first-layer violation on past inputs
         if past_inputs:
             xp = np.concatenate(past_inputs)
@@ -295,9 +298,11 @@ def run_loda(data, seed: int, steps: int, lr: float, gao_lr: float, batch: int, 
                          "b_i": jnp.zeros((k_i, HIDDEN))} for n in LAYERS}
         p = {"b": trainable, "head": head}
         opt = tx.init(p)
-        for _ in range(steps):
+        def batches(t, x_tr=x_tr, y_tr=y_tr, frozen=frozen, current=current):
             idx = rng.integers(0, len(y_tr), batch)
-            p, opt, _ = step(p, opt, kernels, frozen, x_tr[idx], y_tr[idx], current)
+            return kernels, frozen, x_tr[idx], y_tr[idx], current
+
+        p = run_steps(step, p, opt, batches, steps=steps, what="loda").params
         trainable, head = p["b"], p["head"]
         # recalibrate (before merging and before updating the memory), merge, update memory
         for n in LAYERS:

@@ -136,8 +136,7 @@ def finetune(
     import jax.numpy as jnp
     import optax
     from flax import nnx
-    from tqdm import tqdm
-
+    from lowrank_jax.core.loop import NonFiniteLoss, iterate_steps
     from lowrank_jax.core.step import trainable
     from lowrank_jax.nn import LoRARule, apply_lora, lora_layers
     from lowrank_jax.nn.init import init_lora_model
@@ -193,17 +192,14 @@ def finetune(
 
     losses = []
     start = time.perf_counter()
-    bar = tqdm(range(steps), desc=description, disable=not (progress and main), leave=False)
     try:
-        for step in bar:
-            inputs, labels = batch_of(step)
-            params, opt_state, loss = step_fn(params, opt_state, inputs, labels)
-            loss = float(loss)
-            if not np.isfinite(loss):
-                raise FloatingPointError(
-                    f"{method}: loss became {loss} at step {step}; lower --lr.")
-            losses.append(loss)
-            bar.set_postfix(loss=f"{loss:.4f}")
+        for run in iterate_steps(step_fn, params, opt_state, batch_of, steps=steps, what=method,
+                                 hint="lower --lr.",
+                                 progress=description if progress and main else None):
+            params, losses = run.params, run.losses
+    except NonFiniteLoss as e:
+        params = e.params
+        raise
     finally:  # the model holds the last parameters, also when a step fails
         nnx.update(model, params)
     seconds = time.perf_counter() - start

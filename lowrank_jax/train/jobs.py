@@ -107,8 +107,8 @@ def run_jobs(spec: dict, *, model: str = "tiny", out: str = "runs/finetune",
     """
     import jax.numpy as jnp
     from flax import nnx
-    from tqdm.auto import tqdm
 
+    from lowrank_jax.core.loop import run_steps
     from lowrank_jax.data import batch_at
     from lowrank_jax.io.peft import export_peft
     from lowrank_jax.models.presets import PRESETS
@@ -150,13 +150,19 @@ def run_jobs(spec: dict, *, model: str = "tiny", out: str = "runs/finetune",
     step = make_packed_step(graph, rest, ids, tx, k_jobs)
     opt = tx.init(lora)
     history = []
-    for t in tqdm(range(steps), desc=f"finetune {k_jobs} jobs", disable=not progress):
+
+    def batches(t):
         parts = [batch_at(job_tokens[k], t, jobs[k]["batch"], seq_len, seed=k)
                  for k in range(k_jobs)]
-        x = jnp.asarray(np.concatenate([p[0] for p in parts]))
-        y = jnp.asarray(np.concatenate([p[1] for p in parts]))
-        lora, opt, per_job = step(lora, opt, x, y)
-        history.append([float(v) for v in per_job])
+        return (jnp.asarray(np.concatenate([p[0] for p in parts])),
+                jnp.asarray(np.concatenate([p[1] for p in parts])))
+
+    def record(run):
+        history.append([float(v) for v in run.value])
+
+    what = f"finetune {k_jobs} jobs"
+    lora = run_steps(step, lora, opt, batches, steps=steps, what=what, on_step=record,
+                     hint="lower the jobs' lr.", progress=what if progress else None).params
     nnx.update(model, lora)
     # export: one plain LoRA per job on the same base, then removed again (unmerged)
     multi = dict(multi_lora_layers(model))

@@ -9,6 +9,7 @@ alike, so their step times compare within one process (a ratio of medians). Each
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -16,6 +17,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from lowrank_jax.core.loop import iterate_steps
 
 
 def lr_shape(step: int, total: int, warmup_frac: float) -> float:
@@ -98,8 +101,13 @@ def train_lockstep(runs: list[LockstepRun], batch: Callable, *, warmup_frac: flo
         >>> len(run.losses), run.losses[0]
         (3, 1.0)
     """
+    batches = functools.lru_cache(maxsize=1)(batch)  # one batch per step, shared by the runs
+    # each run's steps on the one loop, advanced one at a time; a diverged run stops there
+    live = {id(run): iterate_steps(run.step, run.params, run.opt_state, batches,
+                                   steps=run.steps, nonfinite="stop", diverge_above=max_loss,
+                                   what=run.name) for run in runs}
     for t in range(max(run.steps for run in runs)):
-        x, y = batch(t)
+        batches(t)  # drawn before the timed steps
         for run in runs:
             if t >= run.steps:
                 continue
@@ -107,15 +115,15 @@ def train_lockstep(runs: list[LockstepRun], batch: Callable, *, warmup_frac: flo
                 set_rates(run.opt_state, lr_shape(t, run.steps, warmup_frac), run.rates)
                 old = run.params
                 start = time.perf_counter()
-                params, opt_state, loss = run.step(run.params, run.opt_state, x, y)
-                loss = float(jax.block_until_ready(loss))
+                state = next(live[id(run)])
+                jax.block_until_ready(state.params)
                 if t > 0:  # step 0 includes compilation
                     run.step_times.append(time.perf_counter() - start)
-                run.params, run.opt_state = params, opt_state
-                run.losses.append(loss)
+                run.params, run.opt_state = state.params, state.opt_state
+                run.losses.append(state.loss)
                 if run.delta is not None:
-                    run.delta_w.append(float(run.delta(old, params)))
-                run.diverged = not math.isfinite(loss) or loss > max_loss
+                    run.delta_w.append(float(run.delta(old, state.params)))
+                run.diverged = state.stopped is not None
             if on_step is not None:
                 on_step()
 

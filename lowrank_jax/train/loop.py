@@ -45,6 +45,7 @@ from lowrank_jax.train.config import RunConfig
 from lowrank_jax.train.losses import evaluate_windows, lm_loss
 from lowrank_jax.train.text_data import open_training_data
 from lowrank_jax.train.optimizers import build_optimizer, with_structure
+from lowrank_jax.core.loop import NonFiniteLoss, iterate_steps, run_steps
 from lowrank_jax.core.step import make_step
 
 
@@ -156,7 +157,8 @@ def train_steps(step: Callable, params, opt_state, tokens, *, steps: int, batch_
 
     ``step(params, opt_state, inputs, targets) -> (params, opt_state, loss)`` is a step of
     :func:`lowrank_jax.core.step.make_step` (e.g. on :func:`lm_loss`); ``losses`` are its
-    per-step values as floats. ``desc`` shows a progress bar with the running loss.
+    per-step values as floats. ``desc`` shows a progress bar with the running loss. A
+    non-finite loss raises (:func:`~lowrank_jax.core.loop.run_steps`).
 
     Example::
 
@@ -169,17 +171,11 @@ def train_steps(step: Callable, params, opt_state, tokens, *, steps: int, batch_
         >>> len(losses), losses[-1] < losses[0]
         (3, True)
     """
-    from tqdm.auto import tqdm
+    def batches(t):
+        return batch_at(tokens, t, batch_size, seq_len, seed=seed)
 
-    losses = []
-    bar = tqdm(range(steps), desc=desc, leave=False, disable=desc is None)
-    for t in bar:
-        x, y = batch_at(tokens, t, batch_size, seq_len, seed=seed)
-        params, opt_state, loss = step(params, opt_state, x, y)
-        losses.append(float(loss))
-        if t % 20 == 0:
-            bar.set_postfix(loss=f"{np.mean(losses[-20:]):.3f}")
-    return params, opt_state, losses
+    run = run_steps(step, params, opt_state, batches, steps=steps, progress=desc)
+    return run.params, run.opt_state, run.losses
 
 
 def train_windows(step: Callable, params, opt_state, windows, *, steps: int, batch_size: int,
@@ -192,8 +188,9 @@ def train_windows(step: Callable, params, opt_state, windows, *, steps: int, bat
     state and extra arguments of a :func:`lowrank_jax.core.step.make_step` step); ``windows``
     is ``[n, length]`` tokens. ``rng`` is the caller's generator, so a run over several tasks
     draws one stream. With ``evaluate(params) -> float``, ``curve`` holds ``(0, value)``, then
-    ``(t, value)`` every ``eval_every`` steps and at the last one; training stops after a
-    non-finite evaluation (a diverged run). Without it ``curve`` is empty.
+    ``(t, value)`` every ``eval_every`` steps and at the last one. Training stops at a
+    non-finite loss or evaluation (a diverged run: :func:`~lowrank_jax.core.loop.run_steps`
+    with ``nonfinite="stop"``). Without ``evaluate`` ``curve`` is empty.
 
     Example::
 
@@ -210,17 +207,12 @@ def train_windows(step: Callable, params, opt_state, windows, *, steps: int, bat
     """
     import jax.numpy as jnp
 
-    losses = []
-    curve = [] if evaluate is None else [(0, evaluate(params))]
-    for t in range(1, steps + 1):
-        idx = rng.integers(0, len(windows), batch_size)
-        params, opt_state, loss = step(params, opt_state, jnp.asarray(windows[idx]))
-        losses.append(float(loss))
-        if evaluate is not None and (t % max(eval_every, 1) == 0 or t == steps):
-            curve.append((t, evaluate(params)))
-            if not np.isfinite(curve[-1][1]):
-                break
-    return params, opt_state, losses, curve
+    def batches(t):
+        return (jnp.asarray(windows[rng.integers(0, len(windows), batch_size)]),)
+
+    run = run_steps(step, params, opt_state, batches, steps=steps, nonfinite="stop",
+                    evaluate=evaluate, eval_every=max(eval_every, 1), eval_first=True)
+    return run.params, run.opt_state, run.losses, run.curve
 
 
 def plot_losses(metrics_path: pathlib.Path, out_png: pathlib.Path, entropy_bits: float,
@@ -352,8 +344,6 @@ def train(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None
             Without it such a folder is refused before any work (see
             :func:`lowrank_jax.runs.outputs.prepare_output`).
     """
-    from tqdm.auto import tqdm
-
     run_dir = pathlib.Path(cfg.run_dir)
     if mesh is None and cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor > 1:
         mesh = shard_lib.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
@@ -419,60 +409,68 @@ def train(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None
         f"{cfg.optimizer.name}; {cfg.train.steps} steps of {cfg.train.batch_size}x"
         f"{cfg.train.seq_len} {'bytes' if data is None else data.unit + 's'}")
     last = cfg.train.steps if stop_after is None else min(stop_after, cfg.train.steps)
-    losses: list[float] = []
-    bar = tqdm(total=last, initial=state.step, disable=not (progress and main), desc="pretrain",
-               dynamic_ncols=True)
     position = lambda: None if data is None else data.iterator_at(state.step)  # noqa: E731
     throughput = Throughput(cfg, 1 if mesh is None else mesh.devices.size)
+
+    inputs = [None]  # the inputs of the last batch: the tokens the step counted
+
+    def batches(t):
+        if data is not None:  # this process's packed rows, as global arrays
+            batch = data.next_batch()
+        elif batch_spec is None:
+            batch = batch_at(train_tokens, t, cfg.train.batch_size, cfg.train.seq_len,
+                             cfg.train.seed)
+        else:  # each process builds only the rows of its devices
+            batch = multihost.sharded_batch(train_tokens, t, cfg.train.batch_size,
+                                            cfg.train.seq_len, cfg.train.seed, batch_spec)
+        inputs[0] = batch[0]
+        return batch
+
+    loop = iterate_steps(step_fn, state.params, state.opt_state, batches, steps=last,
+                         start=state.step, progress="pretrain" if progress and main else None)
+    run = None
     try:
         with open(metrics_path if main else os.devnull, "a") as metrics_file:
-            while state.step < last:
-                if signals.stop_agreed():  # SIGTERM: stop at this step boundary
-                    raise signals.Stopped(state.step)
-                if data is not None:  # this process's packed rows, as global arrays
-                    batch = data.next_batch()
-                elif batch_spec is None:
-                    batch = batch_at(train_tokens, state.step, cfg.train.batch_size,
-                                     cfg.train.seq_len, cfg.train.seed)
-                else:  # each process builds only the rows of its devices
-                    batch = multihost.sharded_batch(train_tokens, state.step,
-                                                    cfg.train.batch_size, cfg.train.seq_len,
-                                                    cfg.train.seed, batch_spec)
-                x = batch[0]
-                params, opt_state, m = step_fn(state.params, state.opt_state, *batch)
-                state = dataclasses.replace(state, params=params, opt_state=opt_state,
-                                            step=state.step + 1)
-                loss = float(m["loss"])
-                if not bool(m["finite"]):
-                    save_checkpoint(manager, state, cfg, position())
-                    raise FloatingPointError(
-                        f"non-finite loss/update at step {state.step} (loss={loss}); the update "
-                        f"was not applied and a checkpoint was saved in {run_dir}. Lower "
-                        "optimizer.learning_rate or enable optimizer.grad_clip."
-                    )
-                losses.append(loss)
-                bar.update(1)
-                logged = state.step % cfg.train.log_every == 0 or state.step == last
-                speed = throughput.step(x.size, logged)
-                if logged:
-                    bar.set_postfix(loss=f"{loss:.3f}", **throughput.postfix(speed))
-                    metrics_file.write(json.dumps({"kind": "train", "step": state.step,
-                                                   "loss": loss,
-                                                   "grad_norm": float(m["grad_norm"]),
-                                                   **speed}) + "\n")
-                    metrics_file.flush()
-                if state.step % cfg.train.eval_every == 0 and state.step < last:
-                    vl = _held_out_loss(data, eval_fn, state.params, val_tokens, cfg)
-                    metrics_file.write(json.dumps({"kind": "eval", "step": state.step,
-                                                   "val_loss": vl}) + "\n")
-                if state.step % cfg.train.checkpoint_every == 0 and state.step < last:
-                    save_checkpoint(manager, state, cfg, position())
+            if state.step < last and signals.stop_agreed():  # SIGTERM: stop at this boundary
+                raise signals.Stopped(state.step)
+            try:
+                for run in loop:
+                    state = dataclasses.replace(state, params=run.params,
+                                                opt_state=run.opt_state, step=run.step)
+                    loss, m = run.loss, run.value
+                    logged = state.step % cfg.train.log_every == 0 or state.step == last
+                    speed = throughput.step(inputs[0].size, logged)
+                    if logged:
+                        run.postfix.update(throughput.postfix(speed))
+                        metrics_file.write(json.dumps({"kind": "train", "step": state.step,
+                                                       "loss": loss,
+                                                       "grad_norm": float(m["grad_norm"]),
+                                                       **speed}) + "\n")
+                        metrics_file.flush()
+                    if state.step % cfg.train.eval_every == 0 and state.step < last:
+                        vl = _held_out_loss(data, eval_fn, state.params, val_tokens, cfg)
+                        metrics_file.write(json.dumps({"kind": "eval", "step": state.step,
+                                                       "val_loss": vl}) + "\n")
+                    if state.step % cfg.train.checkpoint_every == 0 and state.step < last:
+                        save_checkpoint(manager, state, cfg, position())
+                    if state.step < last and signals.stop_agreed():  # SIGTERM: stop here
+                        raise signals.Stopped(state.step)
+            except NonFiniteLoss as e:  # the step did not apply the update
+                state = dataclasses.replace(state, params=e.params, opt_state=e.opt_state,
+                                            step=e.step + 1)
+                save_checkpoint(manager, state, cfg, position())
+                raise FloatingPointError(
+                    f"non-finite loss/update at step {state.step} (loss={e.loss}); the update "
+                    f"was not applied and a checkpoint was saved in {run_dir}. Lower "
+                    "optimizer.learning_rate or enable optimizer.grad_clip."
+                ) from None
+            losses = [] if run is None else run.losses
             val_loss = _held_out_loss(data, eval_fn, state.params, val_tokens, cfg)
             metrics_file.write(json.dumps({"kind": "eval", "step": state.step,
                                            "val_loss": val_loss}) + "\n")
     except signals.Stopped:
         save_checkpoint(manager, state, cfg, position())
-        bar.close()
+        loop.close()
         if main:
             atomic_write_text(run_dir / "summary.json", json.dumps(
                 {"step": state.step, "stopped": "SIGTERM", "steps": cfg.train.steps},
@@ -485,10 +483,9 @@ def train(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None
             save_checkpoint(manager, state, cfg, position())
         except KeyboardInterrupt:  # pressed again during the save: it completed all the same
             pass
-        bar.close()
+        loop.close()
         log(f"interrupted at step {state.step}; checkpoint saved — continue with --resume")
         raise
-    bar.close()
     save_checkpoint(manager, state, cfg, position())
     unit = "byte" if data is None else data.unit
     if main:

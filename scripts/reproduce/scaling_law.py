@@ -50,7 +50,7 @@ from lowrank_jax.models import Llama, LlamaConfig  # noqa: E402
 from lowrank_jax.optim import spectron_with_adamw  # noqa: E402
 from lowrank_jax.train import lm_loss, make_eval_fn, make_step  # noqa: E402
 from lowrank_jax.models.flops import training_flops_per_token as flops_per_token  # noqa: E402
-from lowrank_jax.train.lockstep import lr_shape  # noqa: E402
+from lowrank_jax.train.lockstep import LockstepRun, train_lockstep  # noqa: E402
 
 PAPER_A, PAPER_B = 0.479, 0.521
 
@@ -116,27 +116,22 @@ def main(argv=None) -> int:
             n_params = int(sum(x.size for x in jax.tree.leaves(params0)))
             n_matmul = (fpt - 12 * cfg.n_layers * width * args.seq / 2) / 6.0
             step_fn, eval_fn = make_step(lm_loss(graphdef), tx), make_eval_fn(graphdef)
-            runs = {c: [params0, tx.init(params0), []] for c in args.budgets}
-            for step in range(max(steps.values())):  # budgets of one width run in lockstep
-                x, y = (jnp.asarray(t) for t in batch_at(train, step, args.batch, args.seq,
-                                                         seed=args.seed))
-                for c, run in runs.items():
-                    if step >= steps[c]:
-                        continue
-                    shape = lr_shape(step, steps[c], args.warmup_frac)
-                    run[1].hyperparams["eta"] = jnp.asarray(args.eta * shape, jnp.float32)
-                    run[1].hyperparams["adamw_lr"] = jnp.asarray(args.other_lr * shape,
-                                                                 jnp.float32)
-                    run[0], run[1], loss = step_fn(run[0], run[1], x, y)
-                    run[2].append(float(loss))
-                    bar.update(1)
+            runs = {c: LockstepRun(f"{c:.2e}", step_fn, params0, tx.init(params0), steps[c],
+                                   {"eta": args.eta, "adamw_lr": args.other_lr})
+                    for c in args.budgets}
+            # budgets of one width run in lockstep, never stopped by a high loss
+            train_lockstep(list(runs.values()), lambda step: tuple(
+                jnp.asarray(t) for t in batch_at(train, step, args.batch, args.seq,
+                                                 seed=args.seed)),
+                warmup_frac=args.warmup_frac, max_loss=float("inf"),
+                on_step=lambda: bar.update(1))
             for c, run in runs.items():
                 records.append({"width": width, "budget": c, "steps": steps[c],
                                 "tokens": steps[c] * tokens_per_step, "n_params": n_params,
                                 "n_matmul": n_matmul, "flops_per_token": fpt,
-                                "val_loss": evaluate(eval_fn, run[0], val, args.batch, args.seq,
+                                "val_loss": evaluate(eval_fn, run.params, val, args.batch, args.seq,
                                                      args.eval_batches),
-                                "final_train_loss": float(np.mean(run[2][-10:]))})
+                                "final_train_loss": float(np.mean(run.losses[-10:]))})
 
     fits = []
     print(f"\n{'budget':>9} {'width':>6} {'N_matmul':>9} {'tokens':>9} {'val loss':>9}")
