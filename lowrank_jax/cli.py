@@ -114,7 +114,11 @@ def as_flags(message: str, flags: dict[str, str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # said by the command's parser: "lowrank-jax jobs: error: ..."
+        action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        (action.choices.get(args.command) or parser).error(
+            f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

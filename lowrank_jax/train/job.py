@@ -83,7 +83,8 @@ class FinetuneJob:
         model: ``"tiny"`` (a small random byte-level Llama), ``"smollm2"``, a ``.gguf`` file or
             a model folder (a quantized folder needs no ``quantize``).
         quantize: QLoRA, the base quantized first: ``"nf4"``, ``"rtn4"`` or ``"unisvq2"``
-            (``None``: as loaded). Only ``lora``, ``balora`` and ``lokra`` combine with it.
+            (``None``: as loaded). Only ``lora``, ``balora`` and ``lokra`` combine with it, and
+            not ``rank_plan``.
         save_base: with ``quantize``, also write the quantized base to this folder (loadable
             as ``model`` later).
         data: a UTF-8 text file to train on (``None``: the embedded corpus).
@@ -147,6 +148,9 @@ class FinetuneJob:
         if self.save_base and not self.quantize:
             raise ValueError("`save_base` writes the quantized base; it needs `quantize` "
                              "nf4|rtn4|unisvq2.")
+        if self.quantize and self.rank_plan:
+            raise ValueError("`rank_plan` probes the dense linear layers, which `quantize` "
+                             "replaces; drop one of them.")
         if self.quantize and self.method not in QUANTIZE_METHODS:
             raise ValueError(f"`method` {self.method} rewrites the base weights; with `quantize` "
                              f"use {', '.join(QUANTIZE_METHODS[:-1])} or {QUANTIZE_METHODS[-1]}.")
@@ -249,9 +253,12 @@ class FinetuneJob:
         """CSPLoRA's ``(ranks, scores)`` from probe batches, or ``(None, None)``."""
         if not self.rank_plan:
             return None, None
+        import jax.numpy as jnp
+
         from lowrank_jax.nn.rank_plan import plan_ranks
 
-        probe = [batch_fn(PROBE_OFFSET + i) for i in range(PROBE_BATCHES)]
+        probe = [tuple(jnp.asarray(a) for a in batch_fn(PROBE_OFFSET + i))
+                 for i in range(PROBE_BATCHES)]
         return plan_ranks(model, probe, targets=self.targets, average_rank=self.rank,
                           r_min=max(1, self.rank // 4), r_max=4 * self.rank)
 
