@@ -15,10 +15,12 @@ summary.
 
 Example::
 
+    >>> import tempfile
     >>> job = FinetuneJob(model="tiny", steps=2, batch_size=2, seq_len=16, rank=2,
     ...                   out=tempfile.mkdtemp(), progress=False)  # doctest: +SKIP
     >>> result = job.run(log=None)                                  # doctest: +SKIP
     >>> result.summary["final_loss"] < result.summary["first_loss"]  # doctest: +SKIP
+    True
 """
 
 from __future__ import annotations
@@ -162,7 +164,7 @@ class FinetuneJob:
 
     def run(self, *, log: Callable[[str], object] | None = print) -> JobResult:
         """Train and export; see the module docstring. ``log`` gets the lines a user reads
-        (process 0 only; ``None``: silent)."""
+        (the results on process 0 only; ``None``: silent)."""
         from lowrank_jax.runs.outputs import atomic_write_text, prepare_output, staged_folder
         from lowrank_jax.runs.validate import check_text_file
         from lowrank_jax.train import multihost
