@@ -3,10 +3,13 @@
 One error boundary: every user mistake (a bad config key or value, a file that is missing, not
 UTF-8 or not writable, a full disk, malformed YAML, a bad regex) exits with status 2 and one
 line ``lowrank-jax <command>: error: ...`` naming the argument / file / key, what was wrong and
-how to fix it. Anything else is a bug: one line asking for ``--debug``, status 1. ``--debug``
-shows the full traceback in both cases. A run stopped by SIGTERM at a step boundary (checkpoint
-and summary written, :mod:`lowrank_jax.runs.signals`) exits 143; Ctrl-C exits 130. An output
-folder the failed command created and left empty is removed; run locks are released.
+how to fix it. The library's messages name its parameters (a leading ``batch_size=0:``, a
+name in backquotes in the text); printed here they name the command's flags instead
+(``--batch-size 0:``, ``--lr``; :func:`as_flags`). Anything else is a bug: one line asking for
+``--debug``, status 1. ``--debug`` shows the full traceback in both cases. A run stopped by
+SIGTERM at a step boundary (checkpoint and summary written, :mod:`lowrank_jax.runs.signals`)
+exits 143; Ctrl-C exits 130. An output folder the failed command created and left empty is
+removed; run locks are released.
 
 The libraries' own detail (orbax / TensorStore / absl / asyncio log records, Python warnings,
 ``Exception ignored in ...`` at shutdown) goes to the run folder's ``lowrank-jax.log``, not to
@@ -74,9 +77,48 @@ def describe_error(error: BaseException) -> str:
     return lines[0] if lines else type(error).__name__
 
 
+_PARAMETER = re.compile(r"`([a-z][a-z0-9_]*)`|^([a-z][a-z0-9_]*)=")
+
+
+def command_flags(parser: argparse.ArgumentParser, command: str | None) -> dict[str, str]:
+    """``{dest: --flag}`` of the options of subcommand ``command`` of ``parser``."""
+    action = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)),
+                  None)
+    sub = action.choices.get(command) if action is not None and command else None
+    if sub is None:
+        return {}
+    return {a.dest: max(a.option_strings, key=len) for a in sub._actions
+            if a.option_strings and a.option_strings[0].startswith("--")}
+
+
+def as_flags(message: str, flags: dict[str, str]) -> str:
+    """A library message as the command line says it: each name in backquotes and a
+    leading ``name=value`` that name a parameter the command has a flag for become that flag
+    (``--name`` and ``--name value``); other text is left as it is.
+
+    Example::
+
+        >>> as_flags("batch_size=0: must be a positive integer; lower `lr`.",
+        ...          {"batch_size": "--batch-size", "lr": "--lr"})
+        '--batch-size 0: must be a positive integer; lower --lr.'
+    """
+    def flag(match: re.Match) -> str:
+        quoted, leading = match.group(1), match.group(2)
+        name = quoted or leading
+        if name not in flags:
+            return match.group(0)
+        return flags[name] if quoted else f"{flags[name]} "
+
+    return _PARAMETER.sub(flag, message)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # said by the command's parser: "lowrank-jax jobs: error: ..."
+        action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        (action.choices.get(args.command) or parser).error(
+            f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
@@ -86,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet = (contextlib.nullcontext() if args.debug
              else quiet_libraries(keep_after=argv is None))
     with quiet:
-        return _run(args)
+        return _run(args, command_flags(parser, args.command))
 
 
 def _close_checkpoints() -> None:
@@ -95,8 +137,11 @@ def _close_checkpoints() -> None:
         checkpoint.close_managers()
 
 
-def _run(args) -> int:
+def _run(args, flags: dict[str, str] | None = None) -> int:
     from lowrank_jax.runs import lock, outputs, signals
+
+    def described(error: BaseException) -> str:
+        return as_flags(describe_error(error), flags or {})
 
     outputs.forget_created()
     try:
@@ -118,7 +163,7 @@ def _run(args) -> int:
         outputs.discard_unused()
         if args.debug:
             raise
-        print(f"lowrank-jax {args.command}: error: {describe_error(error)}", file=sys.stderr)
+        print(f"lowrank-jax {args.command}: error: {described(error)}", file=sys.stderr)
         return 2
     except Exception as error:  # a bug: one line, the traceback on --debug
         outputs.discard_unused()
@@ -126,11 +171,11 @@ def _run(args) -> int:
             raise
         io_error = outputs.os_error_of(error)  # a full disk in a library that says so in text
         if io_error is not None:
-            print(f"lowrank-jax {args.command}: error: {describe_error(io_error)}",
+            print(f"lowrank-jax {args.command}: error: {described(io_error)}",
                   file=sys.stderr)
             return 2
         print(f"lowrank-jax {args.command}: internal error ({type(error).__name__}: "
-              f"{describe_error(error)}); rerun with --debug for the traceback and report it.",
+              f"{described(error)}); rerun with --debug for the traceback and report it.",
               file=sys.stderr)
         return 1
 

@@ -159,8 +159,8 @@ def load_model(
                              attention=attention)
     if os.path.isdir(text) and _is_quantized_folder(text):
         if projection != "dense" or dtype != "float32" or attention != "reference":
-            raise ValueError(f"{text}: a quantized folder loads as stored; drop --projection, "
-                             "--dtype and --attention.")
+            raise ValueError(f"{text}: a quantized folder loads as stored; drop `projection`, "
+                             "`dtype` and `attention`.")
         from lowrank_jax.quantize.folder import load_quantized
 
         return load_quantized(text)
@@ -216,22 +216,22 @@ def load_tokenizer(name_or_path: str | os.PathLike = BYTE_TOKENIZER):
         try:
             return BPETokenizer(Tokenizer.from_file(text), bos_id=None, eos_id=None)
         except Exception as err:  # noqa: BLE001 - the tokenizers library's own errors
-            raise ValueError(f"--tokenizer {text}: not a tokenizers JSON file ({err}).") from None
+            raise ValueError(f"tokenizer={text}: not a tokenizers JSON file ({err}).") from None
     if os.path.isdir(text) and not os.path.isfile(os.path.join(text, "config.json")):
         tokenizer = folder_tokenizer(text)
         if tokenizer is None:
-            raise FileNotFoundError(f"--tokenizer {text}: the folder has no tokenizer.json.")
+            raise FileNotFoundError(f"tokenizer={text}: the folder has no tokenizer.json.")
         return tokenizer
     try:
         path = resolve_model(text)
     except (FileNotFoundError, ValueError) as err:
         raise FileNotFoundError(
-            f"--tokenizer {text}: {err} Give 'byte', 'smollm2', a .gguf file, a tokenizer.json "
+            f"tokenizer={text}: {err} Give 'byte', 'smollm2', a .gguf file, a tokenizer.json "
             "file or a model folder.") from None
     if os.path.isdir(path):
         tokenizer = folder_tokenizer(path)
         if tokenizer is None:
-            raise FileNotFoundError(f"--tokenizer {text}: the folder has no tokenizer.json.")
+            raise FileNotFoundError(f"tokenizer={text}: the folder has no tokenizer.json.")
         return tokenizer
     return BPETokenizer.from_gguf_metadata(read_gguf_metadata(path, "tokenizer."))
 

@@ -46,7 +46,7 @@ def read_peft_adapter(folder: str | os.PathLike) -> dict[str, tuple[np.ndarray, 
     from lowrank_jax.io.peft import our_module_path
     from lowrank_jax.nn.lora import lora_scaling
 
-    config, stored = read_adapter(folder, who=f"--adapter {folder}")  # the one adapter check
+    config, stored = read_adapter(folder, who=f"adapter={folder}")  # the one adapter check
     pairs = {name: {k: np.asarray(v, np.float32) for k, v in pair.items()}
              for name, pair in stored.items()}
     alpha_default = config.get("lora_alpha", 8)
@@ -109,7 +109,7 @@ class AdapterServer:
         adapter = read_peft_adapter(folder)
         unknown = sorted(set(adapter) - set(self.layers))
         if unknown:
-            raise ValueError(f"--adapter {folder}: targets {unknown[:4]} which the served model "
+            raise ValueError(f"adapter={folder}: targets {unknown[:4]} which the served model "
                              f"has no slot for; served modules: {sorted(self.layers)[:6]} ...")
         for path, layer in self.layers.items():
             a = np.zeros((layer.in_features, self.max_rank), np.float32)
@@ -118,10 +118,10 @@ class AdapterServer:
                 a_k, b_k, scale = adapter[path]
                 r = a_k.shape[1]
                 if r > self.max_rank:
-                    raise ValueError(f"--adapter {folder}: {path} has rank {r} > max_rank="
-                                     f"{self.max_rank}; raise --max-rank to at least {r}.")
+                    raise ValueError(f"adapter={folder}: {path} has rank {r} > max_rank="
+                                     f"{self.max_rank}; raise `max_rank` to at least {r}.")
                 if a_k.shape[0] != layer.in_features or b_k.shape[1] != layer.out_features:
-                    raise ValueError(f"--adapter {folder}: {path} has A {a_k.shape}, B "
+                    raise ValueError(f"adapter={folder}: {path} has A {a_k.shape}, B "
                                      f"{b_k.shape}; this model needs [{layer.in_features}, r] "
                                      f"and [r, {layer.out_features}] (another base model?).")
                 a[:, :r], b[:r] = a_k, scale * b_k
@@ -230,8 +230,8 @@ def generate_with_adapters(model, tokenizer, prompts: Sequence[str], adapters: S
         One :class:`~lowrank_jax.models.generate.GenerationResult` per prompt (with its text).
     """
     if len(prompts) != len(adapters):
-        raise ValueError(f"--adapter was given {len(adapters)} times but --prompt "
-                         f"{len(prompts)} times; give one prompt per adapter.")
+        raise ValueError(f"`adapters` holds {len(adapters)} folders but `prompts` "
+                         f"{len(prompts)} prompts; give one prompt per adapter.")
     if max_rank is None:
         ranks = [a.shape[1] for folder in adapters
                  for a, _, _ in read_peft_adapter(folder).values()]

@@ -17,6 +17,8 @@ from lowrank_jax.models.generate import generate, perplexity
 from lowrank_jax.quantize.pipeline import calibration_tokens, quantize_model
 from lowrank_jax.quant.unisvq import UniSVQConfig
 from lowrank_jax.train.finetune import default_lr, finetune
+from lowrank_jax.train.job import FinetuneJob
+from lowrank_jax.train.jobs import run_jobs_file
 from lowrank_jax.train.multihost import launch
 from lowrank_jax.train.structure import export_salaad
 
@@ -24,7 +26,8 @@ KV = [kv_cache_factory, {"kv_ratio": "ratio", "kv_group": "group_size", "kv_sink
 # command -> the library callables its run() passes arguments to, with CLI dest -> parameter
 # renames (a dest of the same name as a parameter needs no entry)
 CALLS = {
-    "finetune": [[finetune, {}]],
+    "finetune": [[finetune, {}], [FinetuneJob, {}]],
+    "jobs": [[run_jobs_file, {}]],
     "edit": [[EditConfig, {}],
              [capability_data, {"capability_seqs": "n_capability", "held_seqs": "n_held"}]],
     "eval": [[perplexity, {}], KV],
@@ -97,6 +100,23 @@ def test_cli_defaults_equal_the_library_defaults(command):
 def test_the_exemptions_are_still_needed():
     differing = {(c, d) for c, d, cli, _, _, lib in _pairs() if cli != lib}
     assert set(EXEMPT) <= differing
+
+
+def test_finetune_maps_every_option_onto_a_finetune_job_field_with_its_default():
+    """``finetune`` with no options builds the default FinetuneJob (every field from a flag;
+    --no-progress is progress=False, --jobs is the jobs command)."""
+    import dataclasses
+
+    from lowrank_jax.commands import finetune as command
+
+    args = build_parser().parse_args(["finetune"])
+    fields = {f.name: f for f in dataclasses.fields(FinetuneJob)}
+    assert set(command._JOB_FIELDS) == set(fields) - {"progress"}
+    for name in command._JOB_FIELDS:
+        value, default = getattr(args, name), fields[name].default
+        assert value == default and type(value) is type(default), (name, value, default)
+    assert args.no_progress is False and fields["progress"].default is True
+    assert FinetuneJob(**{n: getattr(args, n) for n in command._JOB_FIELDS}) == FinetuneJob()
 
 
 def test_finetune_lr_resolves_to_the_library_default_per_method():

@@ -45,21 +45,21 @@ def find_data_files(path: str | os.PathLike) -> list[pathlib.Path]:
         files = sorted(pathlib.Path(p) for p in glob.glob(text, recursive=True)
                        if os.path.isfile(p))
         if not files:
-            raise DataError(f"--data {text}: the pattern matches no file.")
+            raise DataError(f"data={text}: the pattern matches no file.")
     elif os.path.isdir(text):
         files = sorted(p for p in pathlib.Path(text).rglob("*")
                        if p.is_file() and not p.name.startswith("."))
         if not files:
-            raise DataError(f"--data {text}: the folder is empty; put .txt, .jsonl, .parquet "
+            raise DataError(f"data={text}: the folder is empty; put .txt, .jsonl, .parquet "
                             "or .arrayrecord files in it.")
     elif os.path.isfile(text):
         files = [pathlib.Path(text)]
     else:
-        raise DataError(f"--data {text}: no such file or folder.")
+        raise DataError(f"data={text}: no such file or folder.")
     supported = [p for p in files if p.name.endswith(TEXT_SUFFIXES)]
     if not supported:
         names = ", ".join(p.name for p in files[:3]) + (", ..." if len(files) > 3 else "")
-        raise DataError(f"--data {text}: no .txt, .jsonl, .parquet or .arrayrecord file "
+        raise DataError(f"data={text}: no .txt, .jsonl, .parquet or .arrayrecord file "
                         f"(found {names}).")
     return supported
 
@@ -82,7 +82,7 @@ def _jsonl_text(line: bytes, where: str, field: str) -> str:
     if not isinstance(record, dict) or field not in record:
         keys = ", ".join(list(record)[:6]) if isinstance(record, dict) else type(record).__name__
         raise DataError(f"{where}: no field {field!r} (has: {keys}); name the text field with "
-                        "--text-field.")
+                        "`text_field`.")
     value = record[field]
     if not isinstance(value, str):
         raise DataError(f"{where}: field {field!r} is a {type(value).__name__}, not text.")
@@ -101,7 +101,7 @@ def _parquet_column(path: pathlib.Path, field: str) -> list:
         raise DataError(f"{path}: unreadable parquet file ({str(err).splitlines()[0]}).") from None
     if field not in table.column_names:
         raise DataError(f"{path}: no column {field!r} (has: {', '.join(table.column_names[:6])}); "
-                        "name the text column with --text-field.")
+                        "name the text column with `text_field`.")
     return table.column(field).to_pylist()
 
 
@@ -186,7 +186,7 @@ def index_documents(path: str | os.PathLike, *, text_field: str = "text") -> Tex
         (2, 'two')
     """
     if not isinstance(text_field, str) or not text_field:
-        raise DataError(f"--text-field {text_field!r}: give the name of the JSON field / parquet "
+        raise DataError(f"text_field={text_field!r}: give the name of the JSON field / parquet "
                         "column that holds the text.")
     files, kinds, file_ids, offsets = [], [], [], []
     for path_ in find_data_files(path):
@@ -222,7 +222,7 @@ def index_documents(path: str | os.PathLike, *, text_field: str = "text") -> Tex
                     offsets.append(record)
             reader.close()
     if not file_ids:
-        raise DataError(f"--data {os.fspath(path)}: the files hold no text (every document is "
+        raise DataError(f"data={os.fspath(path)}: the files hold no text (every document is "
                         "empty).")
     return TextDocuments(files, kinds, np.asarray(file_ids), np.asarray(offsets), text_field)
 

@@ -52,7 +52,7 @@ def read_adapter(folder: str | os.PathLike, *, who: str | None = None
 
     Args:
         folder: the adapter folder.
-        who: how messages start (``"--adapter DIR"``, ``"import_peft"``); default
+        who: how messages start (``"adapter=DIR"``, ``"import_peft"``); default
             ``"adapter DIR"``.
 
     Returns:

@@ -117,41 +117,42 @@ def read_yaml_mapping(path: str, argument: str) -> dict:
     return data
 
 
-def check_jobs_file(path: str, out: str) -> tuple[dict, str]:
-    """Validate a ``finetune --jobs`` file before any work: its YAML, its numbers, its job
-    names (each job writes ``out/<name>``, so a name must stay inside ``out``) and data files.
+def check_jobs_file(path: str, out: str, argument: str = "jobs file") -> tuple[dict, str]:
+    """Validate a jobs file (``lowrank-jax jobs``) before any work: its YAML, its numbers, its
+    job names (each job writes ``out/<name>``, so a name must stay inside ``out``) and data
+    files. Messages start with ``argument`` (``"--jobs"``, ``"jobs file"``) and the path.
 
     Returns:
         ``(spec, out)``: the parsed spec and the output folder it writes to.
     """
-    spec = read_yaml_mapping(path, "--jobs")
+    spec = read_yaml_mapping(path, argument)
     out = spec.get("out", out)
     for key in ("steps", "seq_len"):
         value = spec.get(key, 1)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"--jobs {path}: {key}={value!r} must be a positive integer.")
+            raise ValueError(f"{argument} {path}: {key}={value!r} must be a positive integer.")
     jobs = spec.get("jobs") or []
     if not isinstance(jobs, list) or not all(isinstance(j, dict) for j in jobs):
-        raise ValueError(f"--jobs {path}: 'jobs' must be a list of mappings, e.g. "
+        raise ValueError(f"{argument} {path}: 'jobs' must be a list of mappings, e.g. "
                          "jobs: [{name: small, rank: 4}].")
     for i, job in enumerate(jobs):
         name = str(job.get("name", f"job{i}"))
-        inside(out, name, argument=f"--jobs {path}: job {i} name")
+        inside(out, name, argument=f"{argument} {path}: job {i} name")
         for key in ("lr", "alpha", "clip", "weight_decay"):
             if key in job:
                 value = job[key]
                 try:
                     value = float(value)
                 except (TypeError, ValueError):
-                    raise ValueError(f"--jobs {path}: job {name!r} {key}={job[key]!r} must be "
+                    raise ValueError(f"{argument} {path}: job {name!r} {key}={job[key]!r} must be "
                                      "a number.") from None
                 if key == "lr" and not value > 0:
-                    raise ValueError(f"--jobs {path}: job {name!r} lr={job[key]} must be > 0.")
+                    raise ValueError(f"{argument} {path}: job {name!r} lr={job[key]} must be > 0.")
                 if key != "lr" and value < 0:
-                    raise ValueError(f"--jobs {path}: job {name!r} {key}={job[key]} must be "
+                    raise ValueError(f"{argument} {path}: job {name!r} {key}={job[key]} must be "
                                      ">= 0.")
         if job.get("data"):
-            check_text_file(job["data"], f"--jobs {path}: job {name!r} data")
+            check_text_file(job["data"], f"{argument} {path}: job {name!r} data")
     return spec, out
 
 

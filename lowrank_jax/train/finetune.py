@@ -155,7 +155,7 @@ def finetune(
             else batch_fn.batch_size
         if rows % split:
             raise ValueError(f"batch size {rows} is not divisible by the mesh's data x fsdp = "
-                             f"{split}; use a multiple of {split} (--batch-size).")
+                             f"{split}; use a multiple of {split} (`batch_size`).")
         batch_spec = shard_lib.batch_sharding(mesh)
     adapted = apply_lora(model, LoRARule(targets, rank=rank, alpha=alpha), ranks=ranks,
                          rngs=nnx.Rngs(seed))
@@ -194,7 +194,7 @@ def finetune(
     start = time.perf_counter()
     try:
         for run in iterate_steps(step_fn, params, opt_state, batch_of, steps=steps, what=method,
-                                 hint="lower --lr.",
+                                 hint="lower `lr`.",
                                  progress=description if progress and main else None):
             params, losses = run.params, run.losses
     except NonFiniteLoss as e:
@@ -280,7 +280,7 @@ def load_model_and_tokens(model_name: str, data: str | None = None):
     text = None
     if data is not None:
         if not os.path.isfile(data):
-            raise FileNotFoundError(f"--data {data}: file not found; pass a UTF-8 text file.")
+            raise FileNotFoundError(f"data={data}: file not found; pass a UTF-8 text file.")
         with open(data, encoding="utf-8") as f:
             text = f.read()
     if model_name in PRESETS:
@@ -290,7 +290,8 @@ def load_model_and_tokens(model_name: str, data: str | None = None):
 
     model, tokenizer = load_model(model_name)
     if tokenizer is None:
-        raise ValueError(f"--model {model_name}: no tokenizer found next to the checkpoint.")
+        raise ValueError(f"model={model_name}: no tokenizer found next to the checkpoint; "
+                         "pass a folder with tokenizer.json or a .gguf file.")
     if text is None:
         from lowrank_jax.data import corpus_text
 

@@ -1,5 +1,5 @@
 """Several LoRA jobs trained at once on one frozen base (PLoRA packing): the application behind
-``lowrank-jax finetune --jobs jobs.yaml``.
+``lowrank-jax jobs jobs.yaml`` (also ``lowrank-jax finetune --jobs jobs.yaml``).
 
 ``jobs.yaml``::
 
@@ -34,35 +34,37 @@ def load_jobs(path: str) -> dict:
     import yaml
 
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"--jobs {path}: file not found.")
+        raise FileNotFoundError(f"jobs file {path}: not found; pass a YAML file of jobs.")
     with open(path) as f:
         spec = yaml.safe_load(f) or {}
     unknown = set(spec) - TOP_KEYS
     if unknown:
-        raise ValueError(f"--jobs {path}: unknown keys {sorted(unknown)}; "
+        raise ValueError(f"jobs file {path}: unknown keys {sorted(unknown)}; "
                          f"known: {sorted(TOP_KEYS)}.")
     jobs = spec.get("jobs") or []
     if not jobs:
-        raise ValueError(f"--jobs {path}: no jobs listed under 'jobs:'.")
+        raise ValueError(f"jobs file {path}: no jobs listed under 'jobs:'; add at least one, "
+                         "e.g. jobs: [{name: small, rank: 4}].")
     names = set()
     for i, job in enumerate(jobs):
         bad = set(job) - JOB_KEYS
         if bad:
-            raise ValueError(f"--jobs {path}: job {i} has unknown keys {sorted(bad)}; known: "
+            raise ValueError(f"jobs file {path}: job {i} has unknown keys {sorted(bad)}; known: "
                              f"{sorted(JOB_KEYS)}.")
         job.setdefault("name", f"job{i}")
         if job["name"] in names:
-            raise ValueError(f"--jobs {path}: two jobs are named {job['name']!r}.")
+            raise ValueError(f"jobs file {path}: two jobs are named {job['name']!r}; "
+                             "give each job its own name.")
         names.add(job["name"])
         for key in ("rank", "batch"):
             job.setdefault(key, 8 if key == "rank" else 2)
             if not isinstance(job[key], int) or job[key] < 1:
-                raise ValueError(f"--jobs {path}: job {job['name']!r} {key}={job[key]!r} must be "
-                                 "a positive integer.")
+                raise ValueError(f"jobs file {path}: job {job['name']!r} {key}={job[key]!r} "
+                                 "must be a positive integer.")
         job.setdefault("alpha", 2.0 * job["rank"])
         job.setdefault("lr", 1e-3)
         if not float(job["lr"]) > 0:
-            raise ValueError(f"--jobs {path}: job {job['name']!r} lr={job['lr']} must be > 0.")
+            raise ValueError(f"jobs file {path}: job {job['name']!r} lr={job['lr']} must be > 0.")
     return spec
 
 
@@ -128,13 +130,16 @@ def run_jobs(spec: dict, *, model: str = "tiny", out: str = "runs/finetune",
     for job in jobs:
         if job.get("data"):
             if model_name not in PRESETS:
-                raise ValueError("per-job 'data' files are supported with model: tiny; for real "
-                                 "models pass one --data for all jobs.")
+                raise ValueError(f"job {job['name']!r}: per-job 'data' files need a byte-level "
+                                 "preset (model: tiny); with a real model leave 'data' out (the "
+                                 "jobs train on the embedded corpus).")
             job_tokens.append(load_model_and_tokens(model_name, job["data"])[1])
         else:
             job_tokens.append(tokens)
         if len(job_tokens[-1]) < seq_len + 2:
-            raise ValueError(f"job {job['name']!r}: its text is shorter than seq_len + 2.")
+            raise ValueError(f"job {job['name']!r}: its text has {len(job_tokens[-1])} tokens, "
+                             f"fewer than seq_len + 2 = {seq_len + 2}; give more text or a smaller "
+                             "seq_len.")
     ranks = [job["rank"] for job in jobs]
     n = apply_multi_lora(model, ranks=ranks, alphas=[float(j["alpha"]) for j in jobs],
                          targets=targets, rngs=nnx.Rngs(int(spec.get("seed", 0))))
@@ -190,4 +195,29 @@ def run_jobs(spec: dict, *, model: str = "tiny", out: str = "runs/finetune",
     return summary
 
 
-__all__ = ["JOB_KEYS", "TOP_KEYS", "load_jobs", "make_packed_step", "run_jobs"]
+def run_jobs_file(path: str, *, model: str = "tiny", out: str = "runs/finetune",
+                  overwrite: bool = False, progress: bool = True, log=print,
+                  argument: str = "jobs file") -> list[dict]:
+    """Check the jobs file ``path`` and its output folder before any work, then
+    :func:`run_jobs` (what ``lowrank-jax jobs JOBS.yaml`` does).
+
+    Args:
+        path: the jobs YAML (format in the module docstring).
+        model, out: used when the file names none.
+        overwrite: write into an output folder that is not empty or holds another run.
+        progress, log: a progress bar; where the per-job lines go.
+        argument: how messages name the file (``"jobs file"``; the CLI's ``"`jobs`"``).
+
+    Returns:
+        One summary dict per job, as :func:`run_jobs`.
+    """
+    from lowrank_jax.runs.outputs import prepare_output
+    from lowrank_jax.runs.validate import check_jobs_file
+
+    jobs_out = check_jobs_file(path, out, argument=argument)[1]
+    prepare_output(jobs_out, command="finetune", argument="`out`", overwrite=overwrite,
+                   reads={argument: path, "`model`": model})
+    return run_jobs(load_jobs(path), model=model, out=out, progress=progress, log=log)
+
+
+__all__ = ["JOB_KEYS", "TOP_KEYS", "load_jobs", "make_packed_step", "run_jobs", "run_jobs_file"]

@@ -95,14 +95,14 @@ def open_training_data(cfg, mesh=None, batch_sharding=None) -> TrainingData:
     data, train = cfg.data, cfg.train
     documents = index_documents(data.path, text_field=data.text_field)
     if len(documents) < 2:
-        raise DataError(f"--data {data.path}: 1 document; at least 2 are needed (one is held out "
+        raise DataError(f"data={data.path}: 1 document; at least 2 are needed (one is held out "
                         "for validation): add files, or split the text into .jsonl lines.")
     try:
         tokenizer = _tokenizer_loader(data.tokenizer)()
     except (FileNotFoundError, ValueError) as err:
         raise DataError(str(err).splitlines()[0]) from None
     if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise DataError(f"--tokenizer {data.tokenizer} has {tokenizer.vocab_size} tokens but "
+        raise DataError(f"tokenizer={data.tokenizer} has {tokenizer.vocab_size} tokens but "
                         f"model.vocab_size={cfg.model.vocab_size}; use --set "
                         f"model.vocab_size={tokenizer.vocab_size}.")
     tokenize = TokenizeText(_tokenizer_loader(data.tokenizer), tokenizer=tokenizer)
@@ -117,7 +117,7 @@ def open_training_data(cfg, mesh=None, batch_sharding=None) -> TrainingData:
         if tokens >= row_length:
             break
     else:
-        raise DataError(f"--data {data.path}: the {len(train_docs)} training documents hold "
+        raise DataError(f"data={data.path}: the {len(train_docs)} training documents hold "
                         f"{tokens} tokens, less than one row of train.seq_len + 1 = {row_length}; "
                         "add text or lower train.seq_len.")
     if mesh is not None and batch_sharding is None:
@@ -134,7 +134,7 @@ def open_training_data(cfg, mesh=None, batch_sharding=None) -> TrainingData:
     val = {k: np.concatenate([v, np.zeros((pad, row_length), v.dtype)]) for k, v in val.items()}
     held_out = packed_batch(val)
     if not held_out.loss_mask.any():
-        raise DataError(f"--data {data.path}: the {n_val} held-out documents have no two "
+        raise DataError(f"data={data.path}: the {n_val} held-out documents have no two "
                         "consecutive tokens to score; add text.")
     seen = held_out.targets[held_out.loss_mask > 0]
     unit = "byte" if data.tokenizer == "byte" else "token"

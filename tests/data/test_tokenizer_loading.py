@@ -37,7 +37,7 @@ def test_smollm2_header_reader_equals_the_gguf_package_and_folders_load_the_same
 
 
 def test_unknown_names_and_bad_files_are_clear(tmp_path):
-    with pytest.raises(FileNotFoundError, match="--tokenizer nope: .*Give 'byte', 'smollm2'"):
+    with pytest.raises(FileNotFoundError, match="tokenizer=nope: .*Give 'byte', 'smollm2'"):
         load_tokenizer("nope")
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="the folder has no tokenizer.json"):

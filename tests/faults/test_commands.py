@@ -138,7 +138,7 @@ CASES = {
         (["quantize", "--model", "tiny", "--group-size", "0", "--out", "o"],
          "argument --group-size: 0 must be a positive integer"),
         (["quantize", "--model", "d/none", "--out", "o"],
-         "model='d/none' is neither a known name"),
+         "--model 'd/none' is neither a known name"),
         (["quantize", "--model", "tiny", "--calib-file", "d/none.txt", "--out", "o"],
          "--calib-file 'd/none.txt' does not exist"),
     ],
@@ -188,6 +188,14 @@ CASES = {
         (["finetune", "--jobs", "d/jobs_lr.yaml", "--mesh", "data=3", "--out", "o"],
          "mesh data=3 x fsdp=1 x tensor=1 needs 3 devices, but "),
     ],
+    "jobs": [
+        (["jobs", "d/none.yaml", "--out", "o"], "jobs file d/none.yaml: file not found"),
+        (["jobs", "d/jobs_list.yaml", "--out", "o"],
+         "jobs file d/jobs_list.yaml: 'jobs' must be a list of mappings"),
+        (["jobs", "d/jobs_lr.yaml", "--out", "o"],
+         "jobs file d/jobs_lr.yaml: job 'a' lr=nan must be > 0"),
+        (["jobs", "d/jobs_lr.yaml", "--rank", "4"], "unrecognized arguments: --rank 4"),
+    ],
     # the older commands, so that every command of `lowrank-jax --help` has cases here
     "bench": [
         (["bench", "--only", "nope", "--out", "o"], "--only nope: unknown benchmark; choose "
@@ -205,8 +213,8 @@ CASES = {
         (["plan", "--devices", "1", "--set", "nokey=1"], "Unknown config key 'nokey'"),
     ],
     "analyze": [
-        (["analyze", "--model", "d/none", "--out", "o"], "model='d/none' is neither a known "
-                                                         "name"),
+        (["analyze", "--model", "d/none", "--out", "o"], "--model 'd/none' is neither a "
+                                                         "known name"),
         (["analyze", "--model", "tiny", "--top-k", "0", "--out", "o"],
          "argument --top-k: 0 must be a positive integer"),
     ],

@@ -78,7 +78,7 @@ def test_hot_swap_does_not_recompile(folders):
 
 def test_rank_above_max_is_a_clear_error(folders):
     server = AdapterServer(base(), slots=1, max_rank=4)
-    with pytest.raises(ValueError, match="raise --max-rank to at least 8"):
+    with pytest.raises(ValueError, match="raise `max_rank` to at least 8"):
         server.load(0, folders[1])
     with pytest.raises(FileNotFoundError, match="adapter_config.json"):
         server.load(0, folders[1] + "-missing")
