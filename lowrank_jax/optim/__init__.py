@@ -14,7 +14,6 @@ from lowrank_jax.optim.balora import (
     balance_pair,
     balancing_gap,
     balora,
-    find_lora_pairs,
     scale_by_balora,
 )
 from lowrank_jax.optim.crispedit import (
@@ -28,12 +27,8 @@ from lowrank_jax.optim.crispedit import (
     scale_by_crispedit,
 )
 from lowrank_jax.optim.factors import (
-    default_pair_fn,
-    factor_pairs,
     factor_roles,
     find_pairs,
-    label_factors,
-    lora_pairs,
 )
 from lowrank_jax.optim.janus import (
     SubspaceMemory,
@@ -99,7 +94,6 @@ __all__ = [
     "WithSubspacesState",
     "find_pairs",
     "janus",
-    "lora_pairs",
     "BaLoRAState",
     "SubspaceMemory",
     "balance_lora_params",
@@ -107,7 +101,6 @@ __all__ = [
     "balancing_gap",
     "balora",
     "decoupled_margin_loss",
-    "find_lora_pairs",
     "janus_rectify",
     "oe_accumulate",
     "oe_finalize",
@@ -115,10 +108,7 @@ __all__ = [
     "reanchor",
     "scale_by_balora",
     "SpectronState",
-    "default_pair_fn",
-    "factor_pairs",
     "factor_roles",
-    "label_factors",
     "newton_schulz",
     "polar",
     "power_iteration",
@@ -145,7 +135,7 @@ from lowrank_jax.optim.lordo_distributed import (
     set_projection,
 )
 from lowrank_jax.optim.lordo_simulation import simulate_ddp, simulate_lordo
-from lowrank_jax.optim.update_norm import max_update_norm, weight_pairs
+from lowrank_jax.optim.update_norm import max_update_norm
 from lowrank_jax.optim.salaad import (
     SalaadConfig,
     SalaadState,
@@ -198,7 +188,6 @@ __all__ += [
     "simulate_ddp",
     "simulate_lordo",
     "max_update_norm",
-    "weight_pairs",
     "soft_threshold",
     "surrogate_counts",
     "svt",

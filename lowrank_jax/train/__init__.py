@@ -9,7 +9,7 @@ from lowrank_jax.train.loop import (
     TrainState,
     init_state,
     make_eval_fn,
-    make_train_step,
+    make_lm_step,
     train,
     train_windows,
 )
@@ -19,5 +19,5 @@ from lowrank_jax.core.step import make_step
 # ``finetune`` (the function) stays in lowrank_jax.train.finetune: exported here it would hide
 # the module of the same name (``lowrank_jax.train.finetune.save_merged`` …)
 __all__ = ["FinetuneResult", "RunConfig", "TrainResult", "TrainState", "init_state", "lm_loss",
-           "load_config", "make_eval_fn", "make_step", "make_train_step", "run_jobs", "train",
+           "load_config", "make_eval_fn", "make_lm_step", "make_step", "run_jobs", "train",
            "train_windows"]
