@@ -2,7 +2,7 @@
 
 Three pieces, each usable alone:
 
-* **Gradient Rectification (GR)** — :func:`janus_rectify`, an optax transform that maps the LoRA
+* **Gradient Rectification (GR)** — :func:`scale_by_janus`, an optax transform that maps the LoRA
   gradients ``(g_a, g_b)`` to factor updates ``(Δa, Δb)`` whose composite ``Δa·b + a·Δb (+ Δa·Δb)``
   satisfies ``Vᵀ·ΔW = 0`` for the protected input basis ``V``; and :func:`orthogonality_clamp`,
   which re-imposes the constraints on the final deltas after Adam (an element-wise transform
@@ -230,9 +230,6 @@ def scale_by_janus(
         return _for_each_pair(fn, updates, params, subspaces, pair_fn), state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-janus_rectify = scale_by_janus  # the name used before the optax two-level API
 
 
 def janus(
@@ -533,7 +530,7 @@ def set_subspaces(state: WithSubspacesState, subspaces: dict) -> WithSubspacesSt
 
 __all__ = [
     "SubspaceMemory", "WithSubspacesState", "clamp_pair", "decoupled_margin_loss", "janus",
-    "janus_rectify", "oe_accumulate", "oe_finalize", "orthogonality_clamp",
+    "oe_accumulate", "oe_finalize", "orthogonality_clamp",
     "orthonormalize_basis", "reanchor", "rectify_pair", "scale_by_input_projection",
     "scale_by_janus", "set_subspaces", "with_subspaces",
 ]
