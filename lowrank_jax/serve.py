@@ -33,7 +33,7 @@ from flax import nnx
 
 from lowrank_jax.nn.multi_lora import apply_multi_lora, multi_lora_layers, set_adapter_ids
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from lowrank_jax.models.llama import PROJECTIONS as TARGETS  # noqa: E402 (one list)
 
 
 def read_peft_adapter(folder: str | os.PathLike) -> dict[str, tuple[np.ndarray, np.ndarray, float]]:

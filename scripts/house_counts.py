@@ -1,4 +1,4 @@
-"""Count the house rules of issue 37 from the package source (``ast`` only, nothing imported).
+"""Count the house rules of issues 37 and 52 from the source (``ast`` only, nothing imported).
 
     python scripts/house_counts.py            # the table
     python scripts/house_counts.py --details  # and every offending edge / function
@@ -28,7 +28,22 @@ Counts:
   (``core/loop.py``) after;
 - **NLL implementations**: functions that compute a token NLL from ``log_softmax``/``logsumexp``;
 - **lines of scripts/**: every ``*.py`` line under ``scripts/`` (issue 37: 8,090 when the move of
-  library logic out of the scripts began; at most 8,090 - 1,500).
+  library logic out of the scripts began; at most 8,090 - 1,500);
+- **adapter bodies** (issue 52): package functions that apply a LoRA update to an input: they
+  hold a chained product ``(x @ A) @ B`` and read a LoRA factor (a name, attribute or key
+  starting with ``lora_``) or are named for one (the function's or its class's name contains
+  ``lora`` or ``adapter``); the one body is ``lowrank_jax.nn.lora.lora_output`` (a factorized
+  layer's ``(x @ a) @ b`` is its weight, not an adapter; the per-example gathers of K adapters,
+  ``einsum`` pairs in ``MultiLoRALinear`` and the hypernetwork's bank, are dispatch, not counted);
+- **dense-weight accessors** (issue 52): distinct names (leading ``_`` ignored) of package
+  functions / methods in ``DENSE_ACCESSOR_SYNONYMS`` or matching ``DENSE_ACCESSOR_PATTERN``
+  (a layer's method of the same name as the function is the same idea: one name);
+- **pair finders** (issue 52): distinct names (leading ``_`` ignored) of package functions in
+  ``PAIR_FINDER_SYNONYMS`` or matching ``PAIR_FINDER_PATTERN`` (``*pairs``, ``*pair_paths``);
+- **homonyms** (issue 52): public top-level names (``def``, ``class``, assignment; no leading
+  ``_``) defined in two or more modules of ``lowrank_jax`` / ``pallas_kernels`` (a re-export
+  ``from x import name`` is not a definition), except the names of a plugin protocol that every
+  module of one family defines on purpose (``PROTOCOL_NAMES``).
 """
 
 from __future__ import annotations
@@ -374,6 +389,110 @@ def nll_implementations() -> list[str]:
     return found
 
 
+def _package_trees(packages=(PACKAGE,)):
+    for package in packages:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            yield path, ast.parse(path.read_text(), filename=str(path))
+
+
+def _functions(tree: ast.AST):
+    """Every function or method of a module, nested ones included."""
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def _adapter_named(name: str) -> bool:
+    return "lora" in name.lower() or "adapter" in name.lower()
+
+
+def _reads_lora_factor(fn: ast.AST) -> bool:
+    for node in ast.walk(fn):
+        name = (node.attr if isinstance(node, ast.Attribute) else node.id
+                if isinstance(node, ast.Name) else node.value
+                if isinstance(node, ast.Constant) and isinstance(node.value, str) else "")
+        if name.startswith("lora_") and name != "lora_output":  # calling the body is no body
+            return True
+    return False
+
+
+def adapter_bodies() -> list[str]:
+    """Functions holding ``(x @ A) @ B`` that read a LoRA factor (see the module docstring)."""
+    found = []
+    for path, tree in _package_trees():
+        owner = {id(fn): cls.name for cls in ast.walk(tree) if isinstance(cls, ast.ClassDef)
+                 for fn in cls.body}
+        for fn in _functions(tree):
+            named = _adapter_named(fn.name) or _adapter_named(owner.get(id(fn), ""))
+            chained = any(isinstance(n, ast.BinOp) and isinstance(n.op, ast.MatMult)
+                          and isinstance(n.left, ast.BinOp) and isinstance(n.left.op, ast.MatMult)
+                          for n in ast.walk(fn))
+            if chained and (named or _reads_lora_factor(fn)):
+                found.append(f"{path.relative_to(ROOT)}:{fn.lineno} {fn.name}")
+    return found
+
+
+#: the names the issue found for "a module's dense weight" (issue 52), and a pattern for new ones
+DENSE_ACCESSOR_SYNONYMS = {"dense_matrix", "dense_weight", "dense_kernel", "kernel_matrix",
+                           "weight_matrix", "full_weight", "merged_weight"}
+DENSE_ACCESSOR_PATTERN = re.compile(
+    r"^(dense|full|merged|effective|materiali[sz]ed?)_(weight|kernel|matrix)s?$"
+    r"|^(get_)?(weight|kernel)_(matrix|dense)$")
+#: the names the issue found for "find the factor pairs" (issue 52), and a pattern for new ones
+PAIR_FINDER_SYNONYMS = {"find_pairs", "factor_pairs", "lora_pairs", "label_factors",
+                        "find_lora_pairs", "lora_pair_paths", "weight_pairs"}
+PAIR_FINDER_PATTERN = re.compile(r"pairs$|pair_paths$")
+
+
+def _named(synonyms: set[str], pattern: re.Pattern) -> dict[str, list[str]]:
+    names: dict[str, list[str]] = {}
+    for path, tree in _package_trees():
+        for fn in _functions(tree):
+            name = fn.name.lstrip("_")
+            if name in synonyms or pattern.search(name):
+                names.setdefault(name, []).append(f"{path.relative_to(ROOT)}:{fn.lineno}")
+    return names
+
+
+def dense_accessors() -> dict[str, list[str]]:
+    """``{name: [where it is defined]}`` of the dense-weight accessor names."""
+    return _named(DENSE_ACCESSOR_SYNONYMS, DENSE_ACCESSOR_PATTERN)
+
+
+def pair_finders() -> dict[str, list[str]]:
+    """``{name: [where it is defined]}`` of the pair-finder names."""
+    return _named(PAIR_FINDER_SYNONYMS, PAIR_FINDER_PATTERN)
+
+
+#: names that every module of one plugin family defines on purpose: the same name is the same
+#: idea there (a command module's ``register(subparsers)`` / ``run(args)``; a kernel op's
+#: ``BlockSizes`` and its ``cases.py`` functions that ``scripts/gpu`` and the CI compile step call)
+PROTOCOL_NAMES = {
+    "lowrank_jax/commands/*.py": {"register", "run"},
+    "pallas_kernels/*/api.py": {"BlockSizes"},
+    "pallas_kernels/*/cases.py": {"compile_cases"},
+}
+
+
+def homonyms() -> dict[str, list[str]]:
+    """``{name: [modules]}`` of public top-level names defined in two or more modules."""
+    defined: dict[str, list[str]] = {}
+    for path, tree in _package_trees((PACKAGE, KERNELS)):
+        rel = path.relative_to(ROOT)
+        names = set()
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Assign):
+                names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                names.add(node.target.id)
+        for name in names:
+            protocol = any(rel.match(glob) and name in allowed
+                           for glob, allowed in PROTOCOL_NAMES.items())
+            if not name.startswith("_") and not protocol:
+                defined.setdefault(name, []).append(str(rel))
+    return {name: where for name, where in sorted(defined.items()) if len(where) > 1}
+
+
 def counts() -> dict[str, object]:
     modules = package_modules()
     edges, private = import_graph(modules)
@@ -390,6 +509,10 @@ def counts() -> dict[str, object]:
         "loops": training_loops(),
         "script_lines": sum(len(p.read_text().splitlines())
                             for p in (ROOT / "scripts").rglob("*.py")),
+        "adapter_bodies": adapter_bodies(),
+        "dense_accessors": dense_accessors(),
+        "pair_finders": pair_finders(),
+        "homonyms": homonyms(),
     }
 
 
@@ -416,6 +539,10 @@ def main(argv: list[str] | None = None) -> int:
         ("NLL implementations", len(c["nll"]), "1"),
         ("training loops", len(c["loops"]), "1"),
         ("lines of scripts/", c["script_lines"], f"<= {SCRIPT_LINES_BASELINE - 1500}"),
+        ("adapter bodies", len(c["adapter_bodies"]), "1"),
+        ("dense-weight accessors", len(c["dense_accessors"]), "1"),
+        ("pair finders", len(c["pair_finders"]), "1"),
+        ("public names defined twice", len(c["homonyms"]), "0"),
     ]
     print(f"{'count':34s} {'now':>8s} {'target':>8s}")
     for name, value, target in rows:
@@ -435,6 +562,14 @@ def main(argv: list[str] | None = None) -> int:
             print("nll:", s)
         for s in c["loops"]:
             print("loop:", s)
+        for s in c["adapter_bodies"]:
+            print("adapter body:", s)
+        for name, where in c["dense_accessors"].items():
+            print(f"dense-weight accessor: {name} ({', '.join(where)})")
+        for name, where in c["pair_finders"].items():
+            print(f"pair finder: {name} ({', '.join(where)})")
+        for name, where in c["homonyms"].items():
+            print(f"homonym: {name} ({', '.join(where)})")
     return 0
 
 

@@ -31,10 +31,10 @@ def _check_lora(ns):
 def _check_spectron(ns):
     from flax import nnx
 
-    from lowrank_jax.optim import factor_pairs
+    from lowrank_jax.optim import find_pairs
 
     state = nnx.state(ns["model"], nnx.Param)
-    assert len(factor_pairs(state)) == 14  # 7 factorized projections x 2 layers
+    assert len(find_pairs(state, kinds=("factor",))) == 14  # 7 factorized projections x 2 layers
     assert int(ns["optimizer"].step[...]) == 1 and np.isfinite(float(ns["loss"]))
 
 
@@ -54,7 +54,7 @@ def _check_user_model(ns):
     from flax import nnx
     from safetensors.numpy import load_file
 
-    from lowrank_jax.optim import factor_pairs
+    from lowrank_jax.optim import find_pairs
 
     losses = ns["user_losses"]
     assert len(losses) == 20 and losses[-1] < losses[0]  # the adapters trained
@@ -63,7 +63,7 @@ def _check_user_model(ns):
     assert len(q_b) == 1 and tensors[q_b[0]].shape == (64, 4)  # [N*H, r], as the comment says
     assert set(ns["nf4_errors"]) == {"o_proj", "q_proj", "up_proj", "v_proj"}  # r"proj" matched
     assert {r["rank"] for r in ns["report"].values()} == {32}  # rank ratio 0.5 of 64
-    assert len(factor_pairs(nnx.state(ns["low_rank"], nnx.Param))) == 4
+    assert len(find_pairs(nnx.state(ns["low_rank"], nnx.Param), kinds=("factor",))) == 4
 
 
 CHECKS = {  # a distinctive line of the block -> the check of what the text promises

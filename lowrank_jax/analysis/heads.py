@@ -18,7 +18,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float
 
 LAYOUTS = ("llama_qkv", "llama_out", "flax_qkv", "flax_out", "torch_qkv", "torch_out")
-ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+from lowrank_jax.models.llama import ATTENTION_PROJECTIONS  # noqa: E402 (one list)
 
 
 def split_heads(kernel: Float[Array, "..."], *, layout: str, num_heads: int) -> Array:

@@ -35,7 +35,7 @@ from lowrank_jax.train.jobs import make_packed_step
 from lowrank_jax.train.losses import adapter_loss
 from lowrank_jax.train.multi_job import per_job_adamw
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from lowrank_jax.models.llama import PROJECTIONS as TARGETS  # noqa: E402 (one list)
 RANKS = (4, 8, 16, 4, 8, 16, 4, 8)
 
 

@@ -16,8 +16,8 @@ from flax import nnx
 from lowrank_jax.bench.timing import time_interleaved
 from lowrank_jax.models.generate import forward, generate, prepare
 from lowrank_jax.models.llama import Llama, LlamaConfig
-from lowrank_jax.optim import label_factors, scale_by_spectron, spectron_with_adamw
-from lowrank_jax.train.loop import make_train_step
+from lowrank_jax.optim import find_pairs, scale_by_spectron, spectron_with_adamw
+from lowrank_jax.train.loop import make_lm_step
 
 
 def row(benchmark: str, case: str, method: str, baseline: str, method_s: float,
@@ -50,7 +50,7 @@ def train_step_runner(cfg: LlamaConfig, tx: optax.GradientTransformation, batch:
     graph, state = nnx.split(model)
     params = nnx.as_pure(state)
     holder = [params, tx.init(params)]
-    step = make_train_step(graph, tx)
+    step = make_lm_step(graph, tx)
     x, y = random_token_batch(cfg.vocab_size, batch, seq, seed)
 
     def run():
@@ -67,7 +67,7 @@ def spectron_per_pair(eta: float, adamw_lr: float) -> optax.GradientTransformati
         {"spectron": optax.chain(scale_by_spectron(batch_pairs=False),
                                  optax.scale_by_learning_rate(eta)),
          "adamw": optax.adamw(adamw_lr, b1=0.9, b2=0.95, weight_decay=0.0)},
-        lambda params: label_factors(params, "spectron", "adamw"))
+        lambda params: find_pairs(params, kinds=("factor",), labels=("spectron", "adamw")))
 
 
 def update_runner(cfg: LlamaConfig, tx: optax.GradientTransformation, seed: int = 0):

@@ -44,8 +44,9 @@ import numpy as np
 from flax import nnx
 
 from lowrank_jax.nn.capture import Recorder, capture, recording, tapped
+from lowrank_jax.nn.lora import lora_output
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from lowrank_jax.models.llama import PROJECTIONS as TARGETS  # noqa: E402 (one list)
 
 
 def default_alpha(rank: int) -> float:
@@ -323,7 +324,7 @@ class _AdapterRecorder(Recorder):
         a, b = self.adapters[path]  # [D, R, in], [D, R, out]
         if a.shape[0] == 1:
             a, b = a[0], b[0]
-            delta = (x.astype(jnp.float32) @ a.T) @ b
+            delta = lora_output(x.astype(jnp.float32), a.T, b, 1.0)
         elif a.shape[0] == x.shape[0]:
             h = jnp.einsum("b...i,bri->b...r", x.astype(jnp.float32), a)
             delta = jnp.einsum("b...r,bro->b...o", h, b)

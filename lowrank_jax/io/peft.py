@@ -27,7 +27,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lowrank_jax.io.adapters import pattern_value, read_adapter, read_adapter_config
+from lowrank_jax.io.adapters import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    pattern_value,
+    read_adapter,
+    read_adapter_config,
+)
 from lowrank_jax.runs.outputs import staged_folder
 from lowrank_jax.io.peft_layout import export_modules, import_modules, model_slots
 from lowrank_jax.io.peft_names import (
@@ -39,16 +45,13 @@ from lowrank_jax.io.peft_names import (
 )
 from lowrank_jax.nn.inject import (
     LoRARule,
-    adaptable_modules,
     apply_lora,
     expert_kernels,
     lora_layers,
 )
 from lowrank_jax.nn.lora import LoRALinear, lora_scaling
-from lowrank_jax.nn.projection import module_path, projection_view
+from lowrank_jax.nn.projection import module_path, outermost_projections, projection_view
 
-CONFIG_NAME = "adapter_config.json"
-WEIGHTS_NAME = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 
 
@@ -63,7 +66,7 @@ def _default_map(model: nnx.Module, name_map: Any) -> Any:
 def _slots(model: nnx.Module, name_map: Any, adapted: set[str]):
     """The name map's view of every projection of ``model``, adapted or not."""
     modules = [(p, m) for p, m in lora_layers(model)]
-    modules += [(module_path(p), m) for p, m in adaptable_modules(model)]
+    modules += [(module_path(p), m) for p, m in outermost_projections(model)]
     return model_slots(modules, name_mapper(name_map), adapted)
 
 

@@ -41,7 +41,7 @@ from lowrank_jax.kv.quantized import (
     STORAGE_DTYPE,
     QuantizedArray,
     check_kv_bits,
-    dequantize,
+    dequantize_kv,
     quantize,
     quantized_nbytes,
 )
@@ -152,7 +152,7 @@ def _store_jit(x, bits: int, axis: int, group: int, dtype, hadamard: bool):
 def _load(x, length: int | None = None, hadamard: bool = False) -> jax.Array:
     if not isinstance(x, QuantizedArray):
         return x.astype(jnp.float32)
-    out = dequantize(x)
+    out = dequantize_kv(x)
     if hadamard:
         out = hadamard_rotate(out, x.axis, x.group_size, inverse=True)
         out = jax.lax.slice_in_dim(out, 0, length, axis=x.axis)

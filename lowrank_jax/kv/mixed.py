@@ -46,7 +46,7 @@ from lowrank_jax.kv.quantized import (
     STORAGE_DTYPE,
     QuantizedArray,
     check_kv_bits,
-    dequantize,
+    dequantize_kv,
     quantize,
     quantized_nbytes,
 )
@@ -54,7 +54,7 @@ from lowrank_jax.kv.ranks import DEFAULT_GROUP_SIZE, layer_groups
 
 # the widths a direction's factor or basis may take (1 bit is supported but was never chosen
 # on SmolLM2: its error, ~0.4 of the direction, costs more than dropping weak directions saves)
-DEFAULT_BITS = (2, 4, 8)
+DEFAULT_BIT_CHOICES = (2, 4, 8)
 DEFAULT_TOKEN_GROUP = 256  # tokens per quantization / Hadamard group of a token factor
 DEFAULT_BASIS_GROUP = 64  # channels per group of a basis row (capped at head_dim)
 DEFAULT_KEY_SHARE = 0.6  # fraction of the budget spent on keys
@@ -146,7 +146,7 @@ def _store(x, bits: int, axis: int, group: int, dtype):
 def _load(x, length: int) -> jax.Array:
     if not isinstance(x, QuantizedArray):
         return x.astype(jnp.float32)
-    out = hadamard_rotate(dequantize(x), x.axis, x.group_size, inverse=True)
+    out = hadamard_rotate(dequantize_kv(x), x.axis, x.group_size, inverse=True)
     return jax.lax.slice_in_dim(out, 0, length, axis=x.axis)
 
 
@@ -282,7 +282,7 @@ def xkv_mixed_compress(
     keys: Float[Array, "layers b L hk d"], values: Float[Array, "layers b L hk d"], *,
     rope_theta: float, ratio: float | None = None, rank: str | None = None,
     group_size: int = DEFAULT_GROUP_SIZE, sink_tokens: int = 1,
-    bit_widths: tuple = DEFAULT_BITS, token_group: int = DEFAULT_TOKEN_GROUP,
+    bit_widths: tuple = DEFAULT_BIT_CHOICES, token_group: int = DEFAULT_TOKEN_GROUP,
     basis_group: int = DEFAULT_BASIS_GROUP, key_share: float = DEFAULT_KEY_SHARE,
     allocation: str = "group", full_bits: int = FULL_BITS, dtype=STORAGE_DTYPE,
     svd_cache: SVDCache | None = None,
@@ -426,5 +426,5 @@ def _rebuild(factors, bases, sink, factored: int):
     return jnp.concatenate([sink.astype(jnp.float32), body], axis=1)
 
 
-__all__ = ["DEFAULT_BITS", "DEFAULT_KEY_SHARE", "DEFAULT_TOKEN_GROUP", "MixedBitsXKVCache",
+__all__ = ["DEFAULT_BIT_CHOICES", "DEFAULT_KEY_SHARE", "DEFAULT_TOKEN_GROUP", "MixedBitsXKVCache",
            "xkv_mixed_compress", "xkv_mixed_reconstruct"]

@@ -32,29 +32,29 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-SUPPORTED_BITS = (1, 2, 4, 8)
-DEFAULT_BITS = 2
-DEFAULT_GROUP_SIZE = 32  # KIVI's default group size
+KV_BITS = (1, 2, 4, 8)
+KV_DEFAULT_BITS = 2
+KV_GROUP_SIZE = 32  # KIVI's default group size
 DEFAULT_RESIDUAL = 128  # KIVI's default full-precision window of recent tokens
 STORAGE_DTYPE = "float16"  # exact tokens, scales, minima: the deployed 16-bit cache
 
 
 def check_kv_bits(bits) -> int:
-    """``bits`` as an int; ``ValueError`` unless it is one of ``SUPPORTED_BITS`` (uint8 packing)."""
-    if bits not in SUPPORTED_BITS or isinstance(bits, bool):
-        raise ValueError(f"bits={bits!r} must be one of {SUPPORTED_BITS} (codes are packed into "
+    """``bits`` as an int; ``ValueError`` unless it is one of ``KV_BITS`` (uint8 packing)."""
+    if bits not in KV_BITS or isinstance(bits, bool):
+        raise ValueError(f"bits={bits!r} must be one of {KV_BITS} (codes are packed into "
                          "uint8); use 2 or 4 for a KIVI cache.")
     return int(bits)
 
 
-def pack_bits(codes: jax.Array, bits: int) -> jax.Array:
+def pack_kv_codes(codes: jax.Array, bits: int) -> jax.Array:
     """Pack integer codes in ``[0, 2^bits)`` into a flat ``uint8`` array (``8 // bits`` per
     byte, zero-padded at the end).
 
     Example::
 
         >>> import jax.numpy as jnp
-        >>> pack_bits(jnp.asarray([1, 2, 3, 0, 3], jnp.uint8), 2).tolist()
+        >>> pack_kv_codes(jnp.asarray([1, 2, 3, 0, 3], jnp.uint8), 2).tolist()
         [57, 3]
     """
     bits = check_kv_bits(bits)
@@ -66,8 +66,8 @@ def pack_bits(codes: jax.Array, bits: int) -> jax.Array:
     return jnp.sum(flat << shifts, axis=1, dtype=jnp.uint32).astype(jnp.uint8)
 
 
-def unpack_bits(packed: jax.Array, bits: int, size: int) -> jax.Array:
-    """Inverse of :func:`pack_bits`: the first ``size`` codes as ``uint8``."""
+def unpack_kv_codes(packed: jax.Array, bits: int, size: int) -> jax.Array:
+    """Inverse of :func:`pack_kv_codes`: the first ``size`` codes as ``uint8``."""
     bits = check_kv_bits(bits)
     per = 8 // bits
     shifts = jnp.arange(per, dtype=jnp.uint8) * bits
@@ -102,7 +102,7 @@ def quantize(x: Float[Array, "..."], bits: int, *, axis: int, group_size: int,
     """Asymmetric min/max quantization in groups of ``group_size`` along ``axis``.
 
     The scale and minimum are rounded to ``dtype`` first and the codes are computed against
-    the rounded values, so :func:`dequantize` is within half a step of ``x`` (plus the
+    the rounded values, so :func:`dequantize_kv` is within half a step of ``x`` (plus the
     ``dtype`` rounding of the minimum). A group with at most ``2^bits`` equally spaced levels
     is reproduced exactly.
 
@@ -117,7 +117,7 @@ def quantize(x: Float[Array, "..."], bits: int, *, axis: int, group_size: int,
         search_clip: instead of the group's min/max, use the range ``mid ± c·half`` (values
             outside clipped) with ``c`` in ``CLIP_GRID`` that gives each group the smallest
             squared error (the MSE-optimal range of a bell-shaped group at 1–2 bits is ~30–55 %
-            of its min/max range). Same stored format; :func:`dequantize` is unchanged.
+            of its min/max range). Same stored format; :func:`dequantize_kv` is unchanged.
 
     Returns:
         A :class:`QuantizedArray`.
@@ -126,7 +126,7 @@ def quantize(x: Float[Array, "..."], bits: int, *, axis: int, group_size: int,
 
         >>> import jax.numpy as jnp
         >>> q = quantize(jnp.asarray([[0., 1., 2., 3.]]), 2, axis=1, group_size=4)
-        >>> dequantize(q).tolist()
+        >>> dequantize_kv(q).tolist()
         [[0.0, 1.0, 2.0, 3.0]]
     """
     bits = check_kv_bits(bits)
@@ -180,17 +180,17 @@ def _quantize(x, bits: int, axis: int, group_size: int, dtype,
             lo16, scale = jnp.where(better, m2, lo16), jnp.where(better, s2, scale)
             best = jnp.minimum(e2, best)
     codes = jax.lax.slice_in_dim(codes.reshape(padded.shape), 0, n, axis=axis)
-    return QuantizedArray(codes=pack_bits(codes.astype(jnp.uint8), bits), scale=scale,
+    return QuantizedArray(codes=pack_kv_codes(codes.astype(jnp.uint8), bits), scale=scale,
                           minimum=lo16, shape=tuple(x.shape), bits=bits, axis=axis,
                           group_size=int(group_size))
 
 
 @jax.jit
-def dequantize(q: QuantizedArray) -> Float[Array, "..."]:
+def dequantize_kv(q: QuantizedArray) -> Float[Array, "..."]:
     """The fp32 array a :class:`QuantizedArray` stands for (jitted)."""
     n, axis, size = q.shape[q.axis], q.axis, q.group_size
     groups = -(-n // size)
-    codes = unpack_bits(q.codes, q.bits, math.prod(q.shape)).reshape(q.shape)
+    codes = unpack_kv_codes(q.codes, q.bits, math.prod(q.shape)).reshape(q.shape)
     codes = jnp.pad(codes, [(0, groups * size - n if i == axis else 0)
                             for i in range(len(q.shape))])
     grouped = codes.reshape(q.shape[:axis] + (groups, size) + q.shape[axis + 1:])
@@ -250,7 +250,7 @@ def _layout(tokens: int, sink_tokens: int, residual: int, group_size: int) -> tu
 
 def kivi_compress(
     keys: Float[Array, "layers b L hk d"], values: Float[Array, "layers b L hk d"], *,
-    rope_theta: float, bits: int = DEFAULT_BITS, group_size: int = DEFAULT_GROUP_SIZE,
+    rope_theta: float, bits: int = KV_DEFAULT_BITS, group_size: int = KV_GROUP_SIZE,
     residual: int = DEFAULT_RESIDUAL, sink_tokens: int = 0, dtype=STORAGE_DTYPE,
 ) -> KIVICache:
     """Quantize a prefilled cache KIVI-style.
@@ -318,7 +318,7 @@ def kivi_reconstruct(cache: KIVICache, layer: int | None = None, kind: str = "k"
                      (cache.sink_values, cache.values, cache.residual_values))
     parts = [sink.astype(jnp.float32)]
     if q is not None:
-        parts.append(dequantize(q))
+        parts.append(dequantize_kv(q))
     parts.append(rest.astype(jnp.float32))
     full = jnp.concatenate(parts, axis=2)
     return full if layer is None else full[layer]
@@ -385,9 +385,9 @@ def choose_kivi_settings(ratio: float, *, n_layers: int, batch: int, tokens: int
 
 
 __all__ = [
-    "DEFAULT_BITS", "DEFAULT_GROUP_SIZE", "DEFAULT_RESIDUAL", "KIVICache", "QuantizedArray",
-    "STORAGE_DTYPE", "SUPPORTED_BITS", "check_kv_bits", "choose_kivi_settings", "dequantize",
+    "KV_DEFAULT_BITS", "KV_GROUP_SIZE", "DEFAULT_RESIDUAL", "KIVICache", "QuantizedArray",
+    "STORAGE_DTYPE", "KV_BITS", "check_kv_bits", "choose_kivi_settings", "dequantize_kv",
     "kivi_compress",
-    "kivi_reconstruct", "kivi_stored_bytes", "pack_bits", "quantize", "quantized_nbytes",
-    "unpack_bits",
+    "kivi_reconstruct", "kivi_stored_bytes", "pack_kv_codes", "quantize", "quantized_nbytes",
+    "unpack_kv_codes",
 ]

@@ -26,6 +26,8 @@ import numpy as np
 from flax import nnx
 
 from lowrank_jax.models.llama import DecoderLayer, Llama, LlamaConfig
+from lowrank_jax.nn.lora import LoRALinear
+from lowrank_jax.nn.projection import dense_matrix
 
 from lowrank_jax.models.families import (  # noqa: F401  (re-exported: the loaders' API)
     SUPPORTED_MODEL_TYPES, config_from_hf, config_to_hf, fuse_for_family, hf_tensor_names,
@@ -158,18 +160,6 @@ def llama_from_state_dict(
     return model
 
 
-def _dense_kernel(linear) -> np.ndarray:
-    """``[in, out]`` weight of a dense, LoRA (merged view) or factorized projection."""
-    from lowrank_jax.nn.factorized import FactorizedLinear
-    from lowrank_jax.nn.lora import LoRALinear
-
-    if isinstance(linear, FactorizedLinear):
-        return np.asarray(linear.dense_matrix())
-    if isinstance(linear, LoRALinear) and not linear.merged:  # a merged kernel holds the delta
-        return np.asarray(linear.kernel[...] + linear.delta().astype(linear.kernel[...].dtype))
-    return np.asarray(linear.kernel[...])
-
-
 def state_dict_from_llama(model: Llama) -> dict[str, np.ndarray]:
     """HF-named numpy arrays (torch ``[out, in]`` layout, projections unfused) for ``model``.
 
@@ -178,8 +168,14 @@ def state_dict_from_llama(model: Llama) -> dict[str, np.ndarray]:
     """
     out = {}
     for name, holder, attribute, transpose in _parameter_map(model):
-        if attribute == "kernel":
-            out[name] = np.ascontiguousarray(_dense_kernel(holder).T)
+        if attribute == "kernel":  # [in, out]: a @ b of a factorized one, else the kernel
+            weight = dense_matrix(holder)
+            if isinstance(holder, LoRALinear):  # in the kernel's dtype, the adapter merged in
+                dtype = holder.kernel[...].dtype
+                weight = weight.astype(dtype)
+                if not holder.merged:  # a merged kernel holds the delta already
+                    weight = weight + holder.delta().astype(dtype)
+            out[name] = np.ascontiguousarray(np.asarray(weight).T)
         else:
             out[name] = np.asarray(getattr(holder, attribute)[...])
     return out

@@ -1,5 +1,6 @@
 """Flax NNX layers: LoRA, natively factorized linears, and adapter injection."""
 
+from lowrank_jax.nn.capture import capture
 from lowrank_jax.nn.factorized import (
     FactorizedLinear,
     FactorizedProjection,
@@ -10,8 +11,6 @@ from lowrank_jax.nn.factorized import (
 from lowrank_jax.nn.inject import (
     LoRARule,
     apply_lora,
-    is_adaptable,
-    linear_paths,
     lora_layers,
     merge_lora,
     remove_lora,
@@ -19,7 +18,14 @@ from lowrank_jax.nn.inject import (
 )
 from lowrank_jax.nn.init import gap_direction, init_lora, init_lora_model, peft_lora_state
 from lowrank_jax.nn.lokra import LoKRAPlusLinear, kruskal_penalty, lokra_regularizer
-from lowrank_jax.nn.lora import LoRA, LoRALinear, LoRAProjection, QLoRALinear, lora_scaling
+from lowrank_jax.nn.lora import (
+    LoRA,
+    LoRALinear,
+    LoRAProjection,
+    QLoRALinear,
+    lora_output,
+    lora_scaling,
+)
 from lowrank_jax.nn.merge import merge_adapters
 from lowrank_jax.nn.multi_lora import (
     AdapterIds,
@@ -49,10 +55,10 @@ __all__ = [
     "QLoRALinear",
     "LoRA",
     "ReadsThrough",
+    "capture",
     "dense_matrix",
     "merge_adapters",
     "factorize",
-    "is_adaptable",
     "is_projection",
     "projection_paths",
     "projection_view",
@@ -79,8 +85,8 @@ __all__ = [
     "LowRankFactor",
     "apply_lora",
     "balanced_factors",
-    "linear_paths",
     "lora_layers",
+    "lora_output",
     "lora_scaling",
     "merge_lora",
     "remove_lora",

@@ -37,6 +37,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from flax import nnx
 
+from lowrank_jax.nn.projection import module_path  # noqa: F401  (one path format)
+
 _PATH_ATTRIBUTE = "capture_path"
 
 
@@ -92,11 +94,6 @@ def _tapped_class(cls: type) -> type:
         _TAPPED[cls] = type(cls)(f"Tapped{cls.__name__}", (cls,),
                                  {"__call__": __call__, "__module__": __name__})
     return _TAPPED[cls]
-
-
-def module_path(path: Sequence[Any]) -> str:
-    """``('layers', 3, 'mlp', 'up_proj')`` → ``'layers/3/mlp/up_proj'``."""
-    return "/".join(str(p) for p in path)
 
 
 def named_modules(model: nnx.Module) -> dict[str, nnx.Module]:

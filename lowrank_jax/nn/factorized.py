@@ -210,7 +210,7 @@ class FactorizedProjection(ReadsThrough, nnx.Module):
 
     def dense_matrix(self):
         """The equivalent dense weight as the matrix view ``[in, out]``: ``a @ b`` (the kernel
-        in the original layout is ``self.view.matrix_kernel(self.dense_matrix())``)."""
+        in the original layout is ``self.view.to_kernel(self.dense_matrix())``)."""
         return self.a[...] @ self.b[...]
 
     @property

@@ -63,29 +63,6 @@ def _check_positive_int(value: Any, name: str) -> None:
         )
 
 
-def is_adaptable(module: Any) -> bool:
-    """Whether :func:`apply_lora` can adapt ``module``: any projection of
-    :mod:`lowrank_jax.nn.projection` (``nnx.Linear``, ``nnx.LinearGeneral``, ``nnx.Einsum``,
-    einsum modules of the ecosystem, and every type declared with ``register_projection``,
-    such as the quantized linears of :mod:`lowrank_jax.quant`)."""
-    return is_projection(module)
-
-
-def adaptable_modules(model: nnx.Module) -> list[tuple[tuple, nnx.Module]]:
-    """``(path, module)`` of every layer :func:`apply_lora` can adapt, outermost only (the
-    quantized linear inside a :class:`~lowrank_jax.quant.QuantizedProjection` is part of it, and
-    the base of an adapted layer is already adapted)."""
-    return outermost_projections(model)
-
-
-def linear_paths(model: nnx.Module) -> list[str]:
-    """Paths of every layer :func:`apply_lora` can adapt (not yet adapted), in model order."""
-    return [module_path(p) for p, _ in adaptable_modules(model)]
-
-
-
-
-
 def _as_rules(rules) -> list[LoRARule]:
     if isinstance(rules, LoRARule):
         return [rules]
@@ -140,7 +117,7 @@ def apply_lora(
     """
     rules = _as_rules(rules)
     _refuse_expert_kernels(model, rules)  # issue 49: expert kernels are refused, by name
-    candidates = adaptable_modules(model)
+    candidates = outermost_projections(model)  # an adapted layer's base is adapted already
     available = [module_path(p) for p, _ in candidates]
     hits: dict[int, int] = {i: 0 for i in range(len(rules))}
     adapted = []
@@ -247,7 +224,7 @@ def expert_kernels(model: nnx.Module) -> list[tuple[str, tuple[int, ...]]]:
         if any(path[:len(s)] == s for s in skip):
             continue
         # projections, adapters and factorized / quantized layers own their kernels
-        if (is_adaptable(module) or isinstance(module, tuple(NOT_PROJECTIONS))
+        if (is_projection(module) or isinstance(module, tuple(NOT_PROJECTIONS))
                 or hasattr(module, "lora_a")):
             skip.append(path)
             continue

@@ -43,7 +43,7 @@ from lowrank_jax.core.kruskal import (  # the one Kruskal module
     kruskal_rank_exact,
 )
 from lowrank_jax.nn.factorized import check_rank
-from lowrank_jax.nn.lora import lora_layers
+from lowrank_jax.nn.lora import lora_layers, lora_output
 from lowrank_jax.nn.projection import new_param
 
 
@@ -172,8 +172,7 @@ class LoKRAPlusLinear(nnx.Linear):
     def __call__(self, inputs: Float[ArrayLike, "... in"]):
         out = super().__call__(inputs)
         a, b = self.lora_factors()
-        x, a, b = nnx.nn.dtypes.promote_dtype((inputs, a, b), dtype=self.dtype)
-        return out + self.scaling * ((x @ a) @ b)
+        return out + lora_output(inputs, a, b, self.scaling, dtype=self.dtype)
 
 
 __all__ = ["LoKRAPlusLinear", "coherence", "khatri_rao", "kruskal_penalty", "kruskal_rank_exact",

@@ -68,6 +68,29 @@ def lora_scaling(rank: int, alpha: float | None, use_rslora: bool) -> float:
     return alpha / math.sqrt(rank) if use_rslora else alpha / rank
 
 
+def lora_output(x, a, b, scale, *, dtype: Any = None, apply=None):
+    """The one adapter body, ``scale · (x A) B`` (never forming ``A B``), for every adapter of
+    the package (LoRA, QLoRA, LoRA over any projection, LoKRA's equivalent factors).
+
+    Args:
+        x: inputs ``[..., in]``.
+        a, b: the factors ``[in, r]``, ``[r, out]``.
+        scale: the adapter's scale ``s``.
+        dtype: compute dtype (``None``: the promoted dtype of ``x``, ``a``, ``b``).
+        apply: ``apply(x, a, b)`` instead of ``(x @ a) @ b`` (a layout passes its own, e.g.
+            :meth:`~lowrank_jax.nn.ProjectionView.apply_factors`).
+
+    Example::
+
+        >>> import jax.numpy as jnp
+        >>> lora_output(jnp.ones((1, 3)), jnp.ones((3, 2)), jnp.ones((2, 4)), 0.5)
+        Array([[3., 3., 3., 3.]], dtype=float32)
+    """
+    x, a, b = nnx.nn.dtypes.promote_dtype((x, a, b), dtype=dtype)
+    h = (x @ a) @ b if apply is None else apply(x, a, b)
+    return scale * h
+
+
 class LoRA(nnx.Module):
     """The adapter body: ``s · dropout(x) A B`` with ``A [in, r]``, ``B [r, out]``
     (``nnx.LoRAParam``), written once and inherited by every adapted layer.
@@ -153,10 +176,8 @@ class LoRA(nnx.Module):
         (``None``: promoted)."""
         if self.lora_dropout is not None:
             x = self.lora_dropout(x, deterministic=deterministic)
-        x, a, b = nnx.nn.dtypes.promote_dtype((x, self.lora_a[...], self.lora_b[...]),
-                                              dtype=dtype)
-        h = (x @ a) @ b if apply is None else apply(x, a, b)
-        return self.scaling * h
+        return lora_output(x, self.lora_a[...], self.lora_b[...], self.scaling, dtype=dtype,
+                           apply=apply)
 
     def __call__(self, inputs: Float[ArrayLike, "... in"], *, deterministic: bool | None = None):
         return self.adapter_update(jnp.asarray(inputs), dtype=self.dtype,
@@ -381,8 +402,8 @@ class LoRAProjection(ReadsThrough, LoRA):
                 f"{type(self.base).__name__} base in place; use "
                 "lowrank_jax.nn.merge.merge_adapters(model, target='fp' | 'quantized').")
         kernel = self.kernel
-        w = self.view.kernel_matrix(kernel[...]).astype(jnp.float32) + matrix
-        assign_keeping_layout(kernel, self.view.matrix_kernel(w))
+        w = self.view.to_matrix(kernel[...]).astype(jnp.float32) + matrix
+        assign_keeping_layout(kernel, self.view.to_kernel(w))
 
     def __call__(self, *args, deterministic: bool | None = None, **kwargs):
         out = self.base(*args, **kwargs)
@@ -460,4 +481,4 @@ def lora_layers(model: nnx.Module) -> list[tuple[str, nnx.Module]]:
 NOT_PROJECTIONS.extend([LoRA, LoRALinear, LoRAProjection, QLoRALinear])
 
 __all__ = ["LORA_INITS", "LoRA", "LoRALinear", "LoRAProjection", "QLoRALinear", "lora_layers",
-           "lora_scaling"]
+           "lora_output", "lora_scaling"]

@@ -73,7 +73,7 @@ def _dense_module(base, matrix) -> nnx.Module:
         if bias is not None:
             linear.bias = nnx.Param(jnp.asarray(bias, jnp.float32))
         return linear
-    return DenseProjection(view.equation, view.matrix_kernel(jnp.asarray(matrix, jnp.float32)),
+    return DenseProjection(view.equation, view.to_kernel(jnp.asarray(matrix, jnp.float32)),
                            bias, replaced_attributes=getattr(base, "replaced_attributes", ()),
                            replaced_type=getattr(base, "replaced_type", None), kernel_axes=axes)
 

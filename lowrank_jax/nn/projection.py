@@ -20,7 +20,7 @@ Example::
     >>> from flax import nnx
     >>> q = nnx.Einsum("BTD,DNH->BTNH", (8, 2, 4), rngs=nnx.Rngs(0))
     >>> view = projection_view(q)
-    >>> view.in_shape, view.out_shape, view.kernel_matrix(q.kernel[...]).shape
+    >>> view.in_shape, view.out_shape, view.to_matrix(q.kernel[...]).shape
     ((8,), (2, 4), (8, 8))
 """
 
@@ -136,13 +136,14 @@ class ProjectionView:
         """Columns of the matrix view (product of :attr:`out_shape`)."""
         return int(math.prod(self.out_shape))
 
-    def kernel_matrix(self, kernel):
-        """The kernel as a matrix ``[in, out]`` (a transpose and a reshape, no copy of values)."""
+    def to_matrix(self, kernel):
+        """A kernel of this layout regrouped as the matrix ``[in, out]`` (a transpose and a
+        reshape, no copy of values; a module's weight is :func:`dense_matrix`)."""
         return jnp.transpose(kernel, self.in_axes + self.out_axes).reshape(
             self.in_features, self.out_features)
 
-    def matrix_kernel(self, matrix):
-        """Inverse of :meth:`kernel_matrix`: a matrix ``[in, out]`` back in the kernel's layout."""
+    def to_kernel(self, matrix):
+        """Inverse of :meth:`to_matrix`: a matrix ``[in, out]`` back in the kernel's layout."""
         perm = self.in_axes + self.out_axes
         grouped = jnp.reshape(matrix, tuple(self.kernel_shape[a] for a in perm))
         return jnp.transpose(grouped, tuple(int(i) for i in np.argsort(perm)))
@@ -383,7 +384,7 @@ def projection_bias(module):
     return None if kind.bias is None else getattr(module, kind.bias, None)
 
 
-def dense_matrix(module):
+def dense_matrix(module, dtype=None):
     """The one dense-weight accessor: a projection's weight as the matrix ``[in, out]`` of its
     :class:`ProjectionView`.
 
@@ -391,6 +392,10 @@ def dense_matrix(module):
     kernel its registered ``dense`` (a quantized one dequantized, fp32); a layer that computes
     its own (a factorized projection: ``a @ b``; an adapted layer: its base's weight, without the
     adapter) its ``dense_matrix()`` method.
+
+    Args:
+        module: the projection.
+        dtype: the result's dtype (default: what the layer holds, e.g. its kernel's dtype).
 
     Example::
 
@@ -400,19 +405,22 @@ def dense_matrix(module):
         (8, 8)
     """
     if callable(getattr(type(module), "dense_matrix", None)):
-        return module.dense_matrix()
-    kind = projection_type(module)
-    if kind is None:
-        projection_view(module)  # raises the clear error
-    if kind.dense is not None:
-        return kind.dense(module)
-    return projection_view(module).kernel_matrix(projection_kernel(module)[...])
+        matrix = module.dense_matrix()
+    else:
+        kind = projection_type(module)
+        if kind is None:
+            projection_view(module)  # raises the clear error
+        if kind.dense is not None:
+            matrix = kind.dense(module)
+        else:
+            matrix = projection_view(module).to_matrix(projection_kernel(module)[...])
+    return matrix if dtype is None else jnp.asarray(matrix, dtype)
 
 
 def set_kernel_from_matrix(module, matrix) -> None:
     """Write a matrix ``[in, out]`` into a projection's kernel (in its own layout, dtype and
     sharding)."""
-    assign_keeping_layout(projection_kernel(module), projection_view(module).matrix_kernel(matrix))
+    assign_keeping_layout(projection_kernel(module), projection_view(module).to_kernel(matrix))
 
 
 def module_path(path: tuple) -> str:
@@ -432,7 +440,8 @@ def outermost_projections(model: nnx.Module, also: tuple[type, ...] = ()):
 
 
 def projection_paths(model: nnx.Module) -> list[str]:
-    """Paths of every projection of ``model`` (not yet adapted, factorized or quantized)."""
+    """Paths of every projection of ``model`` (not yet adapted, factorized or quantized): the
+    layers :func:`lowrank_jax.nn.apply_lora` can adapt, in model order."""
     return [module_path(p) for p, m in outermost_projections(model)]
 
 

@@ -22,9 +22,9 @@ from jaxtyping import Array, Float
 
 from lowrank_jax.optim.factors import (
     PairFn,
-    has_unmasked_leaves,
+    find_pairs,
     flatten_by_path,
-    lora_pairs,
+    has_unmasked_leaves,
     path_str,
     unflatten_by_path,
 )
@@ -132,24 +132,6 @@ def balancing_gap(left: Float[Array, "p r"], right: Float[Array, "r q"]) -> Floa
 # ----------------------------------------------------------------------------- pairs
 
 
-def find_lora_pairs(tree: Any) -> list[tuple[int, int, str]]:
-    """Deprecated view of :func:`lowrank_jax.optim.lora_pairs` as leaf indices.
-
-    Returns ``[(index_of_lora_a, index_of_lora_b, parent_path), ...]`` in ``jax.tree.leaves``
-    order (the parent path written with ``/``). New code should use :func:`lora_pairs`, whose
-    paths are the one ``pair_fn`` contract of :mod:`lowrank_jax.optim.factors`.
-
-    Example::
-
-        >>> import jax.numpy as jnp
-        >>> find_lora_pairs({"q": {"lora_a": jnp.ones((4, 2)), "lora_b": jnp.zeros((2, 3))}})
-        [(0, 1, 'q')]
-    """
-    _, order, _ = flatten_by_path(tree)
-    index = {p: i for i, p in enumerate(order)}
-    return [(index[pa], index[pb], path_str(pa[:-1]) or "(root)") for pa, pb in lora_pairs(tree)]
-
-
 def relative_balancing_gap(tree: Any) -> float:
     """Mean over the LoRA pairs of ``tree`` of ``‖AᵀA − B Bᵀ‖_F / ‖A B‖_F`` (host-side).
 
@@ -161,10 +143,10 @@ def relative_balancing_gap(tree: Any) -> float:
         >>> relative_balancing_gap({"q": {"lora_a": jnp.eye(3, 2), "lora_b": jnp.eye(2, 4)}})
         0.0
     """
-    leaves = jax.tree.leaves(tree)
-    gaps = [float(balancing_gap(leaves[ia], leaves[ib])
-                  / (jnp.linalg.norm(leaves[ia] @ leaves[ib]) + 1e-30))
-            for ia, ib, _ in find_lora_pairs(tree)]
+    values, _, _ = flatten_by_path(tree)
+    gaps = [float(balancing_gap(values[pa], values[pb])
+                  / (jnp.linalg.norm(values[pa] @ values[pb]) + 1e-30))
+            for pa, pb in find_pairs(tree, kinds=("lora",))]
     return float(np.mean(gaps))
 
 
@@ -192,7 +174,7 @@ def balance_lora_params(params: Any, *, mode: BalanceMode = "procrustes",
         True
     """
     values, order, treedef = flatten_by_path(params)
-    for pa, pb in lora_pairs(params):
+    for pa, pb in find_pairs(params, kinds=("lora",)):
         values[pa], values[pb] = _balance_any(values[pa], values[pb], mode=mode,
                                               min_product_norm=min_product_norm)
     return unflatten_by_path(treedef, order, values)
@@ -207,7 +189,7 @@ def scale_by_balora(
     every: int = 1,
     start_step: int = 0,
     min_product_norm: Numeric = 0.0,
-    pair_fn: PairFn = lora_pairs,
+    pair_fn: PairFn | None = None,
 ) -> optax.GradientTransformation:
     """The BaLoRA projection as the last element of an optax chain.
 
@@ -231,8 +213,9 @@ def scale_by_balora(
         start_step: first step (0-based count of updates) at which to project.
         min_product_norm: pairs with ``‖L R‖_F`` at or below this are left untouched.
         pair_fn: ``params -> [(a_path, b_path), ...]``, the contract of
-            :mod:`lowrank_jax.optim.factors` (default :func:`lora_pairs`). Stacked multi-LoRA
-            factors (``[K, in, R]``, ``[K, R, out]``) are balanced adapter by adapter.
+            :mod:`lowrank_jax.optim.factors` (default ``find_pairs(params, kinds=("lora",))``).
+            Stacked multi-LoRA factors (``[K, in, R]``, ``[K, R, out]``) are balanced adapter by
+            adapter.
 
     Returns:
         A :class:`optax.GradientTransformation` with :class:`BaLoRAState`.
@@ -280,12 +263,13 @@ def scale_by_balora(
             )
         project = (state.count >= start_step) & (state.count % every == 0)
         out = dict(up)
-        pairs = pair_fn(params)
+        pairs = find_pairs(params, kinds=("lora",), pair_fn=pair_fn)
         if not pairs and has_unmasked_leaves(updates):
             raise ValueError(
                 f"scale_by_balora: the tree has no LoRA factor pairs (leaves "
                 f"{[path_str(p) for p in order][:3]}); balora balances lora_a / lora_b pairs: "
-                "apply_lora first, or pass pair_fn=factor_pairs for (a, b) factors.")
+                "apply_lora first, or pass pair_fn=functools.partial(find_pairs, "
+                "kinds=('factor',)) for (a, b) factors.")
         for pa, pb in pairs:
             if pa not in up or pb not in up:
                 continue  # masked out of this partition
@@ -310,7 +294,7 @@ def balora(
     every: int = 1,
     start_step: int = 0,
     min_product_norm: Numeric = 0.0,
-    pair_fn: PairFn = lora_pairs,
+    pair_fn: PairFn | None = None,
 ) -> optax.GradientTransformation:
     """``optax.chain(base_optimizer, scale_by_balora(...))``: any optimizer, then the projection.
 
@@ -333,4 +317,4 @@ def balora(
 
 
 __all__ = ["BaLoRAState", "balance_lora_params", "balance_pair", "balancing_gap", "balora",
-           "find_lora_pairs", "relative_balancing_gap", "scale_by_balora"]
+           "relative_balancing_gap", "scale_by_balora"]

@@ -15,8 +15,9 @@ Pairs are never guessed from shapes. ``optax.MaskedNode`` leaves are skipped.
 
 **The contract.** A ``pair_fn`` is ``params -> list[(a_path, b_path)]``: paths are tuples of
 names (dict keys, attribute names, list indices), without NNX's trailing ``value``; ``a`` is the
-``[in, rank]`` side. :func:`factor_pairs` (``kind="factor"``) is Spectron's default,
-:func:`lora_pairs` (``kind="lora"``) BaLoRA's and Janus's.
+``[in, rank]`` side. ``find_pairs(params, kinds=("factor",))`` is Spectron's default,
+``find_pairs(params, kinds=("lora",))`` BaLoRA's and Janus's; ``find_pairs(..., labels=...)``
+labels the leaves for ``optax.partition``.
 """
 
 from __future__ import annotations
@@ -111,16 +112,27 @@ def factor_roles(params, *, kinds: Sequence[PairKind] = ("factor",)) -> dict[Pat
 
 
 def find_pairs(
-    params, *, kinds: Sequence[PairKind] = ("factor", "lora")
-) -> list[tuple[Path, Path]]:
+    params,
+    *,
+    kinds: Sequence[PairKind] = ("factor", "lora"),
+    labels: tuple[str, str] | None = None,
+    pair_fn: PairFn | None = None,
+):
     """The ``(a_path, b_path)`` pairs of a parameter tree, in tree order (the one discovery).
 
     Args:
         params: a dict / ``nnx.State`` (``Variable`` leaves or pure arrays) / masked pytree.
         kinds: the pair kinds to find (see the module docstring).
+        labels: ``(pair_label, other_label)``: return instead a tree of strings with the
+            structure of ``params`` (``Variable`` leaves become strings), ``pair_label`` on the
+            leaves of a complete pair and ``other_label`` on the rest (embeddings, norms, biases,
+            a dense LM head): the labels of ``optax.partition``.
+        pair_fn: a custom ``pair_fn`` to use instead of the discovery by type and name
+            (``kinds`` is then not read); useful with ``labels``.
 
     Returns:
-        A list of ``(a_path, b_path)``; each path is a tuple of names.
+        A list of ``(a_path, b_path)`` (each path a tuple of names), or the label tree when
+        ``labels`` is given.
 
     Raises:
         ValueError: a parent holds an ``a`` without a ``b`` (or vice versa), naming the path.
@@ -133,7 +145,27 @@ def find_pairs(
         ...               "lora_b": jnp.zeros((1, 4))}}
         >>> find_pairs(tree)
         [(('proj', 'a'), ('proj', 'b')), (('q', 'lora_a'), ('q', 'lora_b'))]
+        >>> find_pairs(tree, kinds=("lora",))
+        [(('q', 'lora_a'), ('q', 'lora_b'))]
+        >>> find_pairs({"p": {"a": jnp.ones((4, 2)), "b": jnp.ones((2, 3))}, "w": jnp.ones(3)},
+        ...            kinds=("factor",), labels=("spectron", "adamw"))
+        {'p': {'a': 'spectron', 'b': 'spectron'}, 'w': 'adamw'}
     """
+    pairs = pair_fn(params) if pair_fn is not None else _discover(params, kinds)
+    if labels is None:
+        return pairs
+    pair_label, other_label = labels
+    in_pair = {p for pair in pairs for p in pair}
+
+    def label(path, leaf):
+        if isinstance(leaf, optax.MaskedNode):
+            return leaf
+        return pair_label if normalize_path(path) in in_pair else other_label
+
+    return jax.tree_util.tree_map_with_path(label, params, is_leaf=_is_leaf)
+
+
+def _discover(params, kinds: Sequence[PairKind]) -> list[tuple[Path, Path]]:
     by_parent: dict[tuple[Path, str], dict[str, Path]] = {}
     for p, role in factor_roles(params, kinds=kinds).items():
         kind = "lora" if p[-1] in ROLE_NAMES["lora"] else "factor"
@@ -157,31 +189,6 @@ def find_pairs(
             )
         pairs.append((slot["a"], slot["b"]))
     return pairs
-
-
-def factor_pairs(params) -> list[tuple[Path, Path]]:
-    """:func:`find_pairs` of kind ``"factor"`` (``LowRankFactor`` / ``a``, ``b``): Spectron's.
-
-    Example::
-
-        >>> import jax.numpy as jnp
-        >>> params = {"proj": {"a": jnp.ones((8, 2)), "b": jnp.ones((2, 4))}, "bias": jnp.ones(4)}
-        >>> factor_pairs(params)
-        [(('proj', 'a'), ('proj', 'b'))]
-    """
-    return find_pairs(params, kinds=("factor",))
-
-
-def lora_pairs(params) -> list[tuple[Path, Path]]:
-    """:func:`find_pairs` of kind ``"lora"`` (``nnx.LoRAParam`` / ``lora_a``, ``lora_b``).
-
-    Example::
-
-        >>> import jax.numpy as jnp
-        >>> lora_pairs({"q": {"lora_a": jnp.ones((4, 2)), "lora_b": jnp.zeros((2, 3))}})
-        [(('q', 'lora_a'), ('q', 'lora_b'))]
-    """
-    return find_pairs(params, kinds=("lora",))
 
 
 def check_learning_rate(owner: str, value, name: str = "learning_rate") -> None:
@@ -226,43 +233,5 @@ def unflatten_by_path(treedef, order: list[Path], values: dict[Path, Any]):
     return jax.tree_util.tree_unflatten(treedef, [values[p] for p in order])
 
 
-def label_factors(
-    params,
-    factor_label: str = "spectron",
-    other_label: str = "adamw",
-    *,
-    pair_fn: PairFn | None = None,
-):
-    """Label every leaf for ``optax.partition``: factors get ``factor_label``, the rest
-    ``other_label`` (embeddings, norms, biases, a dense LM head).
-
-    Args:
-        params: the parameter tree (dict or ``nnx.State``).
-        factor_label: label of leaves that belong to a complete factor pair.
-        other_label: label of every other leaf.
-        pair_fn: a ``pair_fn`` (default :func:`factor_pairs`).
-
-    Returns:
-        A tree of strings with the structure of ``params`` (``Variable`` leaves become strings).
-
-    Example::
-
-        >>> import jax.numpy as jnp
-        >>> label_factors({"p": {"a": jnp.ones((4, 2)), "b": jnp.ones((2, 3))}, "w": jnp.ones(3)})
-        {'p': {'a': 'spectron', 'b': 'spectron'}, 'w': 'adamw'}
-    """
-    in_pair = {p for pair in (pair_fn or factor_pairs)(params) for p in pair}
-
-    def label(path, leaf):
-        if isinstance(leaf, optax.MaskedNode):
-            return leaf
-        return factor_label if normalize_path(path) in in_pair else other_label
-
-    return jax.tree_util.tree_map_with_path(label, params, is_leaf=_is_leaf)
-
-
-default_pair_fn: PairFn = factor_pairs
-
-__all__ = ["PairFn", "ROLE_NAMES", "default_pair_fn", "factor_pairs", "factor_roles",
-           "find_pairs", "flatten_by_path", "label_factors", "lora_pairs", "normalize_path",
-           "path_str", "unflatten_by_path"]
+__all__ = ["PairFn", "ROLE_NAMES", "factor_roles", "find_pairs", "flatten_by_path",
+           "normalize_path", "path_str", "unflatten_by_path"]

@@ -2,7 +2,7 @@
 
 Three pieces, each usable alone:
 
-* **Gradient Rectification (GR)** — :func:`janus_rectify`, an optax transform that maps the LoRA
+* **Gradient Rectification (GR)** — :func:`scale_by_janus`, an optax transform that maps the LoRA
   gradients ``(g_a, g_b)`` to factor updates ``(Δa, Δb)`` whose composite ``Δa·b + a·Δb (+ Δa·Δb)``
   satisfies ``Vᵀ·ΔW = 0`` for the protected input basis ``V``; and :func:`orthogonality_clamp`,
   which re-imposes the constraints on the final deltas after Adam (an element-wise transform
@@ -53,27 +53,12 @@ from lowrank_jax.optim.linalg import gathered, with_sharding_of
 from lowrank_jax.optim.factors import (
     PairFn,
     check_learning_rate,
-    has_unmasked_leaves,
+    find_pairs,
     flatten_by_path,
-    lora_pairs,
+    has_unmasked_leaves,
     path_str,
     unflatten_by_path,
 )
-
-# ---------------------------------------------------------------------------------------------
-# Finding LoRA pairs in a parameter tree
-# ---------------------------------------------------------------------------------------------
-
-
-def lora_pair_paths(tree, pair_fn: PairFn = lora_pairs) -> dict[str, tuple[Any, Any]]:
-    """``{parent path written with '/': (path of lora_a, path of lora_b)}``.
-
-    The pairs come from the package's one discovery, :func:`lowrank_jax.optim.lora_pairs`
-    (``nnx.LoRAParam`` / leaves named ``lora_a``, ``lora_b`` under one parent; a lone factor is an
-    error naming its path).
-    """
-    return {path_str(pa[:-1]): (pa, pb) for pa, pb in pair_fn(tree)}
-
 
 def _check_basis(parent: str, basis, d_in: int):
     if basis.ndim != 2 or basis.shape[0] != d_in:
@@ -158,10 +143,11 @@ def clamp_pair(
     return da32 - v @ (v.T @ da32), pi @ delta_b.astype(jnp.float32)
 
 
-def _map_pairs(fn, updates, params, subspaces, pair_fn: PairFn = lora_pairs):
+def _for_each_pair(fn, updates, params, subspaces, pair_fn: PairFn | None = None):
     ups, order, treedef = flatten_by_path(updates)
     pars, _, _ = flatten_by_path(params)
-    pairs = lora_pair_paths(updates, pair_fn)
+    pairs = {path_str(pa[:-1]): (pa, pb)
+             for pa, pb in find_pairs(updates, kinds=("lora",), pair_fn=pair_fn)}
     if not pairs and has_unmasked_leaves(updates):
         raise ValueError(
             f"janus: the tree has no LoRA factor pairs (leaves {[path_str(p) for p in order][:3]}"
@@ -193,7 +179,7 @@ def scale_by_janus(
     precondition: bool = True,
     eps_rel: Numeric = 1e-3,
     tol: Numeric = 1e-6,
-    pair_fn: PairFn = lora_pairs,
+    pair_fn: PairFn | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Gradient Rectification: make each LoRA pair's composite update orthogonal to ``V``.
 
@@ -214,7 +200,8 @@ def scale_by_janus(
         precondition: use the Gram-preconditioned closed form (``False``: plain projections).
         eps_rel: relative damping of the ``r × r`` Gram matrices.
         tol: singular values of ``aᵀV`` below ``tol·max(1, σ_max)`` count as zero.
-        pair_fn: the ``pair_fn`` of :mod:`lowrank_jax.optim.factors` (default ``lora_pairs``).
+        pair_fn: the ``pair_fn`` of :mod:`lowrank_jax.optim.factors` (default
+            ``find_pairs(params, kinds=("lora",))``).
 
     Returns:
         A :class:`optax.GradientTransformationExtraArgs`.
@@ -240,12 +227,9 @@ def scale_by_janus(
             raise ValueError("scale_by_janus needs params: call update(grads, state, params, ...).")
         fn = lambda ga, gb, a, b, v: rectify_pair(  # noqa: E731
             ga, gb, a, b, v, scale=scale, precondition=precondition, eps_rel=eps_rel, tol=tol)
-        return _map_pairs(fn, updates, params, subspaces, pair_fn), state
+        return _for_each_pair(fn, updates, params, subspaces, pair_fn), state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-janus_rectify = scale_by_janus  # the name used before the optax two-level API
 
 
 def janus(
@@ -259,7 +243,7 @@ def janus(
     precondition: bool = True,
     eps_rel: Numeric = 1e-3,
     tol: Numeric = 1e-6,
-    pair_fn: PairFn = lora_pairs,
+    pair_fn: PairFn | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Janus-LoRA's optimizer for LoRA leaves: rectify, Adam, step, clamp.
 
@@ -299,7 +283,7 @@ def janus(
 
 
 def orthogonality_clamp(
-    *, tol: Numeric = 1e-6, pair_fn: PairFn = lora_pairs
+    *, tol: Numeric = 1e-6, pair_fn: PairFn | None = None
 ) -> optax.GradientTransformationExtraArgs:
     """Re-impose ``Vᵀ δa = 0`` and ``(Vᵀ a) δb = 0`` on the final deltas (``δa ← P δa``,
     ``δb ← Π δb``), using the pre-update ``params``. Put it last in the chain.
@@ -326,7 +310,7 @@ def orthogonality_clamp(
         del extra
         if params is None:
             raise ValueError("orthogonality_clamp needs params (the pre-update LoRA factors).")
-        return _map_pairs(clamp, updates, params, subspaces, pair_fn), state
+        return _for_each_pair(clamp, updates, params, subspaces, pair_fn), state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -465,7 +449,7 @@ def decoupled_margin_loss(
 
 
 def scale_by_input_projection(
-    *, pair_fn: PairFn = lora_pairs
+    *, pair_fn: PairFn | None = None
 ) -> optax.GradientTransformationExtraArgs:
     """The orthogonal-subspace baseline (InfLoRA / LoRA-GPM style): ``δa ← P g_a``,
     ``P = I − V Vᵀ``; ``b``'s gradient passes unchanged, so the ``a · δb`` term still moves the
@@ -496,7 +480,7 @@ def scale_by_input_projection(
         del extra
         if params is None:
             raise ValueError("scale_by_input_projection needs params (the LoRA factors).")
-        return _map_pairs(project, updates, params, subspaces, pair_fn), state
+        return _for_each_pair(project, updates, params, subspaces, pair_fn), state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -546,7 +530,7 @@ def set_subspaces(state: WithSubspacesState, subspaces: dict) -> WithSubspacesSt
 
 __all__ = [
     "SubspaceMemory", "WithSubspacesState", "clamp_pair", "decoupled_margin_loss", "janus",
-    "janus_rectify", "lora_pair_paths", "oe_accumulate", "oe_finalize", "orthogonality_clamp",
+    "oe_accumulate", "oe_finalize", "orthogonality_clamp",
     "orthonormalize_basis", "reanchor", "rectify_pair", "scale_by_input_projection",
     "scale_by_janus", "set_subspaces", "with_subspaces",
 ]

@@ -30,9 +30,8 @@ from lowrank_jax.optim.factors import (
     Path,
     PairFn,
     check_learning_rate,
-    default_pair_fn,
+    find_pairs,
     flatten_by_path,
-    label_factors,
     normalize_path,
     path_str,
     unflatten_by_path,
@@ -89,8 +88,10 @@ def _rank_of(shape, role: str) -> int:
     return shape[1] if role == "a" else shape[0]
 
 
-def _check_layout(params, pair_fn: PairFn) -> tuple[list[tuple[Path, Path]], dict[Path, str]]:
-    pairs = pair_fn(params)
+def _check_layout(
+    params, pair_fn: PairFn | None
+) -> tuple[list[tuple[Path, Path]], dict[Path, str]]:
+    pairs = find_pairs(params, kinds=("factor",), pair_fn=pair_fn)
     roles = {p: "a" for p, _ in pairs} | {p: "b" for _, p in pairs}
     leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_leaf)[0]
     shapes = {}
@@ -101,8 +102,8 @@ def _check_layout(params, pair_fn: PairFn) -> tuple[list[tuple[Path, Path]], dic
         if p not in roles:
             raise ValueError(
                 f"spectron: leaf {path_str(p)!r} is not part of an (a, b) factor pair. Spectron "
-                "only updates factors; route other leaves to AdamW with label_factors / "
-                "spectron_with_adamw."
+                "only updates factors; route other leaves to AdamW with spectron_with_adamw or "
+                "find_pairs(params, labels=('spectron', 'adamw'))."
             )
         shapes[p] = jnp.shape(_value(leaf))
         dtype = jnp.result_type(_value(leaf))
@@ -152,7 +153,7 @@ def scale_by_spectron(
     wd_scale: Literal["eta", "rho"] = "eta",
     exact_norm: bool = False,
     eps: Numeric = 1e-7,
-    pair_fn: PairFn = default_pair_fn,
+    pair_fn: PairFn | None = None,
     mu_dtype: Any = jnp.float32,
     batch_pairs: bool = True,
 ) -> optax.GradientTransformation:
@@ -185,8 +186,9 @@ def scale_by_spectron(
         exact_norm: use exact spectral norms (``eigvalsh`` of the Gram) instead of power
             iteration.
         eps: added to the Frobenius norm before Newton–Schulz.
-        pair_fn: ``params -> [(a_path, b_path)]`` (see :mod:`lowrank_jax.optim.factors`);
-            every unmasked leaf must be in a pair.
+        pair_fn: ``params -> [(a_path, b_path)]`` (see :mod:`lowrank_jax.optim.factors`;
+            default ``find_pairs(params, kinds=("factor",))``); every unmasked leaf must be in a
+            pair.
         mu_dtype: dtype of the momentum ``mu`` (default float32, whatever the params' dtype;
             ``None`` keeps each param's dtype). The arithmetic is always fp32.
         batch_pairs: run pairs of equal shapes as one batched (``vmap``) computation
@@ -336,7 +338,7 @@ def spectron(
     wd_scale: Literal["eta", "rho"] = "eta",
     exact_norm: bool = False,
     eps: Numeric = 1e-7,
-    pair_fn: PairFn = default_pair_fn,
+    pair_fn: PairFn | None = None,
     mu_dtype: Any = jnp.float32,
 ) -> optax.GradientTransformation:
     """Spectron for factor pairs: ``u_a = −ρ·NS(M_a)``, ``u_b = −ρ·NS(M_b)``,
@@ -403,12 +405,13 @@ def spectron_with_adamw(
     wd_scale: Literal["eta", "rho"] = "eta",
     exact_norm: bool = False,
     eps: Numeric = 1e-7,
-    pair_fn: PairFn = default_pair_fn,
+    pair_fn: PairFn | None = None,
     mu_dtype: Any = None,
 ) -> optax.GradientTransformation:
     """A whole-model optimizer: Spectron on factor pairs, AdamW on every other leaf.
 
-    ``optax.partition({"spectron": spectron(eta), "adamw": adamw(adamw_lr)}, label_factors)``,
+    ``optax.partition({"spectron": spectron(eta), "adamw": adamw(adamw_lr)}, labels)`` with the
+    labels of ``find_pairs(params, kinds=("factor",), labels=("spectron", "adamw"))``,
     optionally preceded by ``clip_by_global_norm(clip_norm)``. Works with plain dicts and with
     ``nnx.Optimizer(model, tx, wrt=nnx.Param)``. With ``optax.inject_hyperparams`` pass
     ``static_args=("ns_steps", "ns_coeffs", "power_iters", "pair_fn")`` so that ``eta`` and
@@ -449,7 +452,8 @@ def spectron_with_adamw(
             "adamw": optax.adamw(adamw_lr, b1=b1, b2=b2, weight_decay=weight_decay,
                                  mu_dtype=mu_dtype),
         },
-        lambda params: label_factors(params, "spectron", "adamw", pair_fn=pair_fn),
+        lambda params: find_pairs(params, kinds=("factor",), labels=("spectron", "adamw"),
+                                  pair_fn=pair_fn),
     )
     if clip_norm is not None:
         tx = optax.chain(optax.clip_by_global_norm(clip_norm), tx)

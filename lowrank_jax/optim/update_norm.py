@@ -1,8 +1,9 @@
 """The size of one optimizer step in weight space: ``max_l ‖W_l,new − W_l,old‖₂``.
 
 Spectron's guarantee is ``‖ΔW‖₂ ≤ η`` for every factorized weight ``W = A B``; this measures it
-(exactly, through the Gram eigenvalues) for a factorized model (its :func:`factor_pairs`) and,
-for comparison, for a dense model (every ``kernel`` under ``layers``).
+(exactly, through the Gram eigenvalues) for a factorized model (its factor pairs, found by
+:func:`lowrank_jax.optim.find_pairs`) and, for comparison, for a dense model (every ``kernel``
+under ``layers``).
 """
 
 from __future__ import annotations
@@ -13,25 +14,18 @@ import jax
 import jax.numpy as jnp
 
 from lowrank_jax.core.linalg import spectral_norm_exact
-from lowrank_jax.optim.factors import factor_pairs
+from lowrank_jax.optim.factors import find_pairs, normalize_path
 
 
-def weight_pairs(params) -> list:
-    """``[(a_path, b_path)]`` of a factorized model, else ``[(kernel_path, None)]`` for every
-    ``kernel`` leaf under ``layers`` (a dense model): the weights :func:`max_update_norm` reads.
-
-    Example::
-
-        >>> import jax.numpy as jnp
-        >>> weight_pairs({"layers": {"0": {"kernel": jnp.ones((2, 2))}}, "head": jnp.ones(2)})
-        [(('layers', '0', 'kernel'), None)]
-    """
-    pairs = factor_pairs(params)
+def _measured(params) -> list:
+    """The factor pairs of a factorized model, else ``(kernel_path, None)`` for every ``kernel``
+    leaf under ``layers`` (a dense model)."""
+    pairs = find_pairs(params, kinds=("factor",))
     if pairs:
         return pairs
     out = []
     for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
-        names = tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
+        names = normalize_path(path)
         if names and names[-1] == "kernel" and "layers" in names:
             out.append((names, None))
     return out
@@ -43,19 +37,20 @@ def _get(tree, path):
     return tree
 
 
-def max_update_norm(pairs: list) -> Callable:
+def max_update_norm(params) -> Callable:
     """Jitted ``(old, new) -> max over the weights of ‖W_new − W_old‖₂`` (spectral norm,
-    exact), for the ``pairs`` of :func:`weight_pairs`: ``W = A B`` for a factor pair, the kernel
-    for a ``(path, None)`` entry.
+    exact) for parameter trees shaped like ``params``: ``W = A B`` for each factor pair of a
+    factorized model, else every ``kernel`` leaf under ``layers`` (a dense model).
 
     Example::
 
         >>> import jax.numpy as jnp
         >>> old = {"p": {"a": jnp.eye(3, 2), "b": jnp.eye(2, 3)}}
         >>> new = {"p": {"a": 2 * jnp.eye(3, 2), "b": jnp.eye(2, 3)}}
-        >>> round(float(max_update_norm(weight_pairs(old))(old, new)), 4)
+        >>> round(float(max_update_norm(old)(old, new)), 4)
         1.0
     """
+    pairs = _measured(params)
 
     def fn(old, new):
         norms = []
@@ -70,4 +65,4 @@ def max_update_norm(pairs: list) -> Callable:
     return jax.jit(fn)
 
 
-__all__ = ["max_update_norm", "weight_pairs"]
+__all__ = ["max_update_norm"]

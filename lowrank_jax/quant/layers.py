@@ -178,15 +178,17 @@ register_projection(QuantizedLinear, dense=lambda m: dequantize(m.weight()).T,
                     requantize=_unisvq_requantize, method="unisvq", **_LINEAR)
 
 
-def dense_weight(linear) -> Array:
-    """``[out, in]`` fp32 weight of a dense projection (clear error for any other layer)."""
+def check_dense(linear) -> nnx.Linear:
+    """``linear`` itself when it is a dense ``nnx.Linear``, the only projection a quantizer
+    reads (its weight through :func:`lowrank_jax.nn.dense_matrix`); a clear error for any other
+    layer (an adapted layer's ``dense_matrix`` would leave its adapter out)."""
     if not isinstance(linear, nnx.Linear):
         raise ValueError(
             f"quantize_model: found a {type(linear).__name__} projection; only dense nnx.Linear "
             "projections can be quantized (merge LoRA / load the dense model first)."
         )
-    return linear.kernel[...].astype(jnp.float32).T  # [out, in]
+    return linear
 
 
 __all__ = ["LatticeParam", "QuantCodes", "QuantScale", "QuantizedLinear", "RTNLinear",
-           "VQLinear", "dense_weight", "round_floats_to_storage"]
+           "VQLinear", "check_dense", "round_floats_to_storage"]

@@ -20,7 +20,8 @@ from lowrank_jax.models.llama import (
     projections,
     replace_projections,
 )
-from lowrank_jax.quant.layers import QuantizedLinear, RTNLinear, VQLinear, dense_weight
+from lowrank_jax.nn.projection import dense_matrix
+from lowrank_jax.quant.layers import QuantizedLinear, RTNLinear, VQLinear, check_dense
 from lowrank_jax.quant.nf4 import NF4Linear, NF4Weight
 from lowrank_jax.quant.packing import pack_bits, unpack_bits
 from lowrank_jax.quant.rtn import rtn_from_arrays, rtn_to_arrays
@@ -89,7 +90,7 @@ def save_quantized(model: Llama, folder: str | os.PathLike, *, tokenizer=None,
                 arrays[f"{prefix}.{name}"] = value
         else:
             meta = {"method": "dense"}
-            arrays[prefix + ".kernel"] = np.asarray(dense_weight(lin).T, np.float32)
+            arrays[prefix + ".kernel"] = np.asarray(dense_matrix(check_dense(lin)), np.float32)
         layers_meta[prefix] = meta
     save_file(arrays, os.path.join(folder, "model.safetensors"))
     manifest = {

@@ -36,13 +36,14 @@ from lowrank_jax.models.llama import (
     replace_projections,
 )
 from lowrank_jax.nn.capture import capture
+from lowrank_jax.nn.projection import dense_matrix
 from lowrank_jax.quant.layers import (
     LatticeParam,
     QuantizedLinear,
     QuantScale,
     RTNLinear,
     VQLinear,
-    dense_weight,
+    check_dense,
     round_floats_to_storage,
 )
 from lowrank_jax.quant.rounding import hessian
@@ -169,7 +170,7 @@ def quantize_model(
     if method == "rtn":
         for i, _, _, w in projections(model):
             if i in layers:
-                check_group_size(group_size, dense_weight(w).shape[1])
+                check_group_size(group_size, check_dense(w).in_features)
     if method in CALIBRATED:
         if calib_tokens is None or np.asarray(calib_tokens).size == 0:
             raise ValueError(
@@ -217,8 +218,8 @@ def quantize_model(
         if method == "rtn":
             def to_rtn(_, __, linear):
                 nonlocal total_bits, total_weights
-                new = RTNLinear(rtn_quantize(dense_weight(linear), bits, group_size,
-                                             zero_point))
+                w = dense_matrix(check_dense(linear), jnp.float32).T  # [out, in]
+                new = RTNLinear(rtn_quantize(w, bits, group_size, zero_point))
                 total_bits += new.bits_per_weight() * new.codes[...].size
                 total_weights += new.codes[...].size
                 return new
@@ -229,7 +230,7 @@ def quantize_model(
             info["seconds_calibrate"] = time.perf_counter() - t0
             def to_quantized(layer_index, proj, linear):
                 nonlocal total_bits, total_weights
-                w = dense_weight(linear)
+                w = dense_matrix(check_dense(linear), jnp.float32).T
                 h = _damped(hessians[proj], cfg.damp)
                 sub_key = jax.random.fold_in(key, 7 * layer_index + PROJECTIONS.index(proj))
                 new = None
@@ -344,7 +345,7 @@ def dequantized_projections(
     done = {}
     try:
         for i, name, lin in targets:
-            w = dense_weight(lin)
+            w = dense_matrix(check_dense(lin), jnp.float32).T
             w_hat, bpw = quantize(i, name, w)
             done[(i, name)] = (w, w_hat, bpw)
             lin.kernel[...] = w_hat.T.astype(lin.kernel[...].dtype)

@@ -14,10 +14,12 @@ Example::
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 from flax import nnx
 
 from lowrank_jax.models.llama import replace_projections
-from lowrank_jax.quant.layers import QuantizedLinear, dense_weight
+from lowrank_jax.nn.projection import dense_matrix
+from lowrank_jax.quant.layers import QuantizedLinear, check_dense
 from lowrank_jax.quant.nf4 import NF4_BLOCK, NF4Linear, nf4_quantize
 from lowrank_jax.quantize.pipeline import quantize_model
 from lowrank_jax.quant.unisvq import UniSVQConfig, quantize_linear
@@ -33,7 +35,8 @@ def nf4_quantize_model(model, *, block_size: int = NF4_BLOCK, double_quant: bool
     dim the block size does not divide.
     """
     def make(_i, _name, lin):
-        return NF4Linear(nf4_quantize(dense_weight(lin), block_size, double_quant=double_quant))
+        w = dense_matrix(check_dense(lin), jnp.float32).T  # [out, in]
+        return NF4Linear(nf4_quantize(w, block_size, double_quant=double_quant))
 
     return replace_projections(model, make, layers=layers)
 
@@ -69,9 +72,11 @@ def quantize_base(model, method: str, *, calib_tokens=None, layers=None,
                        cfg=UniSVQConfig() if cfg is None else cfg, progress=False)
         done = [p for p, m in nnx.iter_modules(model) if isinstance(m, QuantizedLinear)]
     else:
-        done = replace_projections(
-            model, lambda _i, _n, lin: QuantizedLinear(
-                quantize_linear(dense_weight(lin), None, UniSVQConfig())), layers=layers)
+        def make_lattice(_i, _name, lin):
+            w = dense_matrix(check_dense(lin), jnp.float32).T  # [out, in]
+            return QuantizedLinear(quantize_linear(w, None, UniSVQConfig()))
+
+        done = replace_projections(model, make_lattice, layers=layers)
     return {"method": method, "quantized": len(done)}
 
 

@@ -10,7 +10,7 @@ from lowrank_jax.train.loop import (
     TrainState,
     init_state,
     make_eval_fn,
-    make_train_step,
+    make_lm_step,
     train,
     train_windows,
 )
@@ -20,5 +20,5 @@ from lowrank_jax.core.step import make_step
 # ``finetune`` (the function) stays in lowrank_jax.train.finetune: exported here it would hide
 # the module of the same name (``lowrank_jax.train.finetune.save_merged`` …)
 __all__ = ["FinetuneJob", "FinetuneResult", "JobResult", "RunConfig", "TrainResult",
-           "TrainState", "init_state", "lm_loss", "load_config", "make_eval_fn", "make_step",
-           "make_train_step", "run_jobs", "run_jobs_file", "train", "train_windows"]
+           "TrainState", "init_state", "lm_loss", "load_config", "make_eval_fn", "make_lm_step",
+           "make_step", "run_jobs", "run_jobs_file", "train", "train_windows"]

@@ -34,6 +34,7 @@ import optax
 from lowrank_jax.core.losses import cross_entropy
 from lowrank_jax.core.loop import run_steps
 from lowrank_jax.core.step import make_step
+from lowrank_jax.nn.lora import lora_output
 from lowrank_jax.optim.janus import (
     SubspaceMemory,
     decoupled_margin_loss,
@@ -113,7 +114,7 @@ def init_params(seed: int):
 
 def layer(p, x):
     """One adapted linear layer: ``x W + SCALE · (x A) B``."""
-    return x @ p["kernel"] + SCALE * (x @ p["lora_a"]) @ p["lora_b"]
+    return x @ p["kernel"] + lora_output(x, p["lora_a"], p["lora_b"], SCALE)
 
 
 def features(params, x):

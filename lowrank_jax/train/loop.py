@@ -90,9 +90,11 @@ def init_state(cfg: RunConfig, mesh=None, *,
     return TrainState(graphdef, params, opt_state, 0), tx
 
 
-def make_train_step(graphdef, tx, *, params=None, opt_state=None, batch_sharding=None,
-                    packed: bool = False) -> Callable:
-    """``step(params, opt_state, inputs, targets) -> (params, opt_state, metrics)``, jitted.
+def make_lm_step(graphdef, tx, *, params=None, opt_state=None, batch_sharding=None,
+                 packed: bool = False) -> Callable:
+    """``step(params, opt_state, inputs, targets) -> (params, opt_state, metrics)``, jitted: the
+    one step builder (:func:`lowrank_jax.core.step.make_step`) with the language-model loss of
+    ``graphdef``, non-finite updates skipped and, on a mesh, the state's shardings.
 
     On a mesh, pass the (sharded) ``params``/``opt_state`` and the ``batch_sharding``: the step
     is then compiled with explicit in/out shardings equal to the current ones, so the state's
@@ -119,9 +121,9 @@ def pretrain_step(state: TrainState, tx, mesh=None, *, packed: bool = False):
     (:func:`~lowrank_jax.train.losses.batch_sharded`).
     """
     if mesh is None:
-        return make_train_step(state.graphdef, tx), None
+        return make_lm_step(state.graphdef, tx), None
     batch_spec = shard_lib.batch_sharding(mesh)
-    jitted = make_train_step(state.graphdef, tx, params=state.params, opt_state=state.opt_state,
+    jitted = make_lm_step(state.graphdef, tx, params=state.params, opt_state=state.opt_state,
                              batch_sharding=batch_spec, packed=packed)
 
     def on_mesh(method):

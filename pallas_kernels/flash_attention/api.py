@@ -25,7 +25,7 @@ from pallas_kernels.flash_attention.reference import (
     soft_cap,
 )
 
-IMPLEMENTATIONS = ("auto", "pallas", "xla")
+from pallas_kernels._dispatch import IMPLEMENTATIONS  # noqa: E402 (re-export)
 
 
 @dataclasses.dataclass(frozen=True)

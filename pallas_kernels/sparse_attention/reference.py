@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int8
 
-MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+from pallas_kernels.flash_attention.reference import MASK_VALUE  # noqa: E402 (one value)
 GRANULARITIES = ("per_token", "per_block")
 
 

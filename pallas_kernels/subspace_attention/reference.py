@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 #: Large finite negative logit for masked pairs (finite so a fully masked row stays NaN-free).
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+from pallas_kernels.flash_attention.reference import MASK_VALUE  # noqa: E402 (one value)
 
 V_RESIDUAL_MODES = ("latent", "far_exact")
 

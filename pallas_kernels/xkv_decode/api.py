@@ -15,7 +15,7 @@ from pallas_kernels.xkv_decode.kernel import xkv_decode_partials
 from pallas_kernels.xkv_decode.reference import NEG_INF, xkv_decode_reference
 
 #: ``implementation=`` values: ``auto`` (Pallas on GPU/TPU, else XLA), ``pallas``, ``xla``.
-IMPLEMENTATIONS = ("auto", "pallas", "xla")
+from pallas_kernels._dispatch import IMPLEMENTATIONS  # noqa: E402 (re-export)
 
 
 @dataclasses.dataclass(frozen=True)

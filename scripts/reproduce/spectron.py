@@ -49,7 +49,7 @@ from lowrank_jax.data import batch_at, corpus_bytes, train_val_split
 from lowrank_jax.train.loop import evaluate as lm_evaluate
 from lowrank_jax.train.sweep import loss_spike, moving_average
 from lowrank_jax.models import Llama, LlamaConfig
-from lowrank_jax.optim import max_update_norm, spectron_with_adamw, weight_pairs
+from lowrank_jax.optim import max_update_norm, spectron_with_adamw
 from lowrank_jax.train import lm_loss, make_eval_fn, make_step
 from lowrank_jax.train.lockstep import LockstepRun, train_lockstep
 from lowrank_jax.models.flops import training_flops_per_token as flops_per_token
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     adamw_step, fact_eval = make_step(lm_loss(fact_graph), adamw_tx), make_eval_fn(fact_graph)
     spectron_step = make_step(lm_loss(fact_graph), spectron_tx)
 
-    fact_delta = max_update_norm(weight_pairs(fact_params))
+    fact_delta = max_update_norm(fact_params)
 
     def run(name, kind, peak, steps, params, step, tx, rates, delta=fact_delta):
         return LockstepRun(name, step, params, tx.init(params), steps, rates, delta,
@@ -142,7 +142,7 @@ def main(argv=None) -> int:
         runs.append(run(f"dense adamw lr={args.dense_lr:g}", "dense", args.dense_lr, dense_steps,
                         dense_params, make_step(lm_loss(dense_graph), adamw_tx), adamw_tx,
                         {"learning_rate": args.dense_lr},
-                        max_update_norm(weight_pairs(dense_params))))
+                        max_update_norm(dense_params)))
 
     with tqdm(total=sum(r.steps for r in runs), desc="lockstep training") as bar:
         train_lockstep(runs, lambda step: tuple(jnp.asarray(t) for t in batch_at(

@@ -28,9 +28,9 @@ def _kv(shape, seed=0):
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_pack_unpack_round_trip(bits):
     codes = np.random.default_rng(bits).integers(0, 2 ** bits, 37).astype(np.uint8)
-    packed = quantized.pack_bits(jnp.asarray(codes), bits)
+    packed = quantized.pack_kv_codes(jnp.asarray(codes), bits)
     assert packed.dtype == jnp.uint8 and packed.size == -(-37 * bits // 8)
-    np.testing.assert_array_equal(quantized.unpack_bits(packed, bits, 37), codes)
+    np.testing.assert_array_equal(quantized.unpack_kv_codes(packed, bits, 37), codes)
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
@@ -39,13 +39,13 @@ def test_quantize_error_is_half_a_step_and_grids_are_exact(bits):
     q = quantized.quantize(x, bits, axis=1, group_size=8)  # 20 = 2 groups of 8 + a padded one
     assert q.scale.shape == (3, 3, 1, 6)
     step = np.repeat(np.asarray(q.scale, np.float32), 8, axis=1)[:, :20]
-    err = np.abs(np.asarray(quantized.dequantize(q)) - np.asarray(x))
+    err = np.abs(np.asarray(quantized.dequantize_kv(q)) - np.asarray(x))
     assert np.all(err <= 0.5 * step[:, :, 0] + 2e-3)  # + fp16 rounding of the minimum
     # a group holding only 2^bits equally spaced levels comes back exactly
     levels = jnp.asarray(np.random.default_rng(2).integers(0, 2 ** bits, (4, 16)), jnp.float32)
     levels = levels.at[:, 0].set(0).at[:, 1].set(2 ** bits - 1)
     grid = quantized.quantize(levels, bits, axis=1, group_size=16)
-    np.testing.assert_array_equal(quantized.dequantize(grid), levels)
+    np.testing.assert_array_equal(quantized.dequantize_kv(grid), levels)
 
 
 def test_kivi_layout_and_full_window_is_exact():
@@ -290,7 +290,7 @@ def test_hadamard_rotation_is_orthonormal_and_spreads_outliers():
     rotated = hadamard_rotate(x, 1, 32)
     np.testing.assert_allclose(hadamard_rotate(rotated, 1, 32, inverse=True), x, atol=1e-4)
     # 4-bit min/max quantization of the rotated array loses far less than of the raw one
-    err = lambda y: float(jnp.linalg.norm(quantized.dequantize(
+    err = lambda y: float(jnp.linalg.norm(quantized.dequantize_kv(
         quantized.quantize(y, 4, axis=1, group_size=32)) - y))  # noqa: E731
     assert err(rotated) < 0.5 * err(x)
     with pytest.raises(ValueError, match="power of two"):
@@ -377,12 +377,12 @@ def test_clip_search_lowers_low_bit_error_and_keeps_the_format():
         plain = quantized.quantize(x, bits, axis=1, group_size=256)
         clipped = quantized.quantize(x, bits, axis=1, group_size=256, search_clip=True)
         assert clipped.codes.shape == plain.codes.shape and clipped.scale.shape == (4, 1, 1)
-        err = lambda q: float(jnp.sum((quantized.dequantize(q) - x) ** 2))  # noqa: E731
+        err = lambda q: float(jnp.sum((quantized.dequantize_kv(q) - x) ** 2))  # noqa: E731
         assert err(clipped) * gain < err(plain), bits  # min/max wastes levels on the tails
     # the grid keeps c = 1 (min/max): a group that is already on the grid stays exact
     grid = jnp.asarray([[0., 1., 2., 3.]])
     exact = quantized.quantize(grid, 2, axis=1, group_size=4, search_clip=True)
-    np.testing.assert_allclose(quantized.dequantize(exact), grid)
+    np.testing.assert_allclose(quantized.dequantize_kv(exact), grid)
 
 
 def test_mixed_bits_follow_the_spectrum_and_beat_one_width_at_equal_bytes():

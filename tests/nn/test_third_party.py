@@ -32,7 +32,7 @@ from flax import nnx
 
 from lowrank_jax.io import export_peft, import_peft
 from lowrank_jax.nn import LoRARule, apply_lora, factorize, lora_layers, projection_paths
-from lowrank_jax.optim import balora, factor_pairs, lora_pairs, spectron_with_adamw
+from lowrank_jax.optim import balora, find_pairs, spectron_with_adamw
 
 try:  # the adapter core moves it to lowrank_jax.quant (nn never imports quant)
     from lowrank_jax.quant import quantize_projections
@@ -144,7 +144,7 @@ def test_lora_on_every_projection_keeps_the_output_and_trains(kind):
     paths = projection_paths(model)
     assert apply_lora(model, LoRARule(EVERY, rank=4), rngs=nnx.Rngs(1)) == paths
     np.testing.assert_allclose(np.asarray(forward(model)), before, atol=1e-6)  # B = 0
-    assert len(lora_pairs(nnx.state(model, nnx.LoRAParam))) == len(paths)
+    assert len(find_pairs(nnx.state(model, nnx.LoRAParam), kinds=("lora",))) == len(paths)
     losses = train(model, optax.adam(1e-2), nnx.LoRAParam, 3)
     assert losses[-1] < losses[0], losses
     for path, layer in lora_layers(model):
@@ -159,7 +159,7 @@ def test_factorize_is_exact_at_full_rank_and_trains_with_spectron(kind):
     assert max(r["error"] for r in exact.values()) < 1e-5
     report = factorize(model, EVERY, rank_ratio=0.5)
     assert list(report) == paths
-    assert len(factor_pairs(nnx.state(model, nnx.Param))) == len(report)
+    assert len(find_pairs(nnx.state(model, nnx.Param), kinds=("factor",))) == len(report)
     assert np.isfinite(np.asarray(forward(model))).all()
     assert not np.allclose(np.asarray(forward(model)), before)  # rank 1/2 is an approximation
     losses = train(model, spectron_with_adamw(0.05, 1e-3, ns_coeffs="exact"), nnx.Param, 3)
@@ -375,15 +375,15 @@ def _hf_state(model, name_map, kind):
 
     from lowrank_jax.io.peft_names import targets
     from lowrank_jax.nn import projection_view
-    from lowrank_jax.nn.inject import adaptable_modules
+    from lowrank_jax.nn.projection import outermost_projections
     from lowrank_jax.nn.projection import module_path
 
     state = {}
-    for path, module in adaptable_modules(model):
+    for path, module in outermost_projections(model):
         path = module_path(path)
         found = targets(path, name_map)
         kernel = module.w if hasattr(module, "w") else module.kernel  # tunix / nnx.Linear
-        matrix = np.asarray(projection_view(module).kernel_matrix(kernel[...]))  # [in, out]
+        matrix = np.asarray(projection_view(module).to_matrix(kernel[...]))  # [in, out]
         for target, block in zip(found, np.split(matrix, len(found), axis=1)):
             state[f"{target.name}.weight"] = block.T
     gemma = kind.startswith("gemma")

@@ -29,7 +29,7 @@ from lowrank_jax.nn import (
     unmerge_lora,
 )
 from lowrank_jax.nn.merge import merge_adapters
-from lowrank_jax.optim import balora, factor_pairs, lora_pairs, spectron_with_adamw
+from lowrank_jax.optim import balora, find_pairs, spectron_with_adamw
 from lowrank_jax.quant import QuantizedProjection, quantize_projections
 
 D, N, K, H, F, V, LAYERS = 64, 4, 2, 16, 128, 97, 2
@@ -146,7 +146,7 @@ def test_the_protocol_sees_all_seven_projections_and_their_hf_layout():
     np.testing.assert_array_equal(dense_matrix(o), o.kernel[...].reshape(N * H, D))
     assert projection_view(model.layers[0].attn.k_proj).out_shape == (K, H)
     view = projection_view(q)
-    np.testing.assert_array_equal(view.matrix_kernel(dense_matrix(q)), q.w[...])
+    np.testing.assert_array_equal(view.to_kernel(dense_matrix(q)), q.w[...])
 
 
 def test_lora_adapts_every_projection_unchanged_at_init_and_trains_attention():
@@ -158,7 +158,7 @@ def test_lora_adapts_every_projection_unchanged_at_init_and_trains_attention():
     assert kinds["q_proj"] == kinds["o_proj"] == "LoRAProjection" and kinds["up_proj"] == \
         "LoRALinear"
     np.testing.assert_array_equal(np.asarray(model(TOKENS)), np.asarray(before))
-    assert len(lora_pairs(nnx.state(model, nnx.LoRAParam))) == 14
+    assert len(find_pairs(nnx.state(model, nnx.LoRAParam), kinds=("lora",))) == 14
     kernel_before = np.asarray(model.layers[0].attn.q_proj.base.w[...])
     losses = train(model, optax.adam(3e-3), nnx.LoRAParam, 12)
     assert losses[-1] < losses[0] - 0.1, losses
@@ -208,7 +208,7 @@ def test_factorize_then_spectron_keeps_the_delta_w_bound_and_trains():
         "rank"] == 16
     assert all(0.0 < r["error"] < 1.0 for r in report.values())
     state = nnx.state(model, nnx.Param)
-    assert len(factor_pairs(state)) == 14  # attention included
+    assert len(find_pairs(state, kinds=("factor",))) == 14  # attention included
     eta = 0.05
     tx = spectron_with_adamw(eta, 1e-3, ns_coeffs="exact", exact_norm=True)
     q = model.layers[0].attn.q_proj
@@ -302,7 +302,7 @@ def test_flax_lora_layers_are_seen_by_the_pair_finder():
             self.side = nnx.LoRA(16, 2, 8, rngs=rngs)
 
     model = Tiny(nnx.Rngs(0))
-    pairs = lora_pairs(nnx.state(model, nnx.LoRAParam))
+    pairs = find_pairs(nnx.state(model, nnx.LoRAParam), kinds=("lora",))
     assert [tuple(str(x) for x in a) for a, _ in pairs] == [("side", "lora_a"),
                                                           ("up", "lora", "lora_a")]
     x = jax.random.normal(jax.random.PRNGKey(0), (4, 8))

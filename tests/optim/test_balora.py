@@ -14,7 +14,7 @@ from lowrank_jax.optim.balora import (
     balance_pair,
     balancing_gap,
     balora,
-    find_lora_pairs,
+    find_pairs,
     scale_by_balora,
 )
 
@@ -83,9 +83,9 @@ def test_zero_product_untouched(mode):
 def test_find_pairs_half_pair_and_masked_node():
     tree = {"q": {"lora_a": jnp.ones((4, 2)), "lora_b": jnp.ones((2, 3))},
             "k": {"lora_a": optax.MaskedNode(), "kernel": jnp.ones(2)}}
-    assert find_lora_pairs(tree) == [(1, 2, "q")]
+    assert find_pairs(tree, kinds=("lora",)) == [(("q", "lora_a"), ("q", "lora_b"))]
     with pytest.raises(ValueError, match="lora_b"):
-        find_lora_pairs({"q": {"lora_a": jnp.ones((4, 2))}})
+        find_pairs({"q": {"lora_a": jnp.ones((4, 2))}}, kinds=("lora",))
 
 
 def _params():

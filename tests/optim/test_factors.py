@@ -9,7 +9,7 @@ from flax import nnx
 
 from lowrank_jax.models import Llama, LlamaConfig
 from lowrank_jax.nn import FactorizedLinear
-from lowrank_jax.optim import factor_pairs, label_factors, spectron_with_adamw
+from lowrank_jax.optim import find_pairs, spectron_with_adamw
 
 # its module-scoped fixtures are built once: every test of this file runs on one worker
 pytestmark = pytest.mark.xdist_group("optim.test_factors")
@@ -36,9 +36,10 @@ def model():
 
 def test_two_factorized_layers_and_embedding_give_two_pairs(model):
     want = [(("first", "a"), ("first", "b")), (("second", "a"), ("second", "b"))]
-    assert factor_pairs(nnx.state(model, nnx.Param)) == want
-    assert factor_pairs(nnx.as_pure(nnx.state(model, nnx.Param))) == want  # nnx.Optimizer form
-    labels = label_factors(nnx.as_pure(nnx.state(model, nnx.Param)))
+    assert find_pairs(nnx.state(model, nnx.Param), kinds=("factor",)) == want
+    pure = nnx.as_pure(nnx.state(model, nnx.Param))  # the nnx.Optimizer form
+    assert find_pairs(pure, kinds=("factor",)) == want
+    labels = find_pairs(pure, kinds=("factor",), labels=("spectron", "adamw"))
     assert labels["first"]["a"] == "spectron" and labels["second"]["b"] == "spectron"
     assert labels["second"]["bias"] == "adamw" and labels["embed"]["embedding"] == "adamw"
 
@@ -48,30 +49,32 @@ def test_llama_factorized_has_seven_pairs_per_layer():
                       projection="factorized", vocab_size=32)
     # Abstract model (shapes only): pairing never looks at values.
     state = nnx.state(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))), nnx.Param)
-    pairs = factor_pairs(state)
+    pairs = find_pairs(state, kinds=("factor",))
     assert len(pairs) == 14
     assert (("layers", 0, "self_attn", "q_proj", "a"),
             ("layers", 0, "self_attn", "q_proj", "b")) in pairs
     dense_cfg = LlamaConfig(d_model=16, n_layers=1, n_heads=2, n_kv_heads=2, d_ff=32,
                             vocab_size=32)
     dense = nnx.eval_shape(lambda: Llama(dense_cfg, rngs=nnx.Rngs(0)))
-    assert factor_pairs(nnx.state(dense, nnx.Param)) == []
+    assert find_pairs(nnx.state(dense, nnx.Param), kinds=("factor",)) == []
 
 
 def test_dict_pairs_and_masked_nodes_are_skipped():
     params = {"p": {"a": jnp.ones((4, 2)), "b": jnp.ones((2, 3))}, "w": jnp.ones(3),
               "q": {"a": jnp.ones((3, 1)), "b": jnp.ones((1, 3))}}
-    assert factor_pairs(params) == [(("p", "a"), ("p", "b")), (("q", "a"), ("q", "b"))]
+    want = [(("p", "a"), ("p", "b")), (("q", "a"), ("q", "b"))]
+    assert find_pairs(params, kinds=("factor",)) == want
     masked = {"p": {"a": jnp.ones((4, 2)), "b": jnp.ones((2, 3))}, "w": optax.MaskedNode(),
               "q": {"a": optax.MaskedNode(), "b": optax.MaskedNode()}}
-    assert factor_pairs(masked) == [(("p", "a"), ("p", "b"))]
+    assert find_pairs(masked, kinds=("factor",)) == [(("p", "a"), ("p", "b"))]
 
 
 def test_half_pair_raises_with_path():
     with pytest.raises(ValueError, match="layer/a"):
-        factor_pairs({"layer": {"a": jnp.ones((4, 2)), "kernel": jnp.ones((4, 4))}})
+        find_pairs({"layer": {"a": jnp.ones((4, 2)), "kernel": jnp.ones((4, 4))}},
+                   kinds=("factor",))
     with pytest.raises(ValueError, match="top/b"):
-        factor_pairs({"top": {"b": jnp.ones((2, 4))}})
+        find_pairs({"top": {"b": jnp.ones((2, 4))}}, kinds=("factor",))
 
 
 def test_partition_gives_non_factor_leaves_pure_adamw_updates(model):

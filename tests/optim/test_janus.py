@@ -12,7 +12,7 @@ from lowrank_jax.optim.janus import (
     SubspaceMemory,
     clamp_pair,
     decoupled_margin_loss,
-    janus_rectify,
+    scale_by_janus,
     oe_accumulate,
     oe_finalize,
     orthogonality_clamp,
@@ -76,9 +76,9 @@ def test_adam_breaks_safety_and_clamp_restores_it():
         delta = new["layer"]["lora_a"] @ new["layer"]["lora_b"] - a @ b
         return float(jnp.linalg.norm(v.T @ delta)) / float(jnp.linalg.norm(delta))
 
-    unclamped = optax.chain(janus_rectify(S), optax.scale_by_adam(),
+    unclamped = optax.chain(scale_by_janus(S), optax.scale_by_adam(),
                             optax.scale_by_learning_rate(0.1))
-    clamped = optax.chain(janus_rectify(S), optax.scale_by_adam(),
+    clamped = optax.chain(scale_by_janus(S), optax.scale_by_adam(),
                           optax.scale_by_learning_rate(0.1), orthogonality_clamp())
     assert run(unclamped) > 1e-3
     assert run(clamped) <= 1e-5
@@ -129,7 +129,7 @@ def test_higher_threshold_never_gives_fewer_columns():
 def test_basis_validation():
     a, b, g_w, _ = problem(0, 2)
     with pytest.raises(ValueError, match=r"input width is 24"):
-        janus_rectify(S).update({"l": {"lora_a": a, "lora_b": b}}, None,
+        scale_by_janus(S).update({"l": {"lora_a": a, "lora_b": b}}, None,
                                 {"l": {"lora_a": a, "lora_b": b}}, subspaces={"l": jnp.eye(5)})
     skewed = jnp.eye(D)[:, :3] + 0.1
     with pytest.warns(UserWarning, match="not orthonormal"):

@@ -7,7 +7,7 @@ import pytest
 
 from lowrank_jax.cli import main as cli_main
 from lowrank_jax.train import load_config, train
-from lowrank_jax.train.loop import init_state, make_train_step
+from lowrank_jax.train.loop import init_state, make_lm_step
 from lowrank_jax.data import batch_at, corpus_bytes
 
 SMALL = [
@@ -29,7 +29,7 @@ def test_train_step_lowers_loss_on_fixed_batch(tmp_path, optimizer):
                        "optimizer.warmup_fraction=0.0", "optimizer.schedule=constant",
                        "train.steps=100")
     state, tx = init_state(cfg)
-    step = make_train_step(state.graphdef, tx)
+    step = make_lm_step(state.graphdef, tx)
     x, y = batch_at(corpus_bytes(), 0, 8, 32)
     params, opt_state = state.params, state.opt_state
     losses = []

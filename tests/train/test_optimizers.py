@@ -8,7 +8,7 @@ import pytest
 from lowrank_jax.data import batch_at, corpus_bytes
 from lowrank_jax.optim import spectron_with_adamw
 from lowrank_jax.train import load_config
-from lowrank_jax.train.loop import init_state, make_train_step
+from lowrank_jax.train.loop import init_state, make_lm_step
 
 SMALL = [
     "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
@@ -40,7 +40,7 @@ def test_cli_spectron_config_is_spectron_with_adamw_bit_for_bit(tmp_path):
     x, y = batch_at(corpus_bytes(), 0, 4, 32)
     runs = {}
     for name, tx in (("cli", cli_tx), ("user", user_tx)):
-        step = make_train_step(state.graphdef, tx)
+        step = make_lm_step(state.graphdef, tx)
         params, opt_state = state.params, jax.jit(tx.init)(state.params)
         losses = []
         for _ in range(4):  # warmup and cosine both exercised (warmup = 2 steps)
