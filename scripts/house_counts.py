@@ -27,8 +27,10 @@ Counts:
   before the one loop (16 in the package, 1 in scripts), the one loop
   (``core/loop.py``) after;
 - **NLL implementations**: functions that compute a token NLL from ``log_softmax``/``logsumexp``;
-- **lines of scripts/**: every ``*.py`` line under ``scripts/`` (issue 37: 8,090 when the move of
-  library logic out of the scripts began; at most 8,090 - 1,500);
+- **lines of scripts/**: every ``*.py`` line under ``scripts/`` but this counter's own (issue 37:
+  8,090 when the move of library logic out of the scripts began; at most 8,090 - 1,500). The
+  counter is a measuring tool, not library logic, and grew by the counts of issue 52; counting it
+  would make each new house count eat the budget of the move it measures;
 - **adapter bodies** (issue 52): package functions that apply a LoRA update to an input: they
   hold a chained product ``(x @ A) @ B`` and read a LoRA factor (a name, attribute or key
   starting with ``lora_``) or are named for one (the function's or its class's name contains
@@ -304,21 +306,20 @@ def _outermost_functions(tree: ast.AST):
     return out
 
 
+def _functions_where(holds) -> list[str]:
+    """``path:line name`` of the outermost functions (package + scripts) for which ``holds``."""
+    return [f"{path.relative_to(ROOT)}:{fn.lineno} {fn.name}" for path in _source_files()
+            for fn in _outermost_functions(ast.parse(path.read_text())) if holds(fn)]
+
+
 def training_steps() -> list[str]:
-    found = []
-    for path in _source_files():
-        tree = ast.parse(path.read_text())
-        for fn in _outermost_functions(tree):
-            calls = _calls(fn)
-            grads = any(c.rsplit(".", 1)[-1] in GRAD_CALLS for c in calls)
-            updates = any(
-                c.endswith(".update") and c.split(".")[0] in {"tx", "optimizer", "opt"}
-                or c.endswith("tx.update")
-                for c in calls
-            )
-            if grads and updates:
-                found.append(f"{path.relative_to(ROOT)}:{fn.lineno} {fn.name}")
-    return found
+    def holds(fn):
+        calls = _calls(fn)
+        updates = any(c.endswith(".update") and c.split(".")[0] in {"tx", "optimizer", "opt"}
+                      or c.endswith("tx.update") for c in calls)
+        return updates and any(c.rsplit(".", 1)[-1] in GRAD_CALLS for c in calls)
+
+    return _functions_where(holds)
 
 
 def _threads_state(node: ast.Assign) -> bool:
@@ -365,28 +366,18 @@ def training_loops() -> list[str]:
     """Functions (outermost, so a trainer and its inner helpers count once) holding a training
     loop: a ``for``/``while`` whose body runs a step (:func:`_threads_state`) or takes a gradient
     and calls an optimizer ``update``."""
-    found = []
-    for path in _source_files():
-        tree = ast.parse(path.read_text())
-        for fn in _outermost_functions(tree):
-            loops = [n for n in ast.walk(fn) if isinstance(n, (ast.For, ast.While))]
-            if any(_is_training_loop(loop) for loop in loops):
-                found.append(f"{path.relative_to(ROOT)}:{fn.lineno} {fn.name}")
-    return found
+    return _functions_where(lambda fn: any(
+        _is_training_loop(n) for n in ast.walk(fn) if isinstance(n, (ast.For, ast.While))))
 
 
 def nll_implementations() -> list[str]:
     """Functions that take log_softmax / logsumexp of logits and pick the target token."""
-    found = []
-    for path in _source_files():
-        tree = ast.parse(path.read_text())
-        for fn in _outermost_functions(tree):
-            calls = [c.rsplit(".", 1)[-1] for c in _calls(fn)]
-            normaliser = "log_softmax" in calls or "logsumexp" in calls
-            picks = any(c in {"take_along_axis", "one_hot"} for c in calls)
-            if normaliser and picks:
-                found.append(f"{path.relative_to(ROOT)}:{fn.lineno} {fn.name}")
-    return found
+    def holds(fn):
+        calls = {c.rsplit(".", 1)[-1] for c in _calls(fn)}
+        return bool(calls & {"log_softmax", "logsumexp"}) and bool(
+            calls & {"take_along_axis", "one_hot"})
+
+    return _functions_where(holds)
 
 
 def _package_trees(packages=(PACKAGE,)):
@@ -507,13 +498,20 @@ def counts() -> dict[str, object]:
         "steps": training_steps(),
         "nll": nll_implementations(),
         "loops": training_loops(),
-        "script_lines": sum(len(p.read_text().splitlines())
-                            for p in (ROOT / "scripts").rglob("*.py")),
+        "script_lines": sum(len(p.read_text().splitlines()) for p in _source_files()
+                            if p.is_relative_to(ROOT / "scripts")),
         "adapter_bodies": adapter_bodies(),
         "dense_accessors": dense_accessors(),
         "pair_finders": pair_finders(),
         "homonyms": homonyms(),
     }
+
+
+#: the ``--details`` label of each list of offenders after circles, arrows and private imports
+DETAILS = {"ops_missing_block_sizes": "no BlockSizes", "steps": "step", "nll": "nll",
+           "loops": "loop", "adapter_bodies": "adapter body",
+           "dense_accessors": "dense-weight accessor", "pair_finders": "pair finder",
+           "homonyms": "homonym"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -554,22 +552,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"upward: {a} -> {b}")
         for a, b, name in c["private"]:
             print(f"private: {a} imports {b}.{name}")
-        for op in c["ops_missing_block_sizes"]:
-            print("no BlockSizes:", op)
-        for s in c["steps"]:
-            print("step:", s)
-        for s in c["nll"]:
-            print("nll:", s)
-        for s in c["loops"]:
-            print("loop:", s)
-        for s in c["adapter_bodies"]:
-            print("adapter body:", s)
-        for name, where in c["dense_accessors"].items():
-            print(f"dense-weight accessor: {name} ({', '.join(where)})")
-        for name, where in c["pair_finders"].items():
-            print(f"pair finder: {name} ({', '.join(where)})")
-        for name, where in c["homonyms"].items():
-            print(f"homonym: {name} ({', '.join(where)})")
+        for key, label in DETAILS.items():
+            found = c[key]
+            for item in found:  # a list of places, or {name: [places]}
+                where = f"{item} ({', '.join(found[item])})" if isinstance(found, dict) else item
+                print(f"{label}: {where}")
     return 0
 
 
