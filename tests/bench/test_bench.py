@@ -33,7 +33,7 @@ def test_quick_suite_runs_every_benchmark_and_writes_finite_ratios(tmp_path, cap
             assert r["met"] is within, r
         else:
             assert r["met"] is None, r
-    assert targets >= 3
+    assert targets >= 2  # quick mode still judges some rows against their targets
     kinds = {r["case"].split()[0] for r in rows if r["benchmark"] == "factorized_vs_dense"}
     assert kinds == {"train_step", "prefill", "decode"}
     packed = [r for r in rows if r["benchmark"] == "packed_lora"][0]
