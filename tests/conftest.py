@@ -138,6 +138,54 @@ def _typecheck_switch(request):
         jaxtyping.config.update("jaxtyping_disable", False)
 
 
+class SavedFigure:
+    """A figure a test saved: the figure object (still readable after ``plt.close``: its axes,
+    lines and images) and the image read back from the file (``pixels``, ``[height, width,
+    channels]`` floats in [0, 1])."""
+
+    def __init__(self, figure, pixels):
+        self.figure, self.pixels = figure, pixels
+
+    def lines(self) -> list[tuple[str, list[float], list[float]]]:
+        """``(label, x, y)`` of every data line on every axis, in drawing order (reference lines
+        drawn by ``axhline`` / ``axvline`` included, with their labels)."""
+        return [(line.get_label(), [float(v) for v in line.get_xdata()],
+                 [float(v) for v in line.get_ydata()])
+                for ax in self.figure.axes for line in ax.get_lines()]
+
+    def ink(self) -> float:
+        """The fraction of the image's pixels that are not the background colour (its corner
+        pixel): 0 for a blank image."""
+        import numpy as np
+
+        rgb = self.pixels[..., :3]
+        return float(np.any(np.abs(rgb - rgb[0, 0]) > 0.02, axis=-1).mean())
+
+
+@pytest.fixture
+def saved_figures(monkeypatch) -> dict[str, SavedFigure]:
+    """Every matplotlib figure the test saves, by the path (``str``) it was saved to, as a
+    :class:`SavedFigure`. A plot test checks what was drawn and that the file shows it, not only
+    that a file exists."""
+    import pathlib
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.image
+    from matplotlib.figure import Figure
+
+    saved = {}
+    plain_savefig = Figure.savefig
+
+    def recording_savefig(self, fname, *args, **kwargs):
+        plain_savefig(self, fname, *args, **kwargs)
+        saved[str(pathlib.Path(fname))] = SavedFigure(self, matplotlib.image.imread(fname))
+
+    monkeypatch.setattr(Figure, "savefig", recording_savefig)
+    return saved
+
+
 _DOCTEST_EXAMPLES = [0]
 
 

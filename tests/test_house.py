@@ -19,6 +19,10 @@ from pallas_kernels import _dispatch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+# its module-scoped fixture (a run of house_counts.py) is built once: one worker runs the file
+pytestmark = pytest.mark.xdist_group("test_house")
+
+
 @pytest.fixture(scope="module")
 def counts():
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "house_counts.py"), "--json"],

@@ -139,7 +139,7 @@ def test_analyze_params_bad_filter_and_architecture():
         analyze_params(a, layer_filter="mlp", base=b)
 
 
-def test_analyze_command_end_to_end(tmp_path):
+def test_analyze_command_end_to_end(tmp_path, saved_figures):
     from lowrank_jax.commands import analyze
 
     model, _ = analyze._load("tiny")
@@ -155,9 +155,20 @@ def test_analyze_command_end_to_end(tmp_path):
     rec = rep["matrices"]["layers/0/self_attn/q_proj/kernel"]
     assert rec["vs_base/spectral_share"] == pytest.approx(1.0, abs=1e-3)  # pure rescale
     assert len(rep["key_cka"]["matrix"]) == model.cfg.n_layers
-    for name in ("spectra.png", "effective_rank_by_layer.png", "head_importance.png",
-                 "key_cka.png"):
-        assert (out / name).stat().st_size > 1000
+    # the plots show the report's numbers
+    figures = {name: saved_figures[str(out / name)] for name in (
+        "spectra.png", "effective_rank_by_layer.png", "head_importance.png", "key_cka.png")}
+    assert len(saved_figures) == 4 and all(f.ink() > 0.02 for f in figures.values())
+    for name, key in (("head_importance.png", rep["head_scores"]["rel_update"]),
+                      ("key_cka.png", rep["key_cka"]["matrix"])):
+        (image,) = figures[name].figure.axes[0].get_images()
+        np.testing.assert_allclose(np.asarray(image.get_array()), key, rtol=1e-6, err_msg=name)
+    spectra = figures["spectra.png"].lines()
+    assert len(spectra) == len(rep["matrices"])  # one curve per matrix, normalised by sigma_1
+    assert all(y[0] == pytest.approx(1.0) and x[0] == 1.0 for _, x, y in spectra)
+    by_layer = {label: y for label, _, y in figures["effective_rank_by_layer.png"].lines()}
+    assert by_layer == {proj.split("/")[-1]: pytest.approx(values)
+                        for proj, values in rep["effective_rank_by_layer"].items()}
     bad = argparse.Namespace(**{**vars(args), "layers": "zzz", "overwrite": True})
     with pytest.raises(ValueError, match="matches no matrix"):
         analyze.run(bad)

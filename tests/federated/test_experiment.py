@@ -42,7 +42,7 @@ def test_bad_configs_are_clear(tmp_path):
         experiment.build_strategy({"name": "fedhera", "rank": 3})
 
 
-def test_federate_command_end_to_end(tmp_path, capsys):
+def test_federate_command_end_to_end(tmp_path, capsys, saved_figures):
     config = {
         "name": "tiny", "run_dir": str(tmp_path / "run"), "checkpoint": True,
         "task": {"clients": 4, "train_per_client": 16, "test_per_client": 8, "features": 16},
@@ -58,7 +58,16 @@ def test_federate_command_end_to_end(tmp_path, capsys):
     assert "| fedhera |" in out and "| fedtree |" in out
     saved = json.loads((tmp_path / "run" / "results.json").read_text())
     assert len(saved["histories"]["fedhera"][0]) == 2
-    assert (tmp_path / "run" / "accuracy.png").stat().st_size > 0
+    # the plot: per strategy, the mean (here one seed) global / personal accuracy per round
+    plot = saved_figures.pop(str(tmp_path / "run" / "accuracy.png"))
+    assert plot.ink() > 0.02 and [ax.get_title() for ax in plot.figure.axes] == [
+        "global accuracy", "personal accuracy"]
+    want = [(name, [1.0, 2.0], [row[key] for row in saved["histories"][name][0]])
+            for key in ("global_accuracy", "personal_accuracy") for name in ("fedhera", "fedtree")]
+    got = plot.lines()
+    assert [(label, x) for label, x, _ in got] == [(label, x) for label, x, _ in want]
+    for (label, _, y), (_, _, y_want) in zip(got, want):
+        assert y == pytest.approx(y_want), label
     assert (tmp_path / "run" / "checkpoints" / "fedhera" / "seed0").is_dir()
     # a re-run resumes from the checkpoints: same numbers, nothing retrained
     assert cli.main(["federate", "--config", str(path), "--no-progress"]) == 0

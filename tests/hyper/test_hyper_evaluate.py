@@ -73,7 +73,7 @@ def test_evaluator_at_init_scores_the_base_model_and_memory_is_planned():
     assert memory["doc_to_lora"] is None or memory["doc_to_lora"] > 0
 
 
-def test_context_distillation_without_steps_scores_the_base_model(tmp_path):
+def test_context_distillation_without_steps_scores_the_base_model(tmp_path, saved_figures):
     """B = 0 before any step: each document's fresh adapter is a no-op (first ``n_docs``)."""
     from lowrank_jax.hyper import DocToLoRAConfig
     from lowrank_jax.hyper.doc_to_lora import projection_shape
@@ -95,4 +95,13 @@ def test_context_distillation_without_steps_scores_the_base_model(tmp_path):
     curve = [{"step": s, "heldout_acc": 0.1, "heldout_digits": 0.2, "seen_acc": 0.3,
               "seen_digits": 0.4, "kl_mean": 1.0 / s} for s in (1, 2)]
     plot_learning_curve(curve, 0.5, tmp_path / "curve.png", "title")
-    assert (tmp_path / "curve.png").exists()
+    plot = saved_figures[str(tmp_path / "curve.png")]
+    assert plot.ink() > 0.02 and plot.figure.get_suptitle() == "title"
+    # accuracy panel: four curves and the digit-chance line; KL panel: the KL and the floor
+    assert [(label, y) for label, _, y in plot.lines()] == [
+        ("held-out exact", [0.1, 0.1]), ("held-out digit acc.", [0.2, 0.2]),
+        ("seen exact", [0.3, 0.3]), ("seen digit acc.", [0.4, 0.4]),
+        ("digit chance (0.1)", [0.1, 0.1]),
+        ("train top-16 KL (mean since previous eval)", [1.0, 0.5]),
+        ("teacher floor (0.50)", [0.5, 0.5])]
+    assert plot.lines()[0][1] == [1.0, 2.0]  # against the steps

@@ -36,7 +36,7 @@ def test_summarize_sweep_rows_against_the_exact_cache():
     assert kivi == dict(label="kivi", method="kivi", target=8.0, unreachable="cannot reach 8x")
 
 
-def test_grid_rows_tables_and_plots(tmp_path):
+def test_grid_rows_tables_and_plots(tmp_path, saved_figures):
     from lowrank_jax.kv.report import (
         plot_grid,
         plot_sweep,
@@ -67,5 +67,14 @@ def test_grid_rows_tables_and_plots(tmp_path):
         "| KIVI | 16× | unreachable | – | – | – | – | – |"]
     assert record_line("xKV", dict(rec("xkv", 4.0, 0, 4, 0.0, 4.2), window=1)) == (
         "  w1 xKV @ 4.0: 4.20x ppl 1.000 K 0.100 V 0.300 ranks 2/1")
-    plot_sweep([dict(row, method="none"), row, far], str(tmp_path / "sweep.png"))
-    assert (tmp_path / "grid.png").exists() and (tmp_path / "sweep.png").exists()
+    plot_sweep([dict(row, method="none", label="exact"), row, far], str(tmp_path / "sweep.png"))
+    grid, sweep = (saved_figures[str(tmp_path / name)] for name in ("grid.png", "sweep.png"))
+    assert grid.ink() > 0.02 and sweep.ink() > 0.02
+    # the grid: xKV's (ratio, perplexity) point (the paper's setting, no sink), the exact line
+    assert grid.lines() == [("xkv (G=4), paper", [4.0], [pytest.approx(math.exp(2.0))]),
+                            ("exact cache", [0.0, 1.0], [pytest.approx(math.exp(1.5))] * 2)]
+    # the sweep: the reached ratios (KIVI's unreachable target draws nothing) and +3 % / +10 %
+    assert sweep.lines() == [("xKV", [3.95], [10.0]),
+                             ("exact cache (fp16)", [0.0, 1.0], [10.0, 10.0]),
+                             ("exact +3 %", [0.0, 1.0], [pytest.approx(10.3)] * 2),
+                             ("exact +10 %", [0.0, 1.0], [pytest.approx(11.0)] * 2)]

@@ -27,6 +27,9 @@ from lowrank_jax.models.llama import KVCache, Llama
 from lowrank_jax.models.tokenizer import ByteTokenizer
 from pallas_kernels.rope import rope, rope_frequencies
 
+# its module-scoped fixture is built once: every test of this file runs on one worker
+pytestmark = pytest.mark.xdist_group("models.test_families")
+
 SEQ = 12  # longer than every sliding window below
 BASE = dict(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,

@@ -13,6 +13,9 @@ from lowrank_jax.quant.layers import QuantCodes
 from lowrank_jax.quantize.pipeline import quantize_model
 from lowrank_jax.quant.unisvq import UniSVQConfig
 
+# its module-scoped fixture is built once: every test of this file runs on one worker
+pytestmark = pytest.mark.xdist_group("quant.test_e2e")
+
 
 @pytest.fixture(scope="module")
 def _quantized():

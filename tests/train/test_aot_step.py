@@ -17,6 +17,9 @@ from lowrank_jax.train.aot_step import compile_pretrain_step, suggest_mesh, topo
 from lowrank_jax.train.config import load_config
 from lowrank_jax.train.plan import plan_memory, tpu_padded_bytes
 
+# its module-scoped fixture is built once: every test of this file runs on one worker
+pytestmark = pytest.mark.xdist_group("train.test_aot_step")
+
 SMALL = ["model.d_model=64", "model.n_layers=1", "model.n_heads=4", "model.n_kv_heads=2",
          "model.d_ff=128", "model.max_seq_len=64", "train.seq_len=64", "train.batch_size=8",
          "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]

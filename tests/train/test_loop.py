@@ -1,6 +1,9 @@
 """The training loop: loss goes down, resume is bit-identical, bad input stops early."""
 
 
+import json
+import math
+
 import jax
 import numpy as np
 import pytest
@@ -56,12 +59,27 @@ def test_resume_is_bit_identical(tmp_path, optimizer):
     assert full.val_loss == resumed.val_loss
 
 
-def test_run_writes_metrics_plot_and_beats_unigram(tmp_path):
-    result = train(small_config(tmp_path, "train.steps=60", "optimizer.name=adamw",
-                                "optimizer.learning_rate=0.01"),
-                   progress=False, log=lambda *_: None)
-    for name in ("metrics.jsonl", "loss.png", "summary.json", "config.yaml"):
-        assert (tmp_path / name).exists(), name
+def test_run_writes_metrics_plot_and_beats_unigram(tmp_path, saved_figures):
+    cfg = small_config(tmp_path, "train.steps=60", "optimizer.name=adamw",
+                       "optimizer.learning_rate=0.01")
+    result = train(cfg, progress=False, log=lambda *_: None)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [(r["step"], r["loss"]) for r in rows if r["kind"] == "train"]
+    eval_rows = [(r["step"], r["val_loss"]) for r in rows if r["kind"] == "eval"]
+    assert [s for s, _ in train_rows] == list(range(2, 61, 2))  # train.log_every=2
+    assert [s for s, _ in eval_rows][:2] == [4, 8] and eval_rows[-1][0] == 60  # eval_every=4
+    # loss.png draws those rows and the unigram entropy (in nats) as the reference line
+    plot = saved_figures[str(tmp_path / "loss.png")]
+    (_, train_x, train_y), (_, eval_x, eval_y), (_, _, unigram) = plot.lines()
+    assert list(zip(train_x, train_y)) == pytest.approx(train_rows)
+    assert list(zip(eval_x, eval_y)) == pytest.approx(eval_rows)
+    assert unigram[0] == pytest.approx(result.unigram_entropy_bits * math.log(2))
+    assert plot.ink() > 0.02
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["step"] == 60 and summary["val_loss"] == pytest.approx(result.val_loss)
+    assert summary["val_bits_per_byte"] == pytest.approx(result.val_bits_per_byte)
+    assert eval_rows[-1][1] == pytest.approx(result.val_loss)  # the last evaluation
+    assert load_config(str(tmp_path / "config.yaml")).to_dict() == cfg.to_dict()
     assert result.val_bits_per_byte < 8.0 - 2.0  # far below a uniform byte model (8 bits)
     assert np.mean(result.losses[-10:]) < result.losses[0] - 1.5  # it learned
 
