@@ -28,6 +28,7 @@ _FACE = {
     "balora": "lowrank_jax.optim",
     "janus": "lowrank_jax.optim",
     "finetune": "lowrank_jax.train.finetune",
+    "FinetuneJob": "lowrank_jax.train",
     "quantize_model": "lowrank_jax.quantize",
 }
 
