@@ -32,7 +32,7 @@ from jaxtyping import Array, Bool, Float
 from lowrank_jax.core.rank import energy_rank
 from pallas_kernels.subspace_attention import BlockSizes, estimate_flops, subspace_attention
 
-METHODS = ("whitened_svd", "joint_pca")
+SUBSPACE_METHODS = ("whitened_svd", "joint_pca")
 
 
 class GramStats(NamedTuple):
@@ -127,8 +127,8 @@ def fit_bases(stats: GramStats, rank=8, rank_v=None, *, method: str = "whitened_
         >>> bool(jnp.allclose(b.q_basis[0] @ b.k_basis[0].T, jnp.eye(8), atol=1e-4))
         True
     """
-    if method not in METHODS:
-        raise ValueError(f"fit_bases: method={method!r}; choose one of {METHODS}.")
+    if method not in SUBSPACE_METHODS:
+        raise ValueError(f"fit_bases: method={method!r}; choose one of {SUBSPACE_METHODS}.")
     rank_v = rank if rank_v is None else rank_v
     gq, gk, gv = (np.asarray(g, np.float64) for g in stats[:3])
     heads, d, _ = gq.shape
@@ -287,6 +287,6 @@ def qk_singular_values(q: Float[Array, "n d"], k: Float[Array, "n d"]) -> Float[
     return jnp.linalg.svd(r_q @ r_k.T, compute_uv=False)
 
 
-__all__ = ["GramStats", "METHODS", "SubspaceBases", "VideoSVDConfig", "accumulate_grams",
+__all__ = ["GramStats", "SUBSPACE_METHODS", "SubspaceBases", "VideoSVDConfig", "accumulate_grams",
            "attention_flops", "fit_bases", "init_grams", "project", "qk_singular_values",
            "spatiotemporal_block_mask", "video_svd_attention"]

@@ -24,7 +24,7 @@ def _fit(q, k, v, **kw):
     return S.fit_bases(stats, **kw)
 
 
-@pytest.mark.parametrize("method", S.METHODS)
+@pytest.mark.parametrize("method", S.SUBSPACE_METHODS)
 def test_full_rank_bases_reproduce_dense_attention_for_any_window(method):
     q, k, v = _structured(n=70)
     bases = _fit(q, k, v, rank=16, method=method)
