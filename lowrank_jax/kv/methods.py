@@ -330,7 +330,7 @@ def cache_step(model, cache, token):
     return _cache_step(model, cache, jnp.asarray(token))
 
 
-def decode_step(model, provider: ReconstructDecodeKV, token):
+def kv_decode_step(model, provider: ReconstructDecodeKV, token):
     """Feed one token per sequence: ``(logits [b, vocab], advanced provider)``."""
     if int(provider.tail_length) >= provider.tail_keys.shape[2]:
         raise ValueError(f"the exact tail is full ({provider.tail_keys.shape[2]} tokens); start "
@@ -358,7 +358,7 @@ def start_kv_decode(model, keys, values, *, method: str, ratio: float | None,
         return cache, lambda c, t: xkv_decode_step(model, c, t)
     cache = compress_kv(method, keys, values, rope_theta=theta, ratio=ratio, **options)
     return (start_decode(method, cache, max_new_tokens=max_new_tokens),
-            lambda c, t: decode_step(model, c, t))
+            lambda c, t: kv_decode_step(model, c, t))
 
 
 def kv_generate(model, prompt, *, method: str, ratio: float | None = 8.0, max_new_tokens: int,
@@ -399,6 +399,6 @@ def kv_generate(model, prompt, *, method: str, ratio: float | None = 8.0, max_ne
 
 __all__ = [
     "KV_METHODS", "ExactCache", "KVMethod", "ReconstructDecodeKV", "cache_ratio", "cache_step",
-    "compress_kv", "decode_step", "get_method", "kv_generate", "reconstruct_all",
+    "compress_kv", "kv_decode_step", "get_method", "kv_generate", "reconstruct_all",
     "reference_bytes", "start_decode", "start_kv_decode", "stored_bytes",
 ]

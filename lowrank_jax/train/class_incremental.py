@@ -323,5 +323,6 @@ def run_loda(data, seed: int, steps: int, lr: float, gao_lr: float, batch: int, 
     return {"acc": float(final.mean()), "bwt": bwt, "matrix": acc.tolist(), "diagnostics": diag}
 
 
-__all__ = ["CLASSES_PER_TASK", "D_IN", "HIDDEN", "LODA_METHODS", "INCREMENTAL_METHODS", "RANK", "TASKS",
+__all__ = ["CLASSES_PER_TASK", "D_IN", "HIDDEN", "INCREMENTAL_METHODS", "LODA_METHODS", "RANK",
+           "TASKS",
            "features", "init_params", "logits_fn", "make_stream", "run_loda", "run_method"]

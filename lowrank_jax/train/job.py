@@ -133,7 +133,8 @@ class FinetuneJob:
         from lowrank_jax.runs.validate import check_regex
 
         if self.method not in FINETUNE_METHODS:
-            raise ValueError(f"method={self.method!r}: unknown; use one of {', '.join(FINETUNE_METHODS)}.")
+            raise ValueError(f"method={self.method!r}: unknown; use one of "
+                             f"{', '.join(FINETUNE_METHODS)}.")
         if self.quantize is not None and self.quantize not in QUANTIZE:
             raise ValueError(f"quantize={self.quantize!r}: unknown; use one of "
                              f"{', '.join(QUANTIZE)} (or None).")
@@ -155,7 +156,8 @@ class FinetuneJob:
                              "replaces; drop one of them.")
         if self.quantize and self.method not in QUANTIZABLE_METHODS:
             raise ValueError(f"`method` {self.method} rewrites the base weights; with `quantize` "
-                             f"use {', '.join(QUANTIZABLE_METHODS[:-1])} or {QUANTIZABLE_METHODS[-1]}.")
+                             f"use {', '.join(QUANTIZABLE_METHODS[:-1])} or "
+                             f"{QUANTIZABLE_METHODS[-1]}.")
 
     @property
     def learning_rate(self) -> float:

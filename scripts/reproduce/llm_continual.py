@@ -36,7 +36,8 @@ from flax import nnx
 from lowrank_jax.data.continual_text import build_continual_text
 from lowrank_jax.hub import load_model
 from lowrank_jax.runs.results import RunCache, write_result
-from lowrank_jax.train.continual_lora import CONTINUAL_METHODS, ContinualLoRAConfig, run_continual_lora
+from lowrank_jax.train.continual_lora import (CONTINUAL_METHODS, ContinualLoRAConfig,
+                                              run_continual_lora)
 from lowrank_jax.train.losses import window_evaluator
 
 

@@ -187,7 +187,7 @@ def test_decoding_from_an_exact_or_full_window_cache_matches_the_model():
         cache = methods.compress_kv(name, keys, values, rope_theta=500.0, ratio=None, **opts)
         provider = methods.start_decode(name, cache, max_new_tokens=4)
         for step in range(4):
-            logits, provider = methods.decode_step(model, provider, tokens[:, 40 + step])
+            logits, provider = methods.kv_decode_step(model, provider, tokens[:, 40 + step])
             np.testing.assert_allclose(logits, full_logits[:, 40 + step], rtol=1e-2, atol=1e-2)
 
 
@@ -204,7 +204,7 @@ def test_decoding_a_compressed_cache_equals_the_perplexity_block():
     block, _ = model(tokens[:, 40:44], cache=ContextKV(ctx_k, rv))
     provider = methods.start_decode("kivi", cache, max_new_tokens=4)
     for step in range(4):
-        logits, provider = methods.decode_step(model, provider, tokens[:, 40 + step])
+        logits, provider = methods.kv_decode_step(model, provider, tokens[:, 40 + step])
         np.testing.assert_allclose(logits, block[:, step], rtol=5e-3, atol=5e-3)
     assert not np.allclose(block, full_logits[:, 40:44], atol=1e-3)  # 2 bits really compress
 
