@@ -102,7 +102,7 @@ def resolve(implementation: str, interpret: bool | None, *, op: str = "op") -> t
     return "pallas", bool(interpret)
 
 
-def resolve_implementation(implementation: str, interpret: bool | None = None) -> str:
+def implementation_of(implementation: str, interpret: bool | None = None) -> str:
     """Only the implementation half of :func:`resolve`."""
     return resolve(implementation, interpret)[0]
 

@@ -117,18 +117,8 @@ def test_one_pair_finder(counts):
     assert list(counts["pair_finders"]) == ["find_pairs"], counts["pair_finders"]
 
 
-# public names still defined in two modules (issue 52 target: none); the list only shrinks
-HOMONYMS_LEFT = {
-    "BATCH_AXES", "DOMAINS", "LAYOUTS", "METHODS", "METHOD_BITS", "SIZES", "ScalarOrSchedule",
-    "Target", "chunk_tokens", "compiler_params", "decode_step", "evaluate", "export_adapter",
-    "format_table", "forward", "kmeans", "load_config", "project", "resolve_implementation",
-    "select", "shapes",
-}
-
-
-def test_no_new_homonyms(counts):
-    # issue 52: 35 public names were defined in two or more modules when the count began
-    # (module_path, CONFIG_NAME, TARGETS, ... have one definition each; the KV cache's
-    # quantizer says kv: dequantize_kv, pack_kv_codes, KV_BITS, ...)
-    assert set(counts["homonyms"]) <= HOMONYMS_LEFT, set(counts["homonyms"]) - HOMONYMS_LEFT
-    assert len(counts["homonyms"]) <= 21
+def test_no_homonyms(counts):
+    # issue 52: 35 public names were defined in two or more modules when the count began; each
+    # public name now has one meaning (KV_METHODS, QUANT_METHODS, FINETUNE_METHODS, ...,
+    # project_to_subspaces / project_update, evaluate_edits, select_benchmarks)
+    assert counts["homonyms"] == {}, counts["homonyms"]

@@ -24,14 +24,14 @@ from pallas_kernels.sparse_attention.api import DEFAULT_TAU, sale_prefill_attent
 
 
 #: Mesh axes a kernel call is split over: the batch over data-parallel axes, heads over tensor.
-BATCH_AXES = ("data", "fsdp")
-HEAD_AXES = ("tensor",)
+_BATCH_AXES = ("data", "fsdp")
+_HEAD_AXES = ("tensor",)
 
 
 def kernel_partition(mesh, batch: int, heads: int, kv_heads: int):
     """``(batch_axes, head_axis, manual_axes)`` of a kernel call under ``mesh``.
 
-    The batch is split over the :data:`BATCH_AXES` (in order) whose sizes still divide it, the
+    The batch is split over the ``_BATCH_AXES`` (in order) whose sizes still divide it, the
     heads over ``"tensor"`` when it divides both ``heads`` and ``kv_heads``; every other axis of
     size > 1 that is not already manual is manual too, with the inputs replicated over it (a
     Mosaic / Triton kernel is not auto-partitioned, so no axis may be left to XLA).
@@ -46,12 +46,12 @@ def kernel_partition(mesh, batch: int, heads: int, kv_heads: int):
     manual = set(getattr(mesh, "manual_axes", ()))
     free = [a for a in mesh.axis_names if a not in manual and mesh.shape[a] > 1]
     batch_axes, size = [], 1
-    for axis in BATCH_AXES:
+    for axis in _BATCH_AXES:
         if axis in free and batch % (size * mesh.shape[axis]) == 0:
             batch_axes.append(axis)
             size *= mesh.shape[axis]
     head_axis = None
-    for axis in HEAD_AXES:
+    for axis in _HEAD_AXES:
         if axis in free and heads % mesh.shape[axis] == 0 and kv_heads % mesh.shape[axis] == 0:
             head_axis = axis
             break
@@ -185,5 +185,5 @@ def register_sale_per_layer(
     return tuple(names)
 
 
-__all__ = ["BATCH_AXES", "HEAD_AXES", "flash_dispatch", "kernel_partition", "make_sale_attention",
+__all__ = ["flash_dispatch", "kernel_partition", "make_sale_attention",
            "register_sale_per_layer", "run_sharded"]

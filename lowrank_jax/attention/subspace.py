@@ -32,7 +32,7 @@ from jaxtyping import Array, Bool, Float
 from lowrank_jax.core.rank import energy_rank
 from pallas_kernels.subspace_attention import BlockSizes, estimate_flops, subspace_attention
 
-METHODS = ("whitened_svd", "joint_pca")
+SUBSPACE_METHODS = ("whitened_svd", "joint_pca")
 
 
 class GramStats(NamedTuple):
@@ -127,8 +127,8 @@ def fit_bases(stats: GramStats, rank=8, rank_v=None, *, method: str = "whitened_
         >>> bool(jnp.allclose(b.q_basis[0] @ b.k_basis[0].T, jnp.eye(8), atol=1e-4))
         True
     """
-    if method not in METHODS:
-        raise ValueError(f"fit_bases: method={method!r}; choose one of {METHODS}.")
+    if method not in SUBSPACE_METHODS:
+        raise ValueError(f"fit_bases: method={method!r}; choose one of {SUBSPACE_METHODS}.")
     rank_v = rank if rank_v is None else rank_v
     gq, gk, gv = (np.asarray(g, np.float64) for g in stats[:3])
     heads, d, _ = gq.shape
@@ -173,7 +173,7 @@ def fit_bases(stats: GramStats, rank=8, rank_v=None, *, method: str = "whitened_
                          jnp.asarray(out["r"], jnp.int32), jnp.asarray(out["rv"], jnp.int32))
 
 
-def project(q, k, v, bases: SubspaceBases):
+def project_to_subspaces(q, k, v, bases: SubspaceBases):
     """Online subspace projection ``(q F_q, k F_k, v E_v)`` of ``[batch, n, heads, d]`` inputs."""
     proj = lambda x, basis: jnp.einsum("bnhd,hdr->bnhr", x, basis.astype(x.dtype))  # noqa: E731
     return proj(q, bases.q_basis), proj(k, bases.k_basis), proj(v, bases.v_basis)
@@ -254,7 +254,7 @@ def video_svd_attention(q: Float[ArrayLike, "b n h d"], k: Float[ArrayLike, "b n
         >>> bool(jnp.allclose(video_svd_attention(x, x, x, b, mask), dense, atol=1e-4))
         True
     """
-    q_lat, k_lat, v_lat = project(q, k, v, bases)
+    q_lat, k_lat, v_lat = project_to_subspaces(q, k, v, bases)
     return subspace_attention(q, k, v, q_lat, k_lat, v_lat, bases.v_basis, jnp.asarray(near_mask),
                               block_sizes=config.block_sizes(), v_residual=config.v_residual,
                               implementation=config.implementation, interpret=interpret)
@@ -287,6 +287,6 @@ def qk_singular_values(q: Float[Array, "n d"], k: Float[Array, "n d"]) -> Float[
     return jnp.linalg.svd(r_q @ r_k.T, compute_uv=False)
 
 
-__all__ = ["GramStats", "METHODS", "SubspaceBases", "VideoSVDConfig", "accumulate_grams",
-           "attention_flops", "fit_bases", "init_grams", "project", "qk_singular_values",
-           "spatiotemporal_block_mask", "video_svd_attention"]
+__all__ = ["SUBSPACE_METHODS", "GramStats", "SubspaceBases", "VideoSVDConfig", "accumulate_grams",
+           "attention_flops", "fit_bases", "init_grams", "project_to_subspaces",
+           "qk_singular_values", "spatiotemporal_block_mask", "video_svd_attention"]

@@ -11,7 +11,7 @@ from lowrank_jax.bench.suite import (
     format_markdown,
     format_table,
     run_suite,
-    select,
+    select_benchmarks,
 )
 from lowrank_jax.bench.timing import (
     cpu_usage,
@@ -28,5 +28,5 @@ from lowrank_jax.bench.timing import (
 
 __all__ = ["BENCHMARKS", "check_record", "cpu_usage", "decode_rates", "format_markdown",
            "format_table", "interleaved_samples", "machine_record", "reference_matmul_seconds",
-           "run_suite", "select", "speedup", "time_compiled", "time_fn", "time_interleaved",
-           "time_once"]
+           "run_suite", "select_benchmarks", "speedup", "time_compiled", "time_fn",
+           "time_interleaved", "time_once"]

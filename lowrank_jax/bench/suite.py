@@ -34,7 +34,7 @@ BENCHMARKS: dict[str, Callable[..., list[dict]]] = {
 }
 
 
-def select(only: Sequence[str] | None) -> list[str]:
+def select_benchmarks(only: Sequence[str] | None) -> list[str]:
     """The benchmark names to run (all by default); unknown names raise ``ValueError``."""
     if not only:
         return list(BENCHMARKS)
@@ -51,7 +51,7 @@ def run_suite(*, quick: bool = False, only: Sequence[str] | None = None, reps: i
 
     A benchmark that raises is recorded as a row with ``error`` (the others still run).
     """
-    names = select(only)
+    names = select_benchmarks(only)
     reps = reps or (2 if quick else 7)
     record = {"machine": machine_record(), "quick": quick, "reps": reps, "rows": [],
               "seconds": {}}
@@ -144,4 +144,4 @@ def check_record(record: dict) -> list[str]:
 
 
 __all__ = ["BENCHMARKS", "check_record", "format_markdown", "format_table", "run_suite",
-           "select"]
+           "select_benchmarks"]

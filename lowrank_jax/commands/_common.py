@@ -25,9 +25,9 @@ def add_model_arguments(parser, *, kv_help: str) -> None:
                         help="rank ratio for --projection factorized (default 0.5)")
     parser.add_argument("--attention", default="reference", choices=("reference", "flash", "sale"),
                         help="attention implementation (Pallas kernels: flash, sale)")
-    from lowrank_jax.kv.methods import METHODS
+    from lowrank_jax.kv.methods import KV_METHODS
 
-    parser.add_argument("--kv", default="none", choices=tuple(METHODS), help=kv_help)
+    parser.add_argument("--kv", default="none", choices=tuple(KV_METHODS), help=kv_help)
     parser.add_argument("--kv-ratio", type=positive_float, default=8.0,
                         help="target KV-cache compression against the exact fp16 cache, every "
                              "byte counted; the method picks its ranks/bits to meet it")

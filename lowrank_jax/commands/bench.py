@@ -24,10 +24,16 @@ def register(subparsers) -> None:
 def run(args) -> int:
     import json
 
-    from lowrank_jax.bench import check_record, format_markdown, format_table, run_suite, select
+    from lowrank_jax.bench import (
+        check_record,
+        format_markdown,
+        format_table,
+        run_suite,
+        select_benchmarks,
+    )
     from lowrank_jax.runs.outputs import atomic_write_text, prepare_output
 
-    select(args.only)  # a bad name fails before any work
+    select_benchmarks(args.only)  # a bad name fails before any work
     # resume=True: a folder of an earlier bench run is reused (bench.json replaced)
     out = prepare_output(args.out, command="bench", resume=True)
     record = run_suite(quick=args.quick, only=args.only, reps=args.reps)

@@ -64,9 +64,9 @@ def run(args) -> int:
                            steps=args.steps, lr=args.lr, order=args.order)
     cap, held = ed.capability_data(tokenizer, seq_len=args.seq_len,
                                    n_capability=args.capability_seqs, n_held=args.held_seqs)
-    before = ed.evaluate(model, tokenizer, edits, held)
+    before = ed.evaluate_edits(model, tokenizer, edits, held)
     log = ed.edit_model(model, tokenizer, edits, config, capability_batches=cap)
-    after = ed.evaluate(model, tokenizer, edits, held)
+    after = ed.evaluate_edits(model, tokenizer, edits, held)
     print(f"{'metric':<22}{'before':>10}{'after':>10}")
     for k in before:
         print(f"{k:<22}{before[k]:>10.4f}{after[k]:>10.4f}")

@@ -42,7 +42,7 @@ def run(args) -> int:
 
     if os.path.isfile(args.config):
         read_yaml_mapping(args.config, "--config")  # invalid YAML: one line with file and line
-    config = experiment.load_config(args.config, overrides)
+    config = experiment.load_experiment(args.config, overrides)
     from lowrank_jax.runs.outputs import check_not_input
 
     check_not_input(config.run_dir, {"--config": args.config}, argument="run_dir")
@@ -55,7 +55,7 @@ def run(args) -> int:
     path = experiment.save_results(results, summary, config)
     plot = f"{config.run_dir}/accuracy.png"
     experiment.plot_accuracy(results, plot, title=config.name)
-    print(experiment.format_table(summary))
+    print(experiment.format_summary(summary))
     for name, s in summary.items():
         if "depths" in s:
             print(f"{name}: per-layer groups k_l (per seed) = {s['depths']}")

@@ -20,7 +20,7 @@ from lowrank_jax.runs.validate import (
     positive_float,
     positive_int,
 )
-from lowrank_jax.train.finetune import FALLBACK_LR, METHODS, default_lr
+from lowrank_jax.train.finetune import FALLBACK_LR, FINETUNE_METHODS, default_lr
 from lowrank_jax.train.job import QUANTIZE, FinetuneJob
 
 # the flags that map one to one onto FinetuneJob's fields (--no-progress is progress=False)
@@ -54,7 +54,7 @@ def register(subparsers) -> None:
                         "or UniSVQ-2 codes + tokenizer) that --model DIR loads later")
     p.add_argument("--data", default=_default("data"),
                    help="UTF-8 text file to fine-tune on (default: the embedded byte corpus)")
-    p.add_argument("--method", default=_default("method"), choices=METHODS)
+    p.add_argument("--method", default=_default("method"), choices=FINETUNE_METHODS)
     p.add_argument("--rank-plan", action="store_true",
                    help="CSPLoRA: probe the base model and allocate per-module ranks under the "
                         "parameter budget of uniform --rank")

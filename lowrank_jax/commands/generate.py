@@ -46,7 +46,7 @@ def register(subparsers) -> None:
                         help="nucleus mass in (0, 1] (with T > 0)")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="sampling seed")
     add_model_arguments(parser, kv_help="compress the prompt's KV cache with this method "
-                                        "(lowrank_jax.kv.METHODS)")
+                                        "(lowrank_jax.kv.KV_METHODS)")
     parser.set_defaults(func=run)
 
 

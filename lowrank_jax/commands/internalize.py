@@ -52,7 +52,12 @@ def run(args) -> int:
     from flax import nnx
 
     from lowrank_jax.commands._common import load_model_from_args
-    from lowrank_jax.hyper import DocToLoRA, export_adapter, internalize, load_hypernetwork
+    from lowrank_jax.hyper import (
+        DocToLoRA,
+        export_generated_adapter,
+        internalize,
+        load_hypernetwork,
+    )
     from lowrank_jax.runs.outputs import prepare_output
     from lowrank_jax.runs.validate import check_text_file
     from lowrank_jax.hub import SMOLLM2_HF_NAME
@@ -80,7 +85,8 @@ def run(args) -> int:
     bank.a.block_until_ready()
     seconds = time.perf_counter() - start
     base = SMOLLM2_HF_NAME if args.model == "smollm2" else args.model
-    config = export_adapter(model, bank, hyper.config, args.out, base_model_name_or_path=base)
+    config = export_generated_adapter(model, bank, hyper.config, args.out,
+                                      base_model_name_or_path=base)
     chunks = -(-len(tokens) // args.chunk_len)
     print(f"internalized {len(tokens)} tokens ({chunks} chunks) in {seconds:.2f}s: rank "
           f"{config['r']} adapter on {len(hyper.config.layers)} x {hyper.config.target} -> "

@@ -21,7 +21,7 @@ import os
 from lowrank_jax.runs.validate import non_negative_int, positive_int
 
 # the same as lowrank_jax.quantize.pipeline.METHOD_BITS (tested), without importing jax here
-METHOD_BITS = {"unisvq": (2, 3, 4), "rtn": (2, 3, 4, 8), "kmeans": (2,)}
+_METHOD_BITS = {"unisvq": (2, 3, 4), "rtn": (2, 3, 4, 8), "kmeans": (2,)}
 
 
 def register(subparsers) -> None:
@@ -30,7 +30,7 @@ def register(subparsers) -> None:
         "into a folder"
     )
     parser.add_argument("--model", default="smollm2", help="name, .gguf file or HF folder")
-    parser.add_argument("--method", default="unisvq", choices=sorted(METHOD_BITS))
+    parser.add_argument("--method", default="unisvq", choices=sorted(_METHOD_BITS))
     parser.add_argument("--bits", type=int, default=2,
                         help="2, 3 or 4 (unisvq: {0..3}^4, {0..7}^4 or {0..15}^4 lattice); "
                         "2 (kmeans); "
@@ -68,9 +68,9 @@ def run(args: argparse.Namespace) -> int:
     from lowrank_jax.quantize import calibration_tokens, model_bits_per_weight, quantize_model
     from lowrank_jax.quant.unisvq import UniSVQConfig
 
-    allowed = METHOD_BITS.get(args.method)
+    allowed = _METHOD_BITS.get(args.method)
     if allowed is None:
-        raise ValueError(f"--method {args.method!r} is unknown; use one of {sorted(METHOD_BITS)}.")
+        raise ValueError(f"--method {args.method!r} is unknown; use one of {sorted(_METHOD_BITS)}.")
     if args.bits not in allowed:
         raise ValueError(
             f"--bits {args.bits} is not supported by --method {args.method}; use one of {allowed}."

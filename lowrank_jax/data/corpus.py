@@ -119,7 +119,7 @@ def corpus_bytes(modules: tuple[str, ...] = STDLIB_MODULES) -> np.ndarray:
 CODE_MODULES = ("json.decoder", "json.encoder", "csv", "heapq", "bisect", "textwrap", "shlex",
                 "fractions", "statistics", "string", "glob", "fnmatch", "copy", "colorsys",
                 "base64", "difflib", "calendar", "pprint", "queue", "sched")
-DOMAINS = ("docs", "code", "reference")
+CORPUS_DOMAINS = ("docs", "code", "reference")
 
 
 def domain_bytes(name: str) -> np.ndarray:
@@ -156,7 +156,7 @@ def domain_bytes(name: str) -> np.ndarray:
             raise ImportError("domain 'reference' needs pydoc_data (part of CPython)") from err
         text = "\n\n".join(topics[k] for k in sorted(topics))
     else:
-        raise ValueError(f"unknown domain {name!r}; choose one of {DOMAINS}.")
+        raise ValueError(f"unknown domain {name!r}; choose one of {CORPUS_DOMAINS}.")
     return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).copy()
 
 

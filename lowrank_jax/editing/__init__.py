@@ -9,7 +9,7 @@ from lowrank_jax.editing.edit import (
     capability_metrics,
     edit_model,
     edit_scores,
-    evaluate,
+    evaluate_edits,
     load_edits,
     matching_layers,
     parse_edits,
@@ -19,6 +19,6 @@ from lowrank_jax.editing.edit import (
 
 __all__ = [
     "EditBatch", "EditConfig", "EditRequest", "capability_data", "capability_metrics",
-    "edit_model", "edit_scores", "evaluate", "load_edits", "matching_layers", "parse_edits",
+    "edit_model", "edit_scores", "evaluate_edits", "load_edits", "matching_layers", "parse_edits",
     "text_sequences", "tokenize_edits",
 ]

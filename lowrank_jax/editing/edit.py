@@ -184,7 +184,7 @@ def capability_metrics(model, held_tokens: np.ndarray, batch_size: int = 8) -> d
             "next_token_accuracy": correct / count}
 
 
-def evaluate(model, tokenizer, edits: Sequence[EditRequest], held_tokens: np.ndarray) -> dict:
+def evaluate_edits(model, tokenizer, edits: Sequence[EditRequest], held_tokens: np.ndarray) -> dict:
     """Edit success / probability, paraphrase success, and capability metrics."""
     s, p = edit_scores(model, tokenizer, [e.prompt for e in edits], [e.target for e in edits])
     para_prompts = [q for e in edits for q in e.paraphrases]

@@ -80,7 +80,7 @@ def label(spec: dict) -> str:
     return str(spec.get("label", spec["name"]))
 
 
-def load_config(path: str, overrides: dict | None = None) -> FederatedConfig:
+def load_experiment(path: str, overrides: dict | None = None) -> FederatedConfig:
     """Read a YAML config (unknown top-level keys are an error)."""
     file = pathlib.Path(path)
     if not file.is_file():
@@ -222,7 +222,7 @@ def save_results(results: dict, summary: dict, config: FederatedConfig) -> pathl
     return out
 
 
-def format_table(summary: dict) -> str:
+def format_summary(summary: dict) -> str:
     """A Markdown table of :func:`summarize`'s output."""
     rows = ["| strategy | global acc (last 5) | personalised acc (last 5) | best global "
             "| MB down |",

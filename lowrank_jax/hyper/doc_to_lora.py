@@ -355,7 +355,7 @@ def adapted(model, bank: LoRABank, config: DocToLoRAConfig):
         yield model
 
 
-def chunk_tokens(tokens: Sequence[int], chunk_len: int, max_chunks: int | None = None):
+def chunk_document(tokens: Sequence[int], chunk_len: int, max_chunks: int | None = None):
     """Split a token list into ``[C, chunk_len]`` (last chunk zero-padded) and its mask.
 
     With ``max_chunks``, pad with all-false chunks to exactly that many (static shapes), or
@@ -414,7 +414,7 @@ def internalizer(model, hyper: DocToLoRA, *, chunk_len: int = 256):
         return nnx.merge(graphdef, state)(features, mask)
 
     def run(tokens: Sequence[int]) -> LoRABank:
-        ids, mask = chunk_tokens(tokens, chunk_len)
+        ids, mask = chunk_document(tokens, chunk_len)
         return LoRABank(*generate(state, encode(ids)[None], jnp.asarray(mask)[None]))
 
     return run
@@ -436,5 +436,5 @@ def bank_delta(bank: LoRABank, config: DocToLoRAConfig, doc: int = 0):
 
 
 __all__ = ["DocToLoRA", "DocToLoRAConfig", "LoRABank", "PerceiverBlock", "PerceiverResampler",
-           "adapted", "bank_delta", "chunk_encoder", "chunk_tokens", "default_alpha",
+           "adapted", "bank_delta", "chunk_encoder", "chunk_document", "default_alpha",
            "encode_chunks", "internalize", "internalizer", "projection_shape", "target_path"]

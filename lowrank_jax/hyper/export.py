@@ -25,7 +25,7 @@ HYPER_CONFIG = "doc_to_lora.json"
 HYPER_WEIGHTS = "weights"
 
 
-def export_adapter(model, bank: LoRABank, config: DocToLoRAConfig, folder, *,
+def export_generated_adapter(model, bank: LoRABank, config: DocToLoRAConfig, folder, *,
                    base_model_name_or_path: str | None = None, doc: int = 0) -> dict:
     """Write document ``doc`` of ``bank`` as a PEFT adapter folder for ``model``.
 
@@ -40,13 +40,13 @@ def export_adapter(model, bank: LoRABank, config: DocToLoRAConfig, folder, *,
             ``[d_in, d_out]`` projection can hold (use fewer / longer chunks).
     """
     if lora_layers(model):
-        raise ValueError("export_adapter: the model already has LoRA layers; export from the "
-                         "plain base model (lowrank_jax.nn.remove_lora first).")
+        raise ValueError("export_generated_adapter: the model already has LoRA layers; export "
+                         "from the plain base model (lowrank_jax.nn.remove_lora first).")
     rank = int(bank.a.shape[2])
     limit = min(config.d_in, config.d_out)
     if rank > limit:
-        raise ValueError(f"export_adapter: the adapter has rank {rank} (chunks + bias) but "
-                         f"{config.target} is [{config.d_in}, {config.d_out}]; at most {limit} "
+        raise ValueError(f"export_generated_adapter: the adapter has rank {rank} (chunks + bias) "
+                         f"but {config.target} is [{config.d_in}, {config.d_out}]; at most {limit} "
                          "fits. Use fewer, longer chunks (a larger chunk_len).")
     rules = [LoRARule("^" + re.escape(p) + "$", rank=rank, alpha=config.scale * rank)
              for p in config.paths]
@@ -118,5 +118,5 @@ def kv_cache_bytes(model_config, n_tokens: int, dtype=np.float32) -> int:
     return 2 * c.n_layers * c.n_kv_heads * c.head_dim * int(n_tokens) * np.dtype(dtype).itemsize
 
 
-__all__ = ["HYPER_CONFIG", "adapter_bytes", "export_adapter", "kv_cache_bytes",
+__all__ = ["HYPER_CONFIG", "adapter_bytes", "export_generated_adapter", "kv_cache_bytes",
            "load_hypernetwork", "save_hypernetwork"]

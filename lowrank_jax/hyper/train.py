@@ -28,7 +28,13 @@ from flax import nnx
 from lowrank_jax.core.losses import ids_logprob, token_nll, top_logprobs
 from lowrank_jax.core.loop import iterate_steps, run_steps
 from lowrank_jax.core.step import make_step
-from lowrank_jax.hyper.doc_to_lora import DocToLoRA, LoRABank, adapted, chunk_encoder, chunk_tokens
+from lowrank_jax.hyper.doc_to_lora import (
+    DocToLoRA,
+    LoRABank,
+    adapted,
+    chunk_document,
+    chunk_encoder,
+)
 from lowrank_jax.nn.capture import capture
 
 
@@ -157,7 +163,7 @@ def build_distill_data(model, documents: Sequence[Sequence[int]],
     for key, value in (("batch_size", batch_size), ("bucket", bucket)):
         if not (isinstance(value, int) and value >= 1):
             raise ValueError(f"{key}={value!r} must be a positive integer.")
-    chunks = [chunk_tokens(doc, chunk_len, max_chunks) for doc in documents]
+    chunks = [chunk_document(doc, chunk_len, max_chunks) for doc in documents]
     ids = np.stack([c[0] for c in chunks])
     mask = np.stack([c[1] for c in chunks])
     n_layers, d_model = len(layers), model.cfg.d_model

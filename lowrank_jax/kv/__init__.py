@@ -1,6 +1,6 @@
 """KV-cache compression: xKV cross-layer low-rank factors with selective reconstruction, a
 KIVI-style quantized cache, xKV with quantized factors (one width, or bits per singular
-direction), and the :data:`METHODS` registry that meets a target ratio with every stored byte
+direction), and the :data:`KV_METHODS` registry that meets a target ratio with every stored byte
 counted."""
 
 from lowrank_jax.kv.compress import SVDCache
@@ -14,7 +14,7 @@ from lowrank_jax.kv.methods import (
     cache_ratio,
     cache_step,
     compress_kv,
-    decode_step,
+    kv_decode_step,
     get_method,
     kv_generate,
     reconstruct_all,
@@ -35,7 +35,7 @@ from lowrank_jax.kv.quantized import (
 from lowrank_jax.kv.xkv import (
     DEFAULT_GROUP_SIZE,
     DEFAULT_SINK_TOKENS,
-    METHODS,
+    KV_METHODS,
     ContextKV,
     PrefillKV,
     SelectiveConfig,
@@ -66,11 +66,11 @@ __all__ = [
     "ExactCache", "KIVICache", "KVCacheFactory", "KVMethod", "generate_text_with_kv",
     "kv_cache_factory", "MixedBitsXKVCache", "QuantizedArray", "QuantizedXKVCache",
     "ReconstructDecodeKV", "SVDCache", "cache_ratio", "choose_kivi_settings", "compress_kv",
-    "cache_step", "decode_step", "start_kv_decode",
+    "cache_step", "kv_decode_step", "start_kv_decode",
     "dequantize_kv", "get_method", "kivi_compress", "kivi_reconstruct", "kv_generate", "quantize",
     "reconstruct_all", "reference_bytes", "start_decode", "stored_bytes", "xkv_quant_compress",
     "xkv_mixed_compress", "xkv_mixed_reconstruct", "xkv_quant_reconstruct",
-    "DEFAULT_GROUP_SIZE", "DEFAULT_SINK_TOKENS", "METHODS", "ContextKV", "PrefillKV",
+    "DEFAULT_GROUP_SIZE", "DEFAULT_SINK_TOKENS", "KV_METHODS", "ContextKV", "PrefillKV",
     "SelectiveConfig", "SelectiveState", "XKVCache", "XKVCacheFactory", "XKVDecodeKV",
     "choose_ranks", "compressed_bytes", "compression_ratio", "layer_groups",
     "predicted_compression_ratio", "prefill_kv", "selective_decode_attention",

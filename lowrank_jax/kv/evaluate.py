@@ -92,7 +92,7 @@ def xkv_perplexity_sweep(
         context_len, eval_len: ``C`` and ``E``.
         settings: ``(method, ratio[, sink_tokens[, group_size]])`` tuples or
             ``dict(method=, ratio=, **options)`` (options go to the method's compress), method
-            in :data:`~lowrank_jax.kv.methods.METHODS` (``ratio`` ignored for ``"none"``;
+            in :data:`~lowrank_jax.kv.methods.KV_METHODS` (``ratio`` ignored for ``"none"``;
             omitted entries take the keyword defaults below). Every method stores 16-bit
             floats; ``compression_ratio`` is against the exact fp16 cache.
         group_size: ``G`` for ``"xkv"``.
@@ -275,7 +275,7 @@ def xkv_cache_factory(ratio: float, group_size: int = DEFAULT_GROUP_SIZE,
 @dataclasses.dataclass(frozen=True)
 class KVCacheFactory:
     """What ``--kv METHOD --kv-ratio R [--kv-group G --kv-sink S]`` builds, for any method of
-    :data:`~lowrank_jax.kv.methods.METHODS` (``group_size`` is used by the xKV family,
+    :data:`~lowrank_jax.kv.methods.KV_METHODS` (``group_size`` is used by the xKV family,
     ``sink_tokens`` by every compressed method).
 
     Example::

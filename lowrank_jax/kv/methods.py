@@ -1,4 +1,4 @@
-"""Every KV-cache method by name (:data:`METHODS`), each meeting a target ratio with all bytes
+"""Every KV-cache method by name (:data:`KV_METHODS`), each meeting a target ratio with all bytes
 counted, and one decode path (dense reconstruction of the compressed prompt) for all of them.
 
 All methods are measured against the same reference, the exact cache stored in 16-bit floats
@@ -171,7 +171,7 @@ def _exact_reconstruct(cache: ExactCache, layer, kind="k"):
 
 
 #: The KV-cache compression methods by name (``lowrank-jax eval --kv-method``).
-METHODS: dict[str, KVMethod] = {
+KV_METHODS: dict[str, KVMethod] = {
     m.name: m for m in (
         KVMethod("none", "exact cache (fp16)", _none, _exact_reconstruct),
         KVMethod("xkv", "xKV cross-layer SVD, fp16 factors", _xkv, xkv_reconstruct),
@@ -195,9 +195,9 @@ METHODS: dict[str, KVMethod] = {
 
 def get_method(name: str) -> KVMethod:
     """The :class:`KVMethod` called ``name`` (a clear error for unknown names)."""
-    if name not in METHODS:
-        raise ValueError(f"KV method {name!r} is unknown; choose from {sorted(METHODS)}.")
-    return METHODS[name]
+    if name not in KV_METHODS:
+        raise ValueError(f"KV method {name!r} is unknown; choose from {sorted(KV_METHODS)}.")
+    return KV_METHODS[name]
 
 
 def compress_kv(method: str, keys, values, *, rope_theta: float, ratio: float | None = 8.0,
@@ -269,7 +269,7 @@ def reconstruct_all(method: str, cache):
                    meta_fields=["method"])
 @dataclasses.dataclass(frozen=True)
 class ReconstructDecodeKV(KVProvider):
-    """One decode step against any :data:`METHODS` cache: per layer, the prompt K/V are rebuilt
+    """One decode step against any :data:`KV_METHODS` cache: per layer, the prompt K/V are rebuilt
     (dequantized / multiplied out, in fp32, inside the jitted step), RoPE-rotated at
     ``0..L-1`` and attended together with the exact post-RoPE tail. Only the compressed prompt
     and the tail persist between steps."""
@@ -291,7 +291,7 @@ class ReconstructDecodeKV(KVProvider):
                                           (0, step, 0, 0))
         tv = jax.lax.dynamic_update_slice(self.tail_values[layer],
                                           v.astype(self.tail_values.dtype), (0, step, 0, 0))
-        m = METHODS[self.method]
+        m = KV_METHODS[self.method]
         length = self.cache.prefill_length
         pk = rope(m.reconstruct(self.cache, layer, "k"), jnp.arange(length),
                   self.cache.rope_theta)
@@ -330,7 +330,7 @@ def cache_step(model, cache, token):
     return _cache_step(model, cache, jnp.asarray(token))
 
 
-def decode_step(model, provider: ReconstructDecodeKV, token):
+def kv_decode_step(model, provider: ReconstructDecodeKV, token):
     """Feed one token per sequence: ``(logits [b, vocab], advanced provider)``."""
     if int(provider.tail_length) >= provider.tail_keys.shape[2]:
         raise ValueError(f"the exact tail is full ({provider.tail_keys.shape[2]} tokens); start "
@@ -358,7 +358,7 @@ def start_kv_decode(model, keys, values, *, method: str, ratio: float | None,
         return cache, lambda c, t: xkv_decode_step(model, c, t)
     cache = compress_kv(method, keys, values, rope_theta=theta, ratio=ratio, **options)
     return (start_decode(method, cache, max_new_tokens=max_new_tokens),
-            lambda c, t: decode_step(model, c, t))
+            lambda c, t: kv_decode_step(model, c, t))
 
 
 def kv_generate(model, prompt, *, method: str, ratio: float | None = 8.0, max_new_tokens: int,
@@ -398,7 +398,7 @@ def kv_generate(model, prompt, *, method: str, ratio: float | None = 8.0, max_ne
 
 
 __all__ = [
-    "METHODS", "ExactCache", "KVMethod", "ReconstructDecodeKV", "cache_ratio", "cache_step",
-    "compress_kv", "decode_step", "get_method", "kv_generate", "reconstruct_all",
+    "KV_METHODS", "ExactCache", "KVMethod", "ReconstructDecodeKV", "cache_ratio", "cache_step",
+    "compress_kv", "kv_decode_step", "get_method", "kv_generate", "reconstruct_all",
     "reference_bytes", "start_decode", "start_kv_decode", "stored_bytes",
 ]

@@ -61,13 +61,13 @@ from lowrank_jax.kv.ranks import (
     layer_groups,
     predicted_compression_ratio,
 )
-from lowrank_jax.kv.methods import METHODS
+from lowrank_jax.kv.methods import KV_METHODS
 from lowrank_jax.kv.selective import selective_decode_attention
 
 __all__ = [
-    "ContextKV", "DEFAULT_GROUP_SIZE", "DEFAULT_SINK_TOKENS", "DEFAULT_VALUE_RANK_SCALE", "METHODS",
-    "PrefillKV", "SelectiveConfig", "SelectiveState", "XKVCache", "XKVCacheFactory", "XKVDecodeKV",
-    "choose_ranks", "compressed_bytes", "compression_ratio", "layer_groups",
+    "ContextKV", "DEFAULT_GROUP_SIZE", "DEFAULT_SINK_TOKENS", "DEFAULT_VALUE_RANK_SCALE",
+    "KV_METHODS", "PrefillKV", "SelectiveConfig", "SelectiveState", "XKVCache", "XKVCacheFactory",
+    "XKVDecodeKV", "choose_ranks", "compressed_bytes", "compression_ratio", "layer_groups",
     "predicted_compression_ratio", "prefill_kv", "selective_decode_attention", "uncompressed_bytes",
     "xkv_cache_factory", "xkv_compress", "xkv_decode_step", "xkv_generate", "xkv_perplexity",
     "xkv_perplexity_sweep", "xkv_prefill", "xkv_reconstruct", "xkv_windowed_perplexity",

@@ -38,7 +38,7 @@ from lowrank_jax.nn.projection import (
     set_child,
 )
 
-Target = Literal["fp", "quantized"]
+_Target = Literal["fp", "quantized"]
 LINEAR_EQUATION = "...i,io->...o"
 
 
@@ -82,7 +82,7 @@ def _relative_error(approx, exact) -> float:
     return float(jnp.linalg.norm(approx - exact) / jnp.maximum(jnp.linalg.norm(exact), 1e-30))
 
 
-def merged_module(layer, target: Target = "fp") -> tuple[nnx.Module, float]:
+def merged_module(layer, target: _Target = "fp") -> tuple[nnx.Module, float]:
     """The merged form of one adapted layer and the error re-quantization added.
 
     A dense base takes ``W + s A B`` in place (its kernel keeps its dtype, layout and sharding)
@@ -106,7 +106,7 @@ def merged_module(layer, target: Target = "fp") -> tuple[nnx.Module, float]:
     return new, _relative_error(jnp.asarray(dense_matrix(new), jnp.float32), w)
 
 
-def merge_adapters(model: nnx.Module, *, target: Target = "fp") -> dict[str, float]:
+def merge_adapters(model: nnx.Module, *, target: _Target = "fp") -> dict[str, float]:
     """Replace every adapted layer of ``model`` (in place) by its merged form: the one merge,
     used by :func:`~lowrank_jax.nn.remove_lora`, ``save_merged`` and
     :func:`lowrank_jax.hub.save_model`.
@@ -154,7 +154,7 @@ def merge_report(
     model: nnx.Module,
     evaluate: Callable[[nnx.Module], float],
     *,
-    target: Target = "quantized",
+    target: _Target = "quantized",
 ) -> tuple[nnx.Module, dict]:
     """Merge a copy of ``model`` and measure what merging changed.
 

@@ -110,7 +110,7 @@ def sweep(problems: Problem, lrs: jax.Array, *, steps: int, balanced: str | None
     return jax.jit(lambda ps, ls: jax.lax.map(lambda p: over_lrs(p, ls), ps))(problems, lrs)
 
 
-def select(losses: np.ndarray, how: str = "per_seed") -> np.ndarray:
+def _select(losses: np.ndarray, how: str = "per_seed") -> np.ndarray:
     """Index of the best learning rate per seed (``[seeds]``) by final loss; diverged runs lose.
 
     ``how="per_seed"`` is the reference's rule; ``"shared"`` picks one index for all seeds by the
@@ -144,7 +144,7 @@ def run_study(*, seeds: int = 8, lrs: np.ndarray | None = None, steps: int = 100
             sweep(problems, jnp.asarray(lrs, jnp.float32), steps=steps, balanced=balanced))
         seconds = time.perf_counter() - start
         losses, gaps = np.asarray(losses, np.float64), np.asarray(gaps, np.float64)
-        best = select(losses, how)
+        best = _select(losses, how)
         rows = np.arange(seeds)
         out["methods"][name] = {
             "excess": losses[rows, best] - l_star[:, None],

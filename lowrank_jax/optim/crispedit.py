@@ -241,7 +241,7 @@ def kron_project(
     return (U_A @ c @ U_G.T).astype(x.dtype)
 
 
-def project(x: Array, proj: LayerProjector) -> Array:
+def project_update(x: Array, proj: LayerProjector) -> Array:
     """:func:`kron_project` with a :class:`LayerProjector`."""
     if x.shape != (proj.U_A.shape[0], proj.U_G.shape[0]):
         raise ValueError(
@@ -278,7 +278,7 @@ def _project_tree(tree, projector: CrispProjector, unmatched: str):
         k = match_projector(leaf_path(keypath), projector)
         if k is None:
             return x if unmatched == "pass" else jnp.zeros_like(x)
-        return project(x, projector[k])
+        return project_update(x, projector[k])
 
     return jax.tree_util.tree_map_with_path(f, tree)
 
@@ -430,6 +430,6 @@ __all__ = [
     "CrispEditState", "CrispProjector", "LayerProjector", "build_projector", "crispedit",
     "crispedit_adam", "crispedit_refresh", "energy_threshold", "energy_threshold_sorted",
     "keep_mask", "kron_project", "layer_projector", "leaf_path", "match_projector",
-    "needs_refresh", "project", "projector_from_eigenbasis", "relative_weight_change",
+    "needs_refresh", "project_update", "projector_from_eigenbasis", "relative_weight_change",
     "scale_by_crispedit",
 ]

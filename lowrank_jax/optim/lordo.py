@@ -34,8 +34,7 @@ import optax
 
 from lowrank_jax.core.sharding import place_like, replicate_like
 from lowrank_jax.optim.linalg import Numeric
-
-ScalarOrSchedule = float | jax.Array | optax.Schedule
+from lowrank_jax.optim.spectron import ScalarOrSchedule
 
 
 class ScaleByLordoState(NamedTuple):

@@ -31,8 +31,8 @@ KMEANS_SAMPLE = 32768  # DERIVED: 4-vectors per k-means fit (128 per centroid). 
 
 
 @functools.partial(jax.jit, static_argnames=("centroids", "iters", "sample"))
-def kmeans(vectors: Float[Array, "p d"], key: Array, *, centroids: int = 256,
-           iters: int = 15, sample: int | None = None) -> Float[Array, "k d"]:
+def codebook_kmeans(vectors: Float[Array, "p d"], key: Array, *, centroids: int = 256,
+                    iters: int = 15, sample: int | None = None) -> Float[Array, "k d"]:
     """Lloyd's k-means (init: a random sample of the vectors; empty clusters keep their centre).
 
     ``sample`` (DERIVED speed rule): fit on a random subset of that many vectors (all when
@@ -42,8 +42,8 @@ def kmeans(vectors: Float[Array, "p d"], key: Array, *, centroids: int = 256,
     Example::
 
         >>> import jax
-        >>> c = kmeans(jax.random.normal(jax.random.PRNGKey(0), (1000, 4)), jax.random.PRNGKey(1),
-        ...            centroids=16, iters=3)
+        >>> c = codebook_kmeans(jax.random.normal(jax.random.PRNGKey(0), (1000, 4)),
+        ...                     jax.random.PRNGKey(1), centroids=16, iters=3)
         >>> c.shape
         (16, 4)
     """
@@ -145,8 +145,8 @@ def kmeans_vq_weight(
 def _vq_core(weight, h, key, tune_iters, iters, block_in, block_out, sample):
     m, n = weight.shape
     w_rot, w_scale, s_in, s_out, h_rot = rotate_problem(weight, h, key, block_in, block_out)
-    grid = kmeans(w_rot.reshape(-1, 4), jax.random.split(key, 3)[2], centroids=256, iters=iters,
-                  sample=sample)
+    grid = codebook_kmeans(w_rot.reshape(-1, 4), jax.random.split(key, 3)[2], centroids=256,
+                           iters=iters, sample=sample)
     if h_rot is None:
         codes = nearest_codeword(w_rot.reshape(m, n // 4, 4), grid).astype(jnp.uint8)
     else:
@@ -178,4 +178,4 @@ def kmeans_vq_quantize(
     return vq_dequantize(q), q.bits_per_weight()
 
 
-__all__ = ["VQWeight", "kmeans", "kmeans_vq_quantize", "kmeans_vq_weight", "vq_dequantize"]
+__all__ = ["VQWeight", "codebook_kmeans", "kmeans_vq_quantize", "kmeans_vq_weight", "vq_dequantize"]

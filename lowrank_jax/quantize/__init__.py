@@ -22,7 +22,7 @@ from lowrank_jax.quantize.folder import (
     save_quantized,
 )
 from lowrank_jax.quantize.pipeline import (
-    METHODS,
+    QUANT_METHODS,
     UNISVQ_BITS,
     calibration_tokens,
     model_bits_per_weight,
@@ -32,7 +32,7 @@ from lowrank_jax.quantize.qlora_base import QUANTIZE_METHODS, quantize_base
 
 __all__ = [
     "FORMAT_VERSION",
-    "METHODS",
+    "QUANT_METHODS",
     "QUANTIZE_METHODS",
     "UNISVQ_BITS",
     "calibration_tokens",

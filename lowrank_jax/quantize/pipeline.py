@@ -50,7 +50,7 @@ from lowrank_jax.quant.rounding import hessian
 from lowrank_jax.quant.rtn import check_bits, check_group_size, rtn_quantize
 from lowrank_jax.quant.unisvq import UniSVQConfig, finetune_block, quantize_linear
 
-METHODS = ("unisvq", "rtn", "kmeans", "sq-ldlq")
+QUANT_METHODS = ("unisvq", "rtn", "kmeans", "sq-ldlq")
 CALIBRATED = ("unisvq", "kmeans", "sq-ldlq")  # methods that need calibration text
 FINETUNED = ("unisvq", "kmeans")  # methods whose float parameters block fine-tuning trains
 UNISVQ_BITS = (2, 3, 4)  # 2: z ∈ {0..3}⁴ (the paper); 3: {0..7}⁴ (4096); 4: {0..15}⁴ (65536)
@@ -157,8 +157,8 @@ def quantize_model(
 
         >>> report = quantize_model(model, tokens, method="rtn", bits=4)  # doctest: +SKIP
     """
-    if method not in METHODS:
-        raise ValueError(f"method={method!r} is unknown; use one of {METHODS}.")
+    if method not in QUANT_METHODS:
+        raise ValueError(f"method={method!r} is unknown; use one of {QUANT_METHODS}.")
     check_bits(bits, METHOD_BITS[method], where=f"bits (method={method})")
     if method == "unisvq" and cfg.bits != bits:
         cfg = dataclasses.replace(cfg, bits=bits)
@@ -407,6 +407,6 @@ def calibration_tokens(tokenizer, text: str, n_seq: int, seq_len: int, seed: int
     return np.stack([ids[s:s + seq_len] for s in starts])
 
 
-__all__ = ["CALIBRATED", "FINETUNED", "METHOD_BITS", "METHODS", "SHARED_INPUT", "UNISVQ_BITS",
+__all__ = ["CALIBRATED", "FINETUNED", "METHOD_BITS", "QUANT_METHODS", "SHARED_INPUT", "UNISVQ_BITS",
            "calibration_hessians", "calibration_tokens", "dequantized_projections",
            "model_bits_per_weight", "quantize_model", "unfinetuned_model"]

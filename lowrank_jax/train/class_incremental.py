@@ -59,7 +59,7 @@ from lowrank_jax.train.continual import continual_metrics
 
 D_IN, HIDDEN, RANK, TASKS, CLASSES_PER_TASK, SUB = 64, 128, 4, 5, 4, 8
 SCALE, TEMP, MARGIN, DML_WEIGHT = 1.0, 10.0, 0.2, 0.5
-METHODS = ("lora", "joint", "ortho_a", "gr_plain", "janus_gr", "dml_only", "janus")
+INCREMENTAL_METHODS = ("lora", "joint", "ortho_a", "gr_plain", "janus_gr", "dml_only", "janus")
 LODA_METHODS = ("loda_norecal", "loda")
 LAYERS = ("l1", "l2")
 
@@ -133,7 +133,7 @@ def logits_fn(params, x, seen_mask):
 
 
 def run_method(method: str, data, seed: int, steps: int, lr: float, batch: int):
-    """One run of a LoRA arm (see :data:`METHODS`) over the stream ``data``.
+    """One run of a LoRA arm (see :data:`INCREMENTAL_METHODS`) over the stream ``data``.
 
     ``steps`` Adam steps of batch ``batch`` per task (``joint``: per task, on all tasks at
     once). Returns ``{"acc", "bwt", "matrix", "violation_l1"}``: ACC, BWT (NaN for ``joint``),
@@ -323,5 +323,6 @@ def run_loda(data, seed: int, steps: int, lr: float, gao_lr: float, batch: int, 
     return {"acc": float(final.mean()), "bwt": bwt, "matrix": acc.tolist(), "diagnostics": diag}
 
 
-__all__ = ["CLASSES_PER_TASK", "D_IN", "HIDDEN", "LODA_METHODS", "METHODS", "RANK", "TASKS",
+__all__ = ["CLASSES_PER_TASK", "D_IN", "HIDDEN", "INCREMENTAL_METHODS", "LODA_METHODS", "RANK",
+           "TASKS",
            "features", "init_params", "logits_fn", "make_stream", "run_loda", "run_method"]

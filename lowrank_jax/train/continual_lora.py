@@ -56,7 +56,7 @@ from lowrank_jax.train.losses import adapter_loss, window_evaluator
 from lowrank_jax.train.loop import train_windows
 
 PATTERN = r"self_attn/(q_proj|v_proj)$"
-METHODS = ("lora", "olora", "janus", "loda")
+CONTINUAL_METHODS = ("lora", "olora", "janus", "loda")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +140,7 @@ def run_continual_lora(load_model: Callable[[], nnx.Module], method: str, tasks,
 
     Args:
         load_model: builds the base model (called once).
-        method: one of :data:`METHODS`.
+        method: one of :data:`CONTINUAL_METHODS`.
         tasks: the stream; each task's ``train`` windows are sampled ``config.batch`` at a
             time (``numpy`` generator seeded by ``seed``), its ``heldout`` windows scored.
         seed: the adapters' initialisation and the batches.
@@ -259,5 +259,5 @@ def run_continual_lora(load_model: Callable[[], nnx.Module], method: str, tasks,
             **info}
 
 
-__all__ = ["METHODS", "PATTERN", "ContinualLoRAConfig", "layer_inputs", "layer_key",
+__all__ = ["CONTINUAL_METHODS", "PATTERN", "ContinualLoRAConfig", "layer_inputs", "layer_key",
            "leaf_key", "olora_penalty", "q_path", "run_continual_lora"]

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-METHODS = ("lora", "balora", "pissa", "olora", "gap", "lokra")
+FINETUNE_METHODS = ("lora", "balora", "pissa", "olora", "gap", "lokra")
 # BaLoRA trains with a small learning rate (its paper: AdamW, large adapter scale, small lr)
 DEFAULT_LR = {"balora": 1e-4}
 FALLBACK_LR = 1e-3
@@ -142,8 +142,8 @@ def finetune(
     from lowrank_jax.nn.init import init_lora_model
     from lowrank_jax.optim.balora import balora
 
-    if method not in METHODS:
-        raise ValueError(f"method={method!r} is unknown; use one of {', '.join(METHODS)}.")
+    if method not in FINETUNE_METHODS:
+        raise ValueError(f"method={method!r} is unknown; use one of {', '.join(FINETUNE_METHODS)}.")
     if steps < 1:
         raise ValueError(f"steps={steps} must be >= 1.")
     batch_spec = None
@@ -301,5 +301,5 @@ def load_model_and_tokens(model_name: str, data: str | None = None):
     return model, tokens, name
 
 
-__all__ = ["FinetuneResult", "METHODS", "TokenBatches", "export_adapter", "finetune",
+__all__ = ["FinetuneResult", "FINETUNE_METHODS", "TokenBatches", "export_adapter", "finetune",
            "load_model_and_tokens", "save_merged", "token_batches"]

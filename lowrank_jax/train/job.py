@@ -33,12 +33,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from lowrank_jax.train.finetune import METHODS, FinetuneResult, default_lr
+from lowrank_jax.train.finetune import FINETUNE_METHODS, FinetuneResult, default_lr
 
 QUANTIZE = ("nf4", "rtn4", "unisvq2")
 # methods that keep the base weights as they are (PiSSA, OLoRA, Gap-Init rewrite them, which a
 # quantized base cannot hold)
-QUANTIZE_METHODS = ("lora", "balora", "lokra")
+QUANTIZABLE_METHODS = ("lora", "balora", "lokra")
 # the batches the rank plan probes the base with (drawn apart from the training steps)
 PROBE_BATCHES, PROBE_OFFSET = 8, 10_000_000
 
@@ -132,8 +132,9 @@ class FinetuneJob:
     def __post_init__(self):
         from lowrank_jax.runs.validate import check_regex
 
-        if self.method not in METHODS:
-            raise ValueError(f"method={self.method!r}: unknown; use one of {', '.join(METHODS)}.")
+        if self.method not in FINETUNE_METHODS:
+            raise ValueError(f"method={self.method!r}: unknown; use one of "
+                             f"{', '.join(FINETUNE_METHODS)}.")
         if self.quantize is not None and self.quantize not in QUANTIZE:
             raise ValueError(f"quantize={self.quantize!r}: unknown; use one of "
                              f"{', '.join(QUANTIZE)} (or None).")
@@ -153,9 +154,10 @@ class FinetuneJob:
         if self.quantize and self.rank_plan:
             raise ValueError("`rank_plan` probes the dense linear layers, which `quantize` "
                              "replaces; drop one of them.")
-        if self.quantize and self.method not in QUANTIZE_METHODS:
+        if self.quantize and self.method not in QUANTIZABLE_METHODS:
             raise ValueError(f"`method` {self.method} rewrites the base weights; with `quantize` "
-                             f"use {', '.join(QUANTIZE_METHODS[:-1])} or {QUANTIZE_METHODS[-1]}.")
+                             f"use {', '.join(QUANTIZABLE_METHODS[:-1])} or "
+                             f"{QUANTIZABLE_METHODS[-1]}.")
 
     @property
     def learning_rate(self) -> float:
@@ -328,5 +330,5 @@ def base_tokenizer(name: str):
     return tokenizer
 
 
-__all__ = ["FinetuneJob", "JobResult", "QUANTIZE", "QUANTIZE_METHODS", "base_tokenizer",
+__all__ = ["FinetuneJob", "JobResult", "QUANTIZE", "QUANTIZABLE_METHODS", "base_tokenizer",
            "device_mesh"]

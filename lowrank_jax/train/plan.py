@@ -21,7 +21,7 @@ from lowrank_jax.models.llama import Llama
 from lowrank_jax.train import sharding as shard_lib
 from lowrank_jax.train.config import RunConfig
 
-LAYOUTS = (None, "tpu")
+_LAYOUTS = (None, "tpu")
 
 
 @dataclasses.dataclass
@@ -122,7 +122,7 @@ def plan_memory(cfg: RunConfig, devices: int, *, remat: bool | None = None,
     from lowrank_jax.train.optimizers import build_optimizer, with_structure
 
     remat = cfg.model.remat if remat is None else remat
-    if layout not in LAYOUTS:
+    if layout not in _LAYOUTS:
         raise ValueError(f"layout={layout!r} is unknown; use None or 'tpu'.")
     mesh = auto_mesh(devices, {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp,
                                "tensor": cfg.mesh.tensor})

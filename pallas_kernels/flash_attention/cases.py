@@ -20,13 +20,13 @@ import jax.numpy as jnp
 from pallas_kernels.aot import CompileCase
 from pallas_kernels.flash_attention.api import flash_attention
 
-SIZES = ("production", "small")
+_SIZES = ("production", "small")
 
 
 def check_size(size: str) -> None:
-    """Refuse a case size that is not one of :data:`SIZES`."""
-    if size not in SIZES:
-        raise ValueError(f"compile_cases: size={size!r} must be one of {SIZES}.")
+    """Refuse a case size that is not one of ``_SIZES``."""
+    if size not in _SIZES:
+        raise ValueError(f"compile_cases: size={size!r} must be one of {_SIZES}.")
 
 
 def attention_shapes(size: str) -> list[tuple[int, int, int, int, int, jnp.dtype]]:
@@ -44,7 +44,7 @@ def qkv_structs(b, t, h, hk, d, dtype) -> tuple:
     return q, kv, kv
 
 
-def forward(q, k, v):
+def _forward(q, k, v):
     """Causal flash attention with the op's defaults."""
     return flash_attention(q, k, v)
 
@@ -73,7 +73,7 @@ def compile_cases(size: str = "production") -> list[CompileCase]:
     cases = []
     for shape in attention_shapes(size):
         args = qkv_structs(*shape)
-        cases.append(CompileCase("flash_attention", "forward", forward, args))
+        cases.append(CompileCase("flash_attention", "forward", _forward, args))
         cases.append(CompileCase("flash_attention", "backward", backward, args))
         if size == "small":
             segments = (jax.ShapeDtypeStruct(shape[:2], jnp.int32),) * 2
@@ -82,5 +82,5 @@ def compile_cases(size: str = "production") -> list[CompileCase]:
     return cases
 
 
-__all__ = ["SIZES", "attention_shapes", "backward", "backward_masked", "check_size",
-           "compile_cases", "forward", "qkv_structs"]
+__all__ = ["attention_shapes", "backward", "backward_masked", "check_size",
+           "compile_cases", "qkv_structs"]

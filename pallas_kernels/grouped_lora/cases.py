@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from pallas_kernels.aot import CompileCase
 from pallas_kernels.grouped_lora.api import lora_expand, lora_shrink
 
-SIZES = {
+_SIZES = {
     # (tokens, d, adapters, padded rank, dtype)
     "production": [(4096, 4096, 8, 16, jnp.bfloat16), (8192, 4096, 8, 16, jnp.bfloat16)],
     "small": [(200, 72, 3, 8, jnp.float32)],
@@ -53,10 +53,10 @@ def compile_cases(size: str = "production") -> list[CompileCase]:
         >>> [c.entry for c in compile_cases("small")]
         ['shrink', 'expand', 'shrink_backward', 'expand_backward']
     """
-    if size not in SIZES:
-        raise ValueError(f"compile_cases: size={size!r}; use one of {sorted(SIZES)}.")
+    if size not in _SIZES:
+        raise ValueError(f"compile_cases: size={size!r}; use one of {sorted(_SIZES)}.")
     cases = []
-    for n, d, k, r, dtype in SIZES[size]:
+    for n, d, k, r, dtype in _SIZES[size]:
         meta_int = jax.ShapeDtypeStruct((k,), jnp.int32)
         scale = jax.ShapeDtypeStruct((k,), jnp.float32)
         x = jax.ShapeDtypeStruct((n, d), dtype)
@@ -73,4 +73,4 @@ def compile_cases(size: str = "production") -> list[CompileCase]:
     return cases
 
 
-__all__ = ["SIZES", "compile_cases"]
+__all__ = ["compile_cases"]

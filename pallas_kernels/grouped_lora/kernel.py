@@ -43,7 +43,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.flash_attention.kernel import PLATFORMS  # noqa: E402 (one list)
 
 
-def compiler_params(platform: str, semantics: tuple[str, ...]):
+def grouped_compiler_params(platform: str, semantics: tuple[str, ...]):
     """Mosaic params on TPU (``semantics`` per grid axis), Triton params on GPU, else None.
 
     Passing Triton params explicitly selects Triton: jax's default GPU lowering for a plain
@@ -232,7 +232,7 @@ def grouped_nt(offsets, ranks, scale, x, w, *, block_m, block_r, block_k, platfo
                   pl.BlockSpec((block_m, d_in), lambda i: (i, 0)),
                   pl.BlockSpec((k, r_max, d_in), lambda i: (0, 0, 0))],
         out_specs=pl.BlockSpec((block_m, r_max), lambda i: (i, 0)),
-        compiler_params=compiler_params(platform, ("parallel",)),
+        compiler_params=grouped_compiler_params(platform, ("parallel",)),
         interpret=interpret,
         name="grouped_lora_shrink",
     )(offsets, ranks, scale, x, w)
@@ -265,7 +265,7 @@ def grouped_nn(offsets, ranks, scale, h, w, acc=None, *, block_m, block_r, block
         grid=(n // block_m, d_out // block_n),
         in_specs=in_specs,
         out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
-        compiler_params=compiler_params(platform, ("parallel", "parallel")),
+        compiler_params=grouped_compiler_params(platform, ("parallel", "parallel")),
         interpret=interpret,
         name="grouped_lora_expand",
     )(*args)
@@ -318,11 +318,11 @@ def grouped_tn(offsets, ranks, lhs, rhs, *, num_groups, block_m, block_n, platfo
         grid=grid,
         in_specs=in_specs,
         out_specs=out_spec,
-        compiler_params=compiler_params(platform, semantics),
+        compiler_params=grouped_compiler_params(platform, semantics),
         interpret=interpret,
         name="grouped_lora_tgmm",
     )(offsets, ranks, lhs, rhs)
     return out if reduce_rows_in_grid else out.sum(axis=0)
 
 
-__all__ = ["PLATFORMS", "compiler_params", "grouped_nn", "grouped_nt", "grouped_tn"]
+__all__ = ["PLATFORMS", "grouped_compiler_params", "grouped_nn", "grouped_nt", "grouped_tn"]

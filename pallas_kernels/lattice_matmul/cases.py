@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from pallas_kernels.aot import CompileCase
 from pallas_kernels.lattice_matmul.api import MODES, lattice_matmul
 
-SIZES = {
+_SIZES = {
     # (tokens, in features, out features, Hadamard block, activation dtype)
     "production": [(4096, 4096, 4096, 128, jnp.bfloat16)],
     "small": [(200, 72, 40, 8, jnp.float32)],
@@ -38,10 +38,10 @@ def compile_cases(size: str = "production") -> list[CompileCase]:
         >>> [c.entry for c in compile_cases("small")]
         ['fold', 'dequant']
     """
-    if size not in SIZES:
-        raise ValueError(f"compile_cases: size={size!r}; use one of {sorted(SIZES)}.")
+    if size not in _SIZES:
+        raise ValueError(f"compile_cases: size={size!r}; use one of {sorted(_SIZES)}.")
     cases = []
-    for t, n, m, block, dtype in SIZES[size]:
+    for t, n, m, block, dtype in _SIZES[size]:
         args = (jax.ShapeDtypeStruct((t, n), dtype), jax.ShapeDtypeStruct((m, n // 4), jnp.uint8),
                 jax.ShapeDtypeStruct((n,), jnp.float32), jax.ShapeDtypeStruct((m,), jnp.float32),
                 jax.ShapeDtypeStruct((4, 4), jnp.float32), jax.ShapeDtypeStruct((4,), jnp.float32))
@@ -51,4 +51,4 @@ def compile_cases(size: str = "production") -> list[CompileCase]:
     return cases
 
 
-__all__ = ["SIZES", "compile_cases"]
+__all__ = ["compile_cases"]

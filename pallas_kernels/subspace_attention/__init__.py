@@ -2,7 +2,7 @@
 
 from pallas_kernels.subspace_attention.api import (
     BlockSizes,
-    resolve_implementation,
+    implementation_of,
     subspace_attention,
 )
 from pallas_kernels.subspace_attention.kernel import dual_stream_attention, estimate_flops
@@ -14,5 +14,5 @@ from pallas_kernels.subspace_attention.reference import (
 )
 
 __all__ = ["BlockSizes", "dual_stream_attention", "estimate_flops", "lookup_tables",
-           "resolve_implementation", "subspace_attention", "subspace_attention_blocked",
+           "implementation_of", "subspace_attention", "subspace_attention_blocked",
            "subspace_attention_reference", "token_near_mask"]

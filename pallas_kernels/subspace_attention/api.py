@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
 from pallas_kernels import _dispatch
-from pallas_kernels._dispatch import IMPLEMENTATIONS, resolve_implementation
+from pallas_kernels._dispatch import IMPLEMENTATIONS, implementation_of
 from pallas_kernels.flash_attention.api import padded_head_dim
 from pallas_kernels.subspace_attention import kernel as _kernel
 from pallas_kernels.subspace_attention.reference import (
@@ -105,7 +105,7 @@ def subspace_attention(
         q, k, v, q_lat, k_lat, v_lat, v_basis, near_mask, block_q=bq, block_k=bk,
         v_residual=v_residual)
     scale = d ** -0.5 if scale is None else float(scale)
-    if resolve_implementation(implementation, interpret) == "xla":
+    if implementation_of(implementation, interpret) == "xla":
         max_near = None
         try:
             max_near = max(int(jnp.max(jnp.sum(jnp.asarray(near_mask), axis=-1))), 1)
@@ -157,4 +157,4 @@ def _subspace_pallas(q, k, v, q_lat, k_lat, v_lat, v_basis, near_mask, *, block_
     return jnp.transpose(out, (0, 2, 1, 3))[:, :n, :, :d]
 
 
-__all__ = ["BlockSizes", "IMPLEMENTATIONS", "resolve_implementation", "subspace_attention"]
+__all__ = ["BlockSizes", "IMPLEMENTATIONS", "implementation_of", "subspace_attention"]

@@ -20,7 +20,7 @@ from pallas_kernels.flash_attention.cases import check_size
 from pallas_kernels.subspace_attention.api import BlockSizes, subspace_attention
 
 
-def shapes(size: str) -> list[tuple[int, int, int, int, int, int]]:
+def _shapes(size: str) -> list[tuple[int, int, int, int, int, int]]:
     """``(batch, tokens, heads, head_dim, rank, rank_v)`` of each case of ``size``."""
     check_size(size)
     if size == "production":
@@ -28,7 +28,7 @@ def shapes(size: str) -> list[tuple[int, int, int, int, int, int]]:
     return [(1, 200, 4, 64, 12, 20)]
 
 
-def forward(q, k, v, q_lat, k_lat, v_lat, v_basis, near_mask):
+def _forward(q, k, v, q_lat, k_lat, v_lat, v_basis, near_mask):
     """Subspace attention with the op's defaults."""
     return subspace_attention(q, k, v, q_lat, k_lat, v_lat, v_basis, near_mask)
 
@@ -37,14 +37,14 @@ def compile_cases(size: str = "production") -> list[CompileCase]:
     """The forward entry at every shape of ``size`` (the near mask is an input)."""
     blocks = BlockSizes()
     cases = []
-    for b, n, h, d, r, rv in shapes(size):
+    for b, n, h, d, r, rv in _shapes(size):
         s = jax.ShapeDtypeStruct
         nq, nk = -(-n // blocks.block_q), -(-n // blocks.block_k)
         args = (s((b, n, h, d), jnp.bfloat16),) * 3 + (
             s((b, n, h, r), jnp.bfloat16), s((b, n, h, r), jnp.bfloat16),
             s((b, n, h, rv), jnp.bfloat16), s((h, d, rv), jnp.bfloat16), s((nq, nk), jnp.bool_))
-        cases.append(CompileCase("subspace_attention", "forward", forward, args))
+        cases.append(CompileCase("subspace_attention", "forward", _forward, args))
     return cases
 
 
-__all__ = ["compile_cases", "forward", "shapes"]
+__all__ = ["compile_cases"]

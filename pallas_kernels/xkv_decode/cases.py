@@ -23,7 +23,7 @@ from pallas_kernels.xkv_decode.api import xkv_decode_attention
 ROPE_THETA = 5e5
 
 
-def shapes(size: str) -> list[tuple[int, ...]]:
+def _shapes(size: str) -> list[tuple[int, ...]]:
     """``(batch, prompt, tail, heads, kv_heads, head_dim, rank_k, rank_v)`` per case."""
     check_size(size)
     if size == "production":
@@ -41,7 +41,7 @@ def decode(q, key_factor, key_basis, value_factor, value_basis, tail_keys, tail_
 def compile_cases(size: str = "production") -> list[CompileCase]:
     """The decode entry at every shape of ``size``."""
     cases = []
-    for b, length, tail, h, hk, d, rk, rv in shapes(size):
+    for b, length, tail, h, hk, d, rk, rv in _shapes(size):
         s, bf = jax.ShapeDtypeStruct, jnp.bfloat16
         args = (s((b, h, d), bf), s((b, length, rk), bf), s((b, hk, rk, d), bf),
                 s((b, length, rv), bf), s((b, hk, rv, d), bf), s((b, tail, hk, d), bf),
@@ -50,4 +50,4 @@ def compile_cases(size: str = "production") -> list[CompileCase]:
     return cases
 
 
-__all__ = ["ROPE_THETA", "compile_cases", "decode", "shapes"]
+__all__ = ["ROPE_THETA", "compile_cases", "decode"]

@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--ratios", type=float, nargs="+", default=[4.0, 8.0])
     parser.add_argument("--methods", nargs="+",
-                        default=[m for m in kv.METHODS if m != "none"])
+                        default=[m for m in kv.KV_METHODS if m != "none"])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=8)

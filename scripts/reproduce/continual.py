@@ -34,7 +34,7 @@ import time
 import numpy as np
 from tqdm.auto import tqdm
 
-from lowrank_jax.train.class_incremental import METHODS, make_stream, run_method
+from lowrank_jax.train.class_incremental import INCREMENTAL_METHODS, make_stream, run_method
 
 
 def main():
@@ -43,7 +43,7 @@ def main():
     parser.add_argument("--steps", type=int, default=300, help="Adam steps per task")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--methods", default=",".join(INCREMENTAL_METHODS))
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default="runs/reproduce_continual")
     args = parser.parse_args()

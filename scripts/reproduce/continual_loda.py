@@ -48,9 +48,9 @@ def main():
         args.seeds, args.steps = 1, 100
     methods = args.methods.split(",")
     for m in methods:
-        if m not in base.LODA_METHODS and m not in base.METHODS:
+        if m not in base.LODA_METHODS and m not in base.INCREMENTAL_METHODS:
             raise ValueError(f"--methods: unknown method {m!r}; choose from "
-                             f"{base.LODA_METHODS + base.METHODS}")
+                             f"{base.LODA_METHODS + base.INCREMENTAL_METHODS}")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, list] = {m: [] for m in methods}

@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     original = jax.tree.map(jnp.copy, nnx.state(model, kernel_filter))
 
     print(f"{len(edits)} edits, layers {paths}, {args.steps} steps; evaluating the base model")
-    base = ed.evaluate(model, tok, edits, held)
+    base = ed.evaluate_edits(model, tok, edits, held)
 
     t0 = time.perf_counter()
     factors = kfac.estimate_kfac_factors(model, cap, targets=paths, fisher=args.fisher,
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
         )
         log = ed.edit_model(model, tok, edits, cfg, capability_batches=cap,
                             projector=projectors.get(gamma))
-        res = ed.evaluate(model, tok, edits, held)
+        res = ed.evaluate_edits(model, tok, edits, held)
         if method == "lora":
             remove_lora(model, merge=False)
         name = method if gamma is None else f"crispedit γ={gamma}"

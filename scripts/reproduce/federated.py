@@ -38,7 +38,7 @@ def run_one(config_name: str, quick: bool, progress: bool) -> dict:
                  "checkpoint": not quick}
     if quick:
         overrides["seeds"] = [0]
-    config = experiment.load_config(str(ROOT / "configs" / f"{config_name}.yaml"), overrides)
+    config = experiment.load_experiment(str(ROOT / "configs" / f"{config_name}.yaml"), overrides)
     if quick:
         config.schedule = {**config.schedule, "rounds": 8}
     start = time.time()
@@ -51,7 +51,7 @@ def run_one(config_name: str, quick: bool, progress: bool) -> dict:
                                                          f"{len(config.seeds)} seeds)")
     print(f"\n## {config.name}: {len(config.seeds)} seed(s), {config.schedule['rounds']} rounds, "
           f"{time.time() - start:.0f} s\n")
-    print(experiment.format_table(summary))
+    print(experiment.format_summary(summary))
     for name, s in summary.items():
         if "depths" in s:
             print(f"\n{name}: groups per adapted layer k_l (shallow -> deep), per seed: "

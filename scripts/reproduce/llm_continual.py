@@ -36,7 +36,8 @@ from flax import nnx
 from lowrank_jax.data.continual_text import build_continual_text
 from lowrank_jax.hub import load_model
 from lowrank_jax.runs.results import RunCache, write_result
-from lowrank_jax.train.continual_lora import METHODS, ContinualLoRAConfig, run_continual_lora
+from lowrank_jax.train.continual_lora import (CONTINUAL_METHODS, ContinualLoRAConfig,
+                                              run_continual_lora)
 from lowrank_jax.train.losses import window_evaluator
 
 
@@ -57,7 +58,7 @@ def main():
     parser.add_argument("--stat-windows", type=int, default=32)
     parser.add_argument("--heldout-windows", type=int, default=32)
     parser.add_argument("--domains", default="licences,manpages,code,markdown")
-    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--methods", default=",".join(CONTINUAL_METHODS))
     parser.add_argument("--cache", default="runs/llm_continual_runs.json",
                         help="finished (method, seed) runs are kept here and reused by a rerun "
                              "with the same settings, so a long command can be resumed")

@@ -24,7 +24,7 @@ def _fit(q, k, v, **kw):
     return S.fit_bases(stats, **kw)
 
 
-@pytest.mark.parametrize("method", S.METHODS)
+@pytest.mark.parametrize("method", S.SUBSPACE_METHODS)
 def test_full_rank_bases_reproduce_dense_attention_for_any_window(method):
     q, k, v = _structured(n=70)
     bases = _fit(q, k, v, rank=16, method=method)
@@ -79,7 +79,7 @@ def test_latent_value_accumulation_equals_explicit_reconstruction():
     mask = S.spatiotemporal_block_mask((3, 4, 4), 16, 16, window_t=0)
     out = S.video_svd_attention(q, k, v, b, mask, S.VideoSVDConfig(implementation="xla"))
     # explicit: far values are ṽ E_vᵀ; as "far_exact" with v replaced by its reconstruction
-    q_lat, k_lat, v_lat = S.project(q, k, v, b)
+    q_lat, k_lat, v_lat = S.project_to_subspaces(q, k, v, b)
     v_rec = jnp.einsum("bnhr,hdr->bnhd", v_lat, b.v_basis)
     near = S.spatiotemporal_block_mask((3, 4, 4), 1, 1, window_t=0)
     logits = jnp.where(near, jnp.einsum("bqhd,bkhd->bhqk", q, k),

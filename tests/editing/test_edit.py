@@ -51,7 +51,8 @@ def test_crispedit_run_on_tiny_llama():
     base = Llama(cfg, rngs=nnx.Rngs(0))
     factors = kfac.estimate_kfac_factors(base, cap, targets=[path])
     projector = ce.build_projector(factors, config.gamma)[path]
-    outside = lambda d: float(jnp.linalg.norm(d - ce.project(d, projector)) / jnp.linalg.norm(d))
+    outside = lambda d: float(jnp.linalg.norm(d - ce.project_update(d, projector))
+                              / jnp.linalg.norm(d))
     assert outside(delta) < 1e-4
     ed.edit_model(base, tok, edits, ed.EditConfig(method="finetune", layers=path, steps=4,
                                                    lr=1e-2), capability_batches=cap)

@@ -14,7 +14,7 @@ CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
 
 @pytest.mark.parametrize("name", ["fed_hera", "fed_tree"])
 def test_shipped_configs_build_their_strategies(name):
-    config = experiment.load_config(str(CONFIGS / f"{name}.yaml"))
+    config = experiment.load_experiment(str(CONFIGS / f"{name}.yaml"))
     assert config.seeds == [0, 1, 2]
     built = [experiment.build_strategy(s) for s in config.strategies]
     assert len(built) == 5
@@ -31,13 +31,13 @@ def test_bad_configs_are_clear(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({"strategies": [{"name": "fedprox"}]}))
     with pytest.raises(ValueError, match="fedprox"):
-        experiment.load_config(str(bad))
+        experiment.load_experiment(str(bad))
     bad.write_text(yaml.safe_dump({"round": 3}))
     with pytest.raises(ValueError, match="unknown keys"):
-        experiment.load_config(str(bad))
+        experiment.load_experiment(str(bad))
     bad.write_text(yaml.safe_dump({"schedule": {"epochs": 3}}))
     with pytest.raises(ValueError, match="schedule: unknown keys"):
-        experiment.load_config(str(bad))
+        experiment.load_experiment(str(bad))
     with pytest.raises(ValueError, match="bad options"):
         experiment.build_strategy({"name": "fedhera", "rank": 3})
 

@@ -20,11 +20,11 @@ from lowrank_jax.hyper import (
     bank_delta,
     build_distill_data,
     chunk_encoder,
-    chunk_tokens,
+    chunk_document,
     context_distiller,
     default_alpha,
     distill_loss,
-    export_adapter,
+    export_generated_adapter,
     internalize,
     load_hypernetwork,
     restore_hypernetwork,
@@ -87,7 +87,7 @@ def _logits(model, tokens=QUERY, bank=None, config=None):
 
 
 def _features(base, hyper, tokens, max_chunks=None):
-    ids, mask = chunk_tokens(tokens, CHUNK, max_chunks)
+    ids, mask = chunk_document(tokens, CHUNK, max_chunks)
     feats = chunk_encoder(base, hyper.config.layers)(ids)
     return feats[None], jnp.asarray(mask)[None]
 
@@ -227,7 +227,7 @@ def _reference_distill_data(base, docs, questions, answers, layers, max_chunks, 
     graph, state = nnx.split(base)
     teacher = jax.jit(lambda st, t: jax.nn.log_softmax(nnx.merge(graph, st)(t)[0], axis=-1))
     for d, q, a in zip(docs, questions, answers):
-        ids, mask = chunk_tokens(d, CHUNK, max_chunks)
+        ids, mask = chunk_document(d, CHUNK, max_chunks)
         feats.append(np.asarray(encode(ids)) * mask[:, None, :, None])
         masks.append(mask)
         row = np.zeros((1, 32), np.int32)  # right padding: causal, so one shape for all
@@ -395,7 +395,7 @@ def test_context_distillation_fits_one_document(base, fresh, data):
 def test_exported_adapter_is_peft_and_loads_back(tmp_path, base, trained):
     hyper = trained
     bank = _internalize(base, hyper, DOC)
-    config = export_adapter(base, bank, hyper.config, tmp_path / "ad",
+    config = export_generated_adapter(base, bank, hyper.config, tmp_path / "ad",
                             base_model_name_or_path="tiny")
     rank = 4 * hyper.config.rank
     assert config["r"] == rank and config["peft_type"] == "LORA"
@@ -465,9 +465,9 @@ def test_clear_errors(tmp_path, base, fresh):
     with pytest.raises(ValueError, match="n_heads"):
         DocToLoRAConfig(layers=(0,), d_model=8, d_in=8, d_out=8, d_latent=15, n_heads=2)
     with pytest.raises(ValueError, match="max_chunks"):
-        chunk_tokens(DOC, CHUNK, max_chunks=2)
+        chunk_document(DOC, CHUNK, max_chunks=2)
     with pytest.raises(ValueError, match="empty"):
-        chunk_tokens([], CHUNK)
+        chunk_document([], CHUNK)
     with pytest.raises(ValueError, match="doc_to_lora.json"):
         load_hypernetwork(tmp_path)
     bank = LoRABank(jnp.zeros((2, 2, 4, 128)), jnp.zeros((2, 2, 4, 64)))
@@ -488,7 +488,7 @@ def test_exported_adapter_matches_hf_peft(tmp_path, base, trained):
 
     bank = _internalize(base, trained, DOC)
     save_model(base, tmp_path / "base")
-    export_adapter(base, bank, trained.config, tmp_path / "ad",
+    export_generated_adapter(base, bank, trained.config, tmp_path / "ad",
                    base_model_name_or_path=str(tmp_path / "base"))
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"),
                                                             torch_dtype=torch.float32)

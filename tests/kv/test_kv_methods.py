@@ -107,10 +107,10 @@ FULL_OPTIONS = {
 
 
 def test_every_method_has_a_full_rank_test():
-    assert set(FULL_OPTIONS) == set(methods.METHODS)
+    assert set(FULL_OPTIONS) == set(methods.KV_METHODS)
 
 
-@pytest.mark.parametrize("name", sorted(methods.METHODS))
+@pytest.mark.parametrize("name", sorted(methods.KV_METHODS))
 def test_full_rank_or_bits_reproduces_the_exact_cache(name):
     keys, values = _kv((3, 1, 24, 2, 8), seed=3)
     cache = methods.compress_kv(name, keys, values, rope_theta=1e4, ratio=None,
@@ -128,9 +128,9 @@ BYTES_CASES = [("xkv", 4.0), ("per_layer_svd", 3.0), ("kivi", 2.0), ("xkv_quant"
 
 
 def test_every_compressed_method_has_a_bytes_and_a_chat_test():
-    compressed = set(methods.METHODS) - {"none"}
+    compressed = set(methods.KV_METHODS) - {"none"}
     assert {name for name, _ in BYTES_CASES} == compressed
-    assert {p.values[0] for p in CHAT_CASES} == set(methods.METHODS)
+    assert {p.values[0] for p in CHAT_CASES} == set(methods.KV_METHODS)
 
 
 @pytest.mark.parametrize("name,ratio", BYTES_CASES)
@@ -187,7 +187,7 @@ def test_decoding_from_an_exact_or_full_window_cache_matches_the_model():
         cache = methods.compress_kv(name, keys, values, rope_theta=500.0, ratio=None, **opts)
         provider = methods.start_decode(name, cache, max_new_tokens=4)
         for step in range(4):
-            logits, provider = methods.decode_step(model, provider, tokens[:, 40 + step])
+            logits, provider = methods.kv_decode_step(model, provider, tokens[:, 40 + step])
             np.testing.assert_allclose(logits, full_logits[:, 40 + step], rtol=1e-2, atol=1e-2)
 
 
@@ -204,12 +204,12 @@ def test_decoding_a_compressed_cache_equals_the_perplexity_block():
     block, _ = model(tokens[:, 40:44], cache=ContextKV(ctx_k, rv))
     provider = methods.start_decode("kivi", cache, max_new_tokens=4)
     for step in range(4):
-        logits, provider = methods.decode_step(model, provider, tokens[:, 40 + step])
+        logits, provider = methods.kv_decode_step(model, provider, tokens[:, 40 + step])
         np.testing.assert_allclose(logits, block[:, step], rtol=5e-3, atol=5e-3)
     assert not np.allclose(block, full_logits[:, 40:44], atol=1e-3)  # 2 bits really compress
 
 
-@pytest.mark.parametrize("name", sorted(methods.METHODS))
+@pytest.mark.parametrize("name", sorted(methods.KV_METHODS))
 def test_generate_from_every_method_is_greedy_on_its_own_cache(name):
     """Each generated token is the argmax of the logits the model gives, in one block forward,
     over the method's reconstructed prompt cache (:func:`methods.reconstruct_all`) and the

@@ -127,7 +127,8 @@ def test_projected_edit_update_preserves_capability_loss_to_first_order():
                 "labels": jnp.array([seed % 5])}
         g_edit = loss_and_grads(kernels, edit)
         raw.append(abs(float(jnp.vdot(grad_cap, g_edit))))
-        projected.append(abs(float(jnp.vdot(grad_cap, ce.project(g_edit, projector["fc1"])))))
+        projected.append(abs(float(jnp.vdot(grad_cap,
+                                            ce.project_update(g_edit, projector["fc1"])))))
     assert np.mean(projected) * 10 <= np.mean(raw), (projected, raw)
 
 
@@ -147,11 +148,11 @@ def test_optax_orders_jit_and_unmatched(order):
     updates, state = jax.jit(tx.update)(grads, state, params)
     proj = projector["dense"]
     if order == "strict":  # final update exactly in the kept subspace
-        np.testing.assert_allclose(ce.project(updates["dense"]["kernel"], proj),
+        np.testing.assert_allclose(ce.project_update(updates["dense"]["kernel"], proj),
                                    updates["dense"]["kernel"], atol=1e-6)
     else:  # Adam saw the projected gradient
         mu = state[1][0].mu["dense"]["kernel"]
-        np.testing.assert_allclose(mu, 0.1 * ce.project(grads["dense"]["kernel"], proj),
+        np.testing.assert_allclose(mu, 0.1 * ce.project_update(grads["dense"]["kernel"], proj),
                                    atol=1e-6)
     assert float(jnp.abs(updates["bias"]).sum()) > 0  # unmatched leaf passes
     zero_tx = ce.scale_by_crispedit(projector, unmatched="zero")
@@ -170,7 +171,7 @@ def test_refresh_reprojects_adam_first_moment_under_masked():
     refreshed = ce.crispedit_refresh(state, new)
     mu_old = state.inner_state[1][0].mu["dense"]["kernel"]
     mu_new = refreshed.inner_state[1][0].mu["dense"]["kernel"]
-    np.testing.assert_allclose(mu_new, ce.project(mu_old, new["dense"]), atol=1e-6)
+    np.testing.assert_allclose(mu_new, ce.project_update(mu_old, new["dense"]), atol=1e-6)
     np.testing.assert_array_equal(refreshed.inner_state[1][0].nu["dense"]["kernel"],
                                   state.inner_state[1][0].nu["dense"]["kernel"])
     assert refreshed.inner_state[0].projector["dense"].tau == new["dense"].tau

@@ -172,13 +172,13 @@ def test_kmeans_and_scalar_methods_in_the_pipeline_and_no_ft_snapshot(tmp_path):
 
 
 def test_kmeans_segment_sum_matches_lloyd_reference_and_subsample_fits_blobs():
-    from lowrank_jax.quant.kmeans_vq import kmeans
+    from lowrank_jax.quant.kmeans_vq import codebook_kmeans
 
     rng = np.random.default_rng(0)
     centres = np.array([[4.0, 0, 0, 0], [0, 4.0, 0, 0], [0, 0, 4.0, 0], [0, 0, 0, 4.0]])
     v = (centres[rng.integers(0, 4, 4000)] + 0.1 * rng.normal(size=(4000, 4))).astype(np.float32)
     key = jax.random.PRNGKey(3)
-    got = np.asarray(kmeans(jnp.asarray(v), key, centroids=4, iters=5))
+    got = np.asarray(codebook_kmeans(jnp.asarray(v), key, centroids=4, iters=5))
     # numpy Lloyd from the same start (the function's init: a sample of the vectors)
     k_init, _ = jax.random.split(key)
     c = v[np.asarray(jax.random.choice(k_init, 4000, (4,), replace=False))].copy()
@@ -192,7 +192,7 @@ def test_kmeans_segment_sum_matches_lloyd_reference_and_subsample_fits_blobs():
     def mse(c):
         return float(jnp.mean(jnp.min(((g[:, None] - c[None]) ** 2).sum(-1), axis=1)))
 
-    full = mse(kmeans(g, key, centroids=16, iters=10))
-    sub = mse(kmeans(g, key, centroids=16, iters=10, sample=2000))
+    full = mse(codebook_kmeans(g, key, centroids=16, iters=10))
+    sub = mse(codebook_kmeans(g, key, centroids=16, iters=10, sample=2000))
     assert sub < 1.1 * full
     assert full < 0.5 * 4  # far below the data variance (a real fit, not the init)

@@ -177,7 +177,7 @@ def test_folder_without_bits_metadata_still_loads_as_2bit(tmp_path):
 @pytest.mark.slow
 def test_quantize_command_writes_a_4bit_folder(tmp_path, capsys):
     from lowrank_jax.cli import main
-    from lowrank_jax.commands.quantize import METHOD_BITS as COMMAND_BITS
+    from lowrank_jax.commands.quantize import _METHOD_BITS as COMMAND_BITS
     from lowrank_jax.quantize.pipeline import METHOD_BITS
 
     assert all(COMMAND_BITS[k] == METHOD_BITS[k] for k in COMMAND_BITS)  # one table of bits
