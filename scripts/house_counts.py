@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import json
 import pathlib
 import re
@@ -84,6 +85,12 @@ FLOORS: list[tuple[str, ...]] = [
     # clients
     ("bench", "commands", "cli"),
 ]
+
+
+@functools.cache
+def parse(path: pathlib.Path) -> ast.Module:
+    """The syntax tree of a source file, parsed once for all the counts (read-only use)."""
+    return ast.parse(path.read_text(), filename=str(path))
 
 
 def floor_of(module: str) -> int:
@@ -131,7 +138,7 @@ def _known(name: str, modules: dict[str, pathlib.Path]) -> str | None:
 
 def _imports(module: str, path: pathlib.Path, modules: dict[str, pathlib.Path]):
     """Yield (target module, imported names) for every import in ``path``."""
-    tree = ast.parse(path.read_text(), filename=str(path))
+    tree = parse(path)
     is_package = path.name == "__init__.py"
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -255,7 +262,7 @@ def ops_without_block_sizes() -> tuple[list[str], list[str]]:
     for api in sorted((ROOT / "pallas_kernels").glob("*/api.py")):
         op = api.parent.name
         ops.append(op)
-        tree = ast.parse(api.read_text())
+        tree = parse(api)
         has = any(
             isinstance(n, ast.ClassDef) and n.name == "BlockSizes" for n in ast.walk(tree)
         ) or any(
@@ -309,7 +316,7 @@ def _outermost_functions(tree: ast.AST):
 def _functions_where(holds) -> list[str]:
     """``path:line name`` of the outermost functions (package + scripts) for which ``holds``."""
     return [f"{path.relative_to(ROOT)}:{fn.lineno} {fn.name}" for path in _source_files()
-            for fn in _outermost_functions(ast.parse(path.read_text())) if holds(fn)]
+            for fn in _outermost_functions(parse(path)) if holds(fn)]
 
 
 def training_steps() -> list[str]:
@@ -383,7 +390,7 @@ def nll_implementations() -> list[str]:
 def _package_trees(packages=(PACKAGE,)):
     for package in packages:
         for path in sorted((ROOT / package).rglob("*.py")):
-            yield path, ast.parse(path.read_text(), filename=str(path))
+            yield path, parse(path)
 
 
 def _functions(tree: ast.AST):
