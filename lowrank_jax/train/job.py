@@ -33,9 +33,9 @@ from typing import Any, Callable
 
 import numpy as np
 
+from lowrank_jax.quantize.qlora_base import QUANTIZE_METHODS as QUANTIZE
 from lowrank_jax.train.finetune import FINETUNE_METHODS, FinetuneResult, default_lr
 
-QUANTIZE = ("nf4", "rtn4", "unisvq2")
 # methods that keep the base weights as they are (PiSSA, OLoRA, Gap-Init rewrite them, which a
 # quantized base cannot hold)
 QUANTIZABLE_METHODS = ("lora", "balora", "lokra")
