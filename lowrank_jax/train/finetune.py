@@ -267,7 +267,8 @@ def save_merged(model, folder) -> str:
 
 
 def load_model_and_tokens(model_name: str, data: str | None = None):
-    """``(model, tokens, base_model_name_or_path)`` for fine-tuning.
+    """``(model, tokens, base_model_name_or_path, tokenizer)`` for fine-tuning (the tokenizer:
+    the preset's bytes, else the one :func:`lowrank_jax.hub.load_model` found).
 
     ``model_name`` is anything :func:`lowrank_jax.hub.load_model` reads. ``data`` is a
     UTF-8 text file (default: the embedded corpus: its bytes for the byte-level ``"tiny"``
@@ -276,6 +277,7 @@ def load_model_and_tokens(model_name: str, data: str | None = None):
     from lowrank_jax.data import corpus_bytes
     from lowrank_jax.hub import SMOLLM2_HF_NAME, load_model
     from lowrank_jax.models.presets import PRESETS, preset_model
+    from lowrank_jax.models.tokenizer import ByteTokenizer
 
     text = None
     if data is not None:
@@ -286,7 +288,7 @@ def load_model_and_tokens(model_name: str, data: str | None = None):
     if model_name in PRESETS:
         tokens = (np.frombuffer(text.encode("utf-8"), np.uint8) if text is not None
                   else corpus_bytes())
-        return preset_model(model_name), tokens.astype(np.int32), None
+        return preset_model(model_name), tokens.astype(np.int32), None, ByteTokenizer()
 
     model, tokenizer = load_model(model_name)
     if tokenizer is None:
@@ -298,7 +300,7 @@ def load_model_and_tokens(model_name: str, data: str | None = None):
         text = corpus_text()[:200_000]
     tokens = np.asarray(tokenizer.encode(text), np.int32)
     name = SMOLLM2_HF_NAME if model_name == "smollm2" else str(model_name)
-    return model, tokens, name
+    return model, tokens, name, tokenizer
 
 
 __all__ = ["FinetuneResult", "FINETUNE_METHODS", "TokenBatches", "export_adapter", "finetune",

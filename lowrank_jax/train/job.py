@@ -195,17 +195,15 @@ class FinetuneJob:
                         overwrite=self.overwrite, reads=extra),
                     what=f"checking `{name}`")
         lr = self.learning_rate
-        model, tokens, base_name = load_model_and_tokens(self.model, self.data)
+        model, tokens, base_name, tokenizer = load_model_and_tokens(self.model, self.data)
         if self.quantize:
-            from lowrank_jax.hub import load_tokenizer, save_model
-            from lowrank_jax.models.presets import PRESETS
+            from lowrank_jax.hub import save_model
             from lowrank_jax.quantize import quantize_base
 
             quantize_base(model, self.quantize)
             if self.save_base:
                 with staged_folder(self.save_base) as tmp:  # all or nothing
-                    save_model(model, tmp, tokenizer=None if self.model in PRESETS
-                               else load_tokenizer(self.model))
+                    save_model(model, tmp, tokenizer=tokenizer)
                 say(f"quantized base: {self.save_base}")
         if len(tokens) < self.seq_len + 2:
             raise ValueError(f"`data` has {len(tokens)} tokens, fewer than `seq_len` + 2 = "
@@ -241,7 +239,7 @@ class FinetuneJob:
                 f"{len(result.adapted)} modules adapted")
             say(f"PEFT adapter: {adapter_dir} (load with peft.PeftModel.from_pretrained)")
         if self.save_merged:  # PiSSA / OLoRA: the residual base plus the adapter, the tuned W
-            self._save_merged(model, adapter_dir)
+            self._save_merged(model, adapter_dir, tokenizer)
             if main:
                 say(f"merged model: {self.save_merged} (a model folder that generate, eval "
                     "and finetune load)")
@@ -266,7 +264,7 @@ class FinetuneJob:
         return plan_ranks(model, probe, targets=self.targets, average_rank=self.rank,
                           r_min=max(1, self.rank // 4), r_max=4 * self.rank)
 
-    def _save_merged(self, model, adapter_dir: str) -> None:
+    def _save_merged(self, model, adapter_dir: str, tokenizer) -> None:
         """Write ``save_merged`` (weights + the base's tokenizer) all or nothing; on a failure
         say that the adapter is kept and how to merge it later (a full disk: ``ValueError``;
         anything else: ``RuntimeError``)."""
@@ -275,7 +273,6 @@ class FinetuneJob:
         from lowrank_jax.train.finetune import save_merged
 
         try:
-            tokenizer = base_tokenizer(self.model)
             if multihost.is_main_process():
                 with staged_folder(self.save_merged) as tmp:
                     save_merged(model, tmp)
@@ -313,22 +310,4 @@ def device_mesh(mesh):
     return sharding.make_mesh(sizes["data"], sizes["fsdp"], sizes["tensor"])
 
 
-def base_tokenizer(name: str):
-    """The tokenizer of model ``name`` (a preset's bytes, a folder's ``tokenizer.json`` or
-    byte marker, else what :func:`lowrank_jax.hub.load_model` returns: a GGUF's, an adapter's
-    base's)."""
-    from lowrank_jax.models.presets import PRESETS
-    from lowrank_jax.models.tokenizer import ByteTokenizer, folder_tokenizer
-
-    if name in PRESETS:
-        return ByteTokenizer()
-    tokenizer = folder_tokenizer(name) if os.path.isdir(name) else None
-    if tokenizer is None:
-        from lowrank_jax.hub import load_model
-
-        tokenizer = load_model(name)[1]
-    return tokenizer
-
-
-__all__ = ["FinetuneJob", "JobResult", "QUANTIZE", "QUANTIZABLE_METHODS", "base_tokenizer",
-           "device_mesh"]
+__all__ = ["FinetuneJob", "JobResult", "QUANTIZE", "QUANTIZABLE_METHODS", "device_mesh"]

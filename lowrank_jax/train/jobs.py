@@ -125,7 +125,7 @@ def run_jobs(spec: dict, *, model: str = "tiny", out: str = "runs/finetune",
     seq_len, steps = int(spec.get("seq_len", 64)), int(spec.get("steps", 50))
     out = spec.get("out", out)
     model_name = spec.get("model", model)
-    model, tokens, base_name = load_model_and_tokens(model_name, None)
+    model, tokens, base_name, _ = load_model_and_tokens(model_name, None)
     job_tokens = []
     for job in jobs:
         if job.get("data"):
