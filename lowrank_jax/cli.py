@@ -77,7 +77,7 @@ def describe_error(error: BaseException) -> str:
     return lines[0] if lines else type(error).__name__
 
 
-_PARAMETER = re.compile(r"`([a-z][a-z0-9_]*)`|^([a-z][a-z0-9_]*)=")
+_PARAMETER = re.compile(r"`([a-z][a-z0-9_]*)`|^([a-z][a-z0-9_]*)=|`([a-z][a-z0-9_.]*=[^`]*)`")
 
 
 def command_flags(parser: argparse.ArgumentParser, command: str | None) -> dict[str, str]:
@@ -94,16 +94,22 @@ def command_flags(parser: argparse.ArgumentParser, command: str | None) -> dict[
 def as_flags(message: str, flags: dict[str, str]) -> str:
     """A library message as the command line says it: each name in backquotes and a
     leading ``name=value`` that name a parameter the command has a flag for become that flag
-    (``--name`` and ``--name value``); other text is left as it is.
+    (``--name`` and ``--name value``); a backquoted config override (`` `train.seed=0` ``, the
+    string :func:`lowrank_jax.train.load_config` takes) becomes ``--set train.seed=0`` where
+    the command has ``--set``; other text is left as it is.
 
     Example::
 
         >>> as_flags("batch_size=0: must be a positive integer; lower `lr`.",
         ...          {"batch_size": "--batch-size", "lr": "--lr"})
         '--batch-size 0: must be a positive integer; lower --lr.'
+        >>> as_flags("give a seed, e.g. `train.seed=0`.", {"overrides": "--set"})
+        'give a seed, e.g. --set train.seed=0.'
     """
     def flag(match: re.Match) -> str:
-        quoted, leading = match.group(1), match.group(2)
+        quoted, leading, override = match.group(1), match.group(2), match.group(3)
+        if override is not None:
+            return f"{flags['overrides']} {override}" if "overrides" in flags else match.group(0)
         name = quoted or leading
         if name not in flags:
             return match.group(0)
@@ -154,7 +160,7 @@ def _run(args, flags: dict[str, str] | None = None) -> int:
             lock.release_all()
     except signals.Stopped as stopped:
         outputs.forget_created()
-        print(f"lowrank-jax {args.command}: {stopped}", file=sys.stderr)
+        print(f"lowrank-jax {args.command}: {described(stopped)}", file=sys.stderr)
         return signals.EXIT_STOPPED
     except KeyboardInterrupt:
         print(f"lowrank-jax {args.command}: interrupted", file=sys.stderr)

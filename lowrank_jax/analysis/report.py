@@ -115,7 +115,7 @@ def analyze_params(params, *, layer_filter: str | None = None, base=None, top_k:
         if not mats:
             names = [n for n, _, _ in named_matrices(params)]
             raise ValueError(
-                f"--layers {layer_filter!r} matches no matrix; paths look like {names[:3]}."
+                f"layers={layer_filter!r} matches no matrix; paths look like {names[:3]}."
             )
     base_mats = {}
     if base is not None:

@@ -40,7 +40,7 @@ def select_benchmarks(only: Sequence[str] | None) -> list[str]:
         return list(BENCHMARKS)
     unknown = [name for name in only if name not in BENCHMARKS]
     if unknown:
-        raise ValueError(f"--only {', '.join(unknown)}: unknown benchmark; choose from "
+        raise ValueError(f"only={', '.join(unknown)}: unknown benchmark; choose from "
                          f"{', '.join(BENCHMARKS)}.")
     return list(dict.fromkeys(only))
 

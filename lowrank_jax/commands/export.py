@@ -26,7 +26,7 @@ def register(subparsers) -> None:
         description="Cut the low-rank + sparse surrogate of a `pretrain --set structure=salaad` "
                     "run to a fraction of its parameters (HPA allocation) and write a model "
                     "folder that eval / generate load.")
-    p.add_argument("--run", required=True, help="run_dir of the SALAAD pretraining run")
+    p.add_argument("--run", dest="run_dir", required=True, help="run_dir of the SALAAD pretraining run")
     p.add_argument("--budget", type=positive_float, required=True,
                    help="fraction of the dense parameter count in (0, 1], e.g. 0.5")
     p.add_argument("--out", required=True, help="output folder")
@@ -41,10 +41,10 @@ def run(args: argparse.Namespace) -> int:
     from lowrank_jax.runs.outputs import check_not_input
     from lowrank_jax.train.structure import export_salaad
 
-    check_not_input(args.out, {"--run": args.run})  # before the run is read: fails in a second
-    report = export_salaad(args.run, args.budget, args.out, gamma=args.gamma,
+    check_not_input(args.out, {"--run": args.run_dir})  # before the run is read: fails in a second
+    report = export_salaad(args.run_dir, args.budget, args.out, gamma=args.gamma,
                            overwrite=args.overwrite)
     print(f"wrote {args.out}: {report['params']:,} of {report['dense_params']:,} parameters "
           f"({report['params'] / report['dense_params']:.1%}; budget {args.budget:g}) from step "
-          f"{report['step']} of {args.run}")
+          f"{report['step']} of {args.run_dir}")
     return 0

@@ -144,12 +144,12 @@ class PackedRows(grain.DatasetIterator):
         want = self._meta()
         names = {"rows": "this process's rows of the batch (the mesh or process count changed)",
                  "batch_size": "train.batch_size", "row_length": "train.seq_len + 1",
-                 "seed": "train.seed", "documents": "the number of documents under --data",
+                 "seed": "train.seed", "documents": "the number of documents under `data`",
                  "version": "the state format"}
         for key, value in want.items():
             if state.get(key) != value:
                 raise ValueError(
-                    f"--resume: the data iterator in the checkpoint was saved with {key}="
+                    f"`resume`: the data iterator in the checkpoint was saved with {key}="
                     f"{state.get(key)} ({names[key]}), this run has {value}; resume with the "
                     "same data, batch size, sequence length, seed and process layout, or start "
                     "a new run.")

@@ -451,7 +451,7 @@ def select_subset(
                                                 normalize_rows=angular))
     if losses is None:
         if method == "kmeans":
-            raise ValueError("method='kmeans' needs losses (one per row); pass --losses, or use "
+            raise ValueError("method='kmeans' needs losses (one per row); pass `losses`, or use "
                              "method='lowrank' for label-free selection.")
         mean_r = jnp.maximum(jnp.mean(fit.resid), 1e-30)
         probs = sensitivity_probs(jnp.full((n,), mean_r), fit.resid, 1.0)

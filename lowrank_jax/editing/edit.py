@@ -81,7 +81,7 @@ def parse_edits(lines: Iterable[str], source: str = "<edits>") -> list[EditReque
 def load_edits(path: str | os.PathLike) -> list[EditRequest]:
     """Read an edits JSONL file (see :func:`parse_edits`)."""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"--edits {path}: file not found (JSONL with prompt/target).")
+        raise FileNotFoundError(f"edits={path}: file not found (JSONL with prompt/target).")
     with open(path, encoding="utf-8") as f:
         return parse_edits(f, str(path))
 
@@ -359,7 +359,7 @@ def matching_layers(model: nnx.Module, pattern: str) -> list[str]:
     try:
         re.compile(pattern)
     except re.error as e:
-        raise ValueError(f"--layers {pattern!r} is not a valid regex ({e}).") from None
+        raise ValueError(f"layers={pattern!r} is not a valid regex ({e}).") from None
     return kfac.select_layers(model, pattern)
 
 

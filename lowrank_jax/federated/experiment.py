@@ -84,7 +84,7 @@ def load_experiment(path: str, overrides: dict | None = None) -> FederatedConfig
     """Read a YAML config (unknown top-level keys are an error)."""
     file = pathlib.Path(path)
     if not file.is_file():
-        raise FileNotFoundError(f"--config {path!r} does not exist (try configs/fed_hera.yaml).")
+        raise FileNotFoundError(f"config={path!r} does not exist (try configs/fed_hera.yaml).")
     raw = yaml.safe_load(file.read_text()) or {}
     raw.update(overrides or {})
     known = {f.name for f in dataclasses.fields(FederatedConfig)}

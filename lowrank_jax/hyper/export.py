@@ -87,12 +87,12 @@ def load_hypernetwork(folder) -> DocToLoRA:
         folder = folder / "hypernetwork"
     config_path = folder / HYPER_CONFIG
     if not config_path.is_file():
-        raise ValueError(f"--hyper {folder}: no {HYPER_CONFIG} there; pass a folder written by "
+        raise ValueError(f"hyper={folder}: no {HYPER_CONFIG} there; pass a folder written by "
                          "lowrank_jax.hyper.save_hypernetwork or train_doc_to_lora(run_dir=...).")
     try:
         config = DocToLoRAConfig(**json.loads(config_path.read_text()))
     except (ValueError, TypeError) as error:
-        raise ValueError(f"--hyper {config_path}: not a Doc-to-LoRA config ({error}).") from None
+        raise ValueError(f"hyper={config_path}: not a Doc-to-LoRA config ({error}).") from None
     hyper = DocToLoRA(config, rngs=nnx.Rngs(0))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                             nnx.state(hyper, nnx.Param))
@@ -100,7 +100,7 @@ def load_hypernetwork(folder) -> DocToLoRA:
         restored = ocp.StandardCheckpointer().restore(folder / HYPER_WEIGHTS, abstract)
     except Exception as error:  # noqa: BLE001 - any orbax failure means unreadable weights
         first = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise ValueError(f"--hyper {folder}: cannot read the weights ({first}); save the "
+        raise ValueError(f"hyper={folder}: cannot read the weights ({first}); save the "
                          "hypernetwork again.") from None
     nnx.update(hyper, restored)
     return hyper

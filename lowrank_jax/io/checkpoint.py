@@ -204,7 +204,7 @@ def _save_error(error: Exception, manager, step: int) -> OSError:
         older = [s for s in manager.all_steps() if s < step]
     except Exception:  # noqa: BLE001 - the listing may fail on the same broken disk
         older = []
-    kept = (f"step {max(older)} is intact; continue with --resume" if older
+    kept = (f"step {max(older)} is intact; continue with `resume`" if older
             else "no older checkpoint exists")
     fix = ("free disk space or choose another run_dir" if code == errno.ENOSPC
            else "check the run_dir's disk and permissions")
@@ -254,7 +254,7 @@ def _check_compatible(record: dict, step: int, cfg, run_dir) -> None:
     diff = _differences(saved, fingerprint(cfg))
     if diff:
         raise ValueError(
-            f"--resume: the checkpoint (step {step}) in {run_dir} was saved with a different "
+            f"`resume`: the checkpoint (step {step}) in {run_dir} was saved with a different "
             f"configuration: {', '.join(diff)}; resume with the configuration it was saved "
             "with, or start a new run (another run_dir).")
 
@@ -269,11 +269,11 @@ def _check_data_item(step_dir: pathlib.Path, step: int) -> None:
     if not saved:
         if folder.is_dir() or not (step_dir / "default").is_dir():
             raise _CorruptStep(f"{DATA_ITEM}/ holds no iterator state")
-        raise ValueError(f"--resume: the checkpoint (step {step}) in {step_dir.parent.parent} "
+        raise ValueError(f"`resume`: the checkpoint (step {step}) in {step_dir.parent.parent} "
                          "was saved without a data iterator (a run on the embedded corpus); "
-                         "resume it without --data, or start a new run.")
+                         "resume it without `data`, or start a new run.")
     before = saved[0].rsplit("-of-", 1)[1].removesuffix(".json")
-    raise ValueError(f"--resume: the data iterator of step {step} was saved by {before} "
+    raise ValueError(f"`resume`: the data iterator of step {step} was saved by {before} "
                      f"process(es), this run has {count}: each process saves its own position "
                      f"in the data; resume with {before} process(es) (or start a new run).")
 
@@ -295,7 +295,7 @@ def _restore_step(manager, step: int, abstract, cfg, run_dir, data_iterator=None
                 default=ocp.args.StandardRestore(abstract),
                 **{DATA_ITEM: grain.checkpoint.CheckpointRestore(data_iterator)}))["default"]
     except ValueError as error:
-        if str(error).startswith("--resume:"):  # the iterator refused another layout / data
+        if str(error).startswith("`resume`:"):  # the iterator refused another layout / data
             raise
         quiet.record(f"restoring step {step} failed: {error!r}")
         raise _CorruptStep(_short(error)) from None
@@ -346,7 +346,7 @@ def restore_checkpoint(manager, state, cfg=None, *, log: Callable[[str], None] =
     steps = sorted(manager.all_steps(), reverse=True)
     if not steps:
         raise FileNotFoundError(
-            f"--resume: no checkpoint in {checkpoints}; run without --resume first.")
+            f"`resume`: no checkpoint in {checkpoints}; run without `resume` first.")
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
         {"params": state.params, "opt_state": state.opt_state},
@@ -368,9 +368,9 @@ def restore_checkpoint(manager, state, cfg=None, *, log: Callable[[str], None] =
     if good is None:
         close_manager(manager)
         listed = "; ".join(f"step {s}: {why}" for s, why in bad)
-        raise ValueError(f"--resume: every checkpoint in {checkpoints} is corrupt ({listed}); "
+        raise ValueError(f"`resume`: every checkpoint in {checkpoints} is corrupt ({listed}); "
                          f"they were moved to {run_dir / CORRUPT_DIR}; start the run again "
-                         "with --overwrite instead of --resume.")
+                         "with `overwrite` instead of `resume`.")
     for step, why in bad:
         log(f"step {step} is corrupt ({why}); resuming from step {good} "
             f"(the bad step was moved to {run_dir / CORRUPT_DIR})")

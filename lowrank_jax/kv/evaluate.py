@@ -198,7 +198,7 @@ def xkv_windowed_perplexity(model, ids, factory, *, window: int, eval_len: int,
     from tqdm.auto import tqdm
 
     if not 0 < eval_len < window - 1:
-        raise ValueError(f"--kv-eval-tokens {eval_len} must lie in [1, window-2={window - 2}].")
+        raise ValueError(f"eval_len={eval_len} must lie in [1, window-2={window - 2}].")
     n_windows = len(ids) // window
     if n_windows == 0:
         raise ValueError(f"the text has {len(ids)} tokens, fewer than one window of {window}.")
@@ -263,11 +263,11 @@ def xkv_cache_factory(ratio: float, group_size: int = DEFAULT_GROUP_SIZE,
         4
     """
     if not ratio > 0:
-        raise ValueError(f"--kv-ratio={ratio} must be > 0 (e.g. 8).")
+        raise ValueError(f"ratio={ratio} must be > 0 (e.g. 8).")
     if not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"group_size={group_size!r} must be a positive int (default 4).")
     if not isinstance(sink_tokens, int) or sink_tokens < 0:
-        raise ValueError(f"--kv-sink={sink_tokens!r} must be an int >= 0 (default "
+        raise ValueError(f"sink_tokens={sink_tokens!r} must be an int >= 0 (default "
                          f"{DEFAULT_SINK_TOKENS}; 0 = the paper's xKV).")
     return XKVCacheFactory(ratio=float(ratio), group_size=group_size, sink_tokens=sink_tokens)
 
@@ -321,11 +321,11 @@ def kv_cache_factory(method: str, ratio: float | None = 8.0,
     """The validated object ``--kv METHOD --kv-ratio R --kv-group G --kv-sink S`` maps to."""
     get_method(method)
     if method != "none" and not (ratio is not None and ratio > 0):
-        raise ValueError(f"--kv-ratio={ratio} must be > 0 (e.g. 8).")
+        raise ValueError(f"ratio={ratio} must be > 0 (e.g. 8).")
     if not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"--kv-group={group_size!r} must be a positive int (default 4).")
+        raise ValueError(f"group_size={group_size!r} must be a positive int (default 4).")
     if not isinstance(sink_tokens, int) or sink_tokens < 0:
-        raise ValueError(f"--kv-sink={sink_tokens!r} must be an int >= 0.")
+        raise ValueError(f"sink_tokens={sink_tokens!r} must be an int >= 0.")
     return KVCacheFactory(method, None if ratio is None else float(ratio), group_size,
                           sink_tokens)
 
@@ -336,7 +336,7 @@ def generate_text_with_kv(model, tokenizer, prompt: str, factory: KVCacheFactory
     cut at the end token (what ``generate --kv METHOD`` prints)."""
     ids = tokenizer.encode(prompt)
     if len(ids) + max_new_tokens > model.cfg.max_seq_len:
-        raise ValueError(f"--max-new-tokens {max_new_tokens} + {len(ids)} prompt tokens exceed "
+        raise ValueError(f"max_new_tokens={max_new_tokens} + {len(ids)} prompt tokens exceed "
                          f"the model's context ({model.cfg.max_seq_len}); lower it.")
     out = [int(t) for t in factory.generate(model, jnp.asarray([ids], jnp.int32),
                                             max_new_tokens=max_new_tokens)[0]]

@@ -210,7 +210,7 @@ def prefill_kv(model, tokens: Int[Array, "b t"]):
     if blockers:  # the compressed caches re-rotate keys with plain RoPE, attend unwindowed
         raise ValueError(
             f"KV-cache compression is not implemented for a {model.cfg.family} model with "
-            f"{', '.join(blockers)}; use the exact cache (generate without --kv).")
+            f"{', '.join(blockers)}; use the exact cache (no `kv`).")
     return _prefill_kv(model, tokens)
 
 

@@ -107,7 +107,7 @@ def check_not_input(out: str | os.PathLike | None, reads: dict, *,
             continue
         raise ValueError(
             f"{argument} {out} {relation} {name} {path}: a command never writes into what it "
-            f"reads (not even with --overwrite); choose a separate {argument}, e.g. "
+            f"reads (not even with `overwrite`); choose a separate {argument}, e.g. "
             f"{source.parent / (source.stem + '-out')}.")
 
 
@@ -184,7 +184,7 @@ def prepare_output(path: str | os.PathLike, *, command: str, argument: str = "--
     if kind is not None and kind != command:
         raise ValueError(
             f"{argument} {path}: the folder holds a {kind} run; choose another folder for "
-            f"{command} (a folder's kind never changes, not even with --overwrite).")
+            f"{command} (a folder's kind never changes, not even with `overwrite`).")
     if not target.exists():
         _CREATED.append(_resolved(target))
     if lock:
@@ -220,18 +220,18 @@ def _claim(target: pathlib.Path, path, *, command, argument, overwrite, resume, 
         elif owner is None and not (resume and steps.is_dir()):
             raise ValueError(
                 f"{argument} {path}: the folder is not empty ({contents}) and was not created "
-                f"by lowrank-jax; choose an empty or new folder, or pass --overwrite to "
+                f"by lowrank-jax; choose an empty or new folder, or pass `overwrite` to "
                 "write into it anyway.")
         elif not resume and command == "pretrain" and not has_steps:
             raise ValueError(
                 f"{argument} {path}: the folder holds a pretrain run that stopped before its "
                 f"first checkpoint ({contents}), so there is nothing to resume; pass "
-                "--overwrite to start it again, or choose another folder.")
+                "`overwrite` to start it again, or choose another folder.")
         elif not resume:
-            hint = "pass --resume to continue it, " if command == "pretrain" else ""
+            hint = "pass `resume` to continue it, " if command == "pretrain" else ""
             raise ValueError(
                 f"{argument} {path}: the folder already holds a {command} run ({contents}); "
-                f"{hint}pass --overwrite to replace it, or choose another folder.")
+                f"{hint}pass `overwrite` to replace it, or choose another folder.")
     target.mkdir(parents=True, exist_ok=True)
     if _owner(target) is None or overwrite:
         atomic_write_text(target / MARKER, json.dumps({"command": command}) + "\n")

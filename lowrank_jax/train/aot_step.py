@@ -97,7 +97,7 @@ def gpu_devices(topology: str) -> list:
     count, chip = gpu_topology(topology)
     hosts, per_host = -(-count // 8), min(count, 8)
     if hosts * per_host != count:
-        raise ValueError(f"--topology {topology!r}: more than 8 GPUs come as whole hosts of 8 "
+        raise ValueError(f"topology={topology!r}: more than 8 GPUs come as whole hosts of 8 "
                          f"(e.g. {hosts * 8}x{chip}).")
     try:
         desc = topologies.get_topology_desc(chip, "cuda", target_config=gpu_target_config(chip),
@@ -124,28 +124,29 @@ def topology_chip(topology: str) -> str:
         return gpu_topology(topology)[1]
     chip = topology_name(topology).split(":")[0]
     if chip not in CHIPS:
-        raise ValueError(f"--topology {topology!r}: no chip {chip!r} in the chip table "
+        raise ValueError(f"topology={topology!r}: no chip {chip!r} in the chip table "
                          f"({', '.join(sorted(CHIPS))}).")
     return chip
 
 
 def suggest_mesh(cfg: RunConfig, devices: int) -> str:
-    """A ``--set`` that makes ``cfg``'s mesh cover ``devices`` (tensor kept, fsdp takes the rest).
+    """The config overrides that make ``cfg``'s mesh cover ``devices`` (tensor kept, fsdp takes
+    the rest), each in backquotes (the command line says ``--set mesh.data=1 ...``).
 
     Example::
 
         >>> from lowrank_jax.train.config import load_config
         >>> suggest_mesh(load_config("tpu_v5e_256"), 8)
-        '--set mesh.data=1 --set mesh.fsdp=2 --set mesh.tensor=4'
+        '`mesh.data=1` `mesh.fsdp=2` `mesh.tensor=4`'
     """
     tensor = cfg.mesh.tensor if devices % cfg.mesh.tensor == 0 else 1
-    return f"--set mesh.data=1 --set mesh.fsdp={devices // tensor} --set mesh.tensor={tensor}"
+    return f"`mesh.data=1` `mesh.fsdp={devices // tensor}` `mesh.tensor={tensor}`"
 
 
 def topology_mesh(cfg: RunConfig, topology: str):
     """The config's ``(data, fsdp, tensor)`` mesh over the compile-only devices of ``topology``.
 
-    Raises ``ValueError`` (with a ``--set`` that fits) when the mesh does not cover exactly the
+    Raises ``ValueError`` (with overrides that fit) when the mesh does not cover exactly the
     topology's devices, and :class:`pallas_kernels.aot.TopologyError` without libtpu (TPU) or
     the CUDA plugin (GPU).
     """

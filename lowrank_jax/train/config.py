@@ -48,7 +48,7 @@ class OptimizerConfig:
             if not (isinstance(value, (int, float)) and value > 0):
                 raise ValueError(
                     f"optimizer.{key}={value!r} must be a positive number "
-                    f"(e.g. --set optimizer.{key}=0.01)."
+                    f"(e.g. `optimizer.{key}=0.01`)."
                 )
         for key in ("weight_decay", "grad_clip"):
             if getattr(self, key) < 0:
@@ -83,7 +83,7 @@ class TrainConfig:
                 raise ValueError(f"train.{key}={value!r} must be a positive integer.")
         if not (isinstance(self.seed, int) and self.seed >= 0):
             raise ValueError(f"train.seed={self.seed!r} must be an integer >= 0, e.g. "
-                             "--set train.seed=0.")
+                             "`train.seed=0`.")
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise ValueError(f"train.peak_tflops={self.peak_tflops} must be > 0 (the device's "
                              "peak in TFLOP/s, e.g. 197 for a TPU v5e), or null.")
@@ -118,7 +118,7 @@ class DataConfig:
 
     def __post_init__(self):
         if self.path is not None and not str(self.path).strip():
-            raise ValueError("data.path is empty; give a file, folder or glob (--data PATH), or "
+            raise ValueError("data.path is empty; give a file, folder or glob (`data`), or "
                              "leave it out for the embedded corpus.")
         for key in ("tokenizer", "text_field"):
             if not isinstance(getattr(self, key), str) or not getattr(self, key).strip():
@@ -141,7 +141,7 @@ class RunConfig:
     def __post_init__(self):
         if not isinstance(self.run_dir, str) or not self.run_dir.strip():
             raise ValueError(f"run_dir={self.run_dir!r} must name a folder, e.g. "
-                             "--set run_dir=runs/my_run.")
+                             "`run_dir=runs/my_run`.")
         if self.model.n_layers < 1:
             raise ValueError(f"model.n_layers={self.model.n_layers} must be a positive integer "
                              "(a model needs at least one layer).")
@@ -149,8 +149,8 @@ class RunConfig:
         if bytewise and self.model.vocab_size < BYTE_VOCAB:
             raise ValueError(
                 f"model.vocab_size={self.model.vocab_size} is too small for the byte-level "
-                f"corpus (token ids 0..{BYTE_VOCAB - 1}); use --set model.vocab_size="
-                f"{BYTE_VOCAB}.")
+                f"corpus (token ids 0..{BYTE_VOCAB - 1}); use `model.vocab_size="
+                f"{BYTE_VOCAB}`.")
         if self.train.seq_len > self.model.max_seq_len:
             raise ValueError(
                 f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len="
@@ -158,12 +158,12 @@ class RunConfig:
             )
         if self.structure not in STRUCTURES:
             raise ValueError(f"structure={self.structure!r} is unknown; use "
-                             f"{' or '.join(STRUCTURES)} (e.g. --set structure=salaad).")
+                             f"{' or '.join(STRUCTURES)} (e.g. `structure=salaad`).")
         if self.structure == "salaad" and self.model.projection != "dense":
             raise ValueError(
                 f"structure=salaad needs model.projection=dense (SALAAD grows its own low-rank "
                 f"+ sparse structure on dense weights), got {self.model.projection!r}; add "
-                "--set model.projection=dense.")
+                "`model.projection=dense`.")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -189,8 +189,8 @@ def _coerce(value: str, key: str = "value"):
         return yaml.safe_load(value)
     except yaml.YAMLError as error:
         problem = getattr(error, "problem", None) or str(error).splitlines()[0]
-        raise ValueError(f"--set {key}={value}: the value is not valid YAML ({problem}); "
-                         "quote it, e.g. --set 'name=\"my run\"'.") from None
+        raise ValueError(f"`{key}={value}`: the value is not valid YAML ({problem}); "
+                         "quote it, e.g. `name=\"my run\"`.") from None
 
 
 _FLOAT = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?")
@@ -222,7 +222,7 @@ def _as_type(name: str, value, annotation: str):
               "str": "a string"}
     described = " or ".join(wanted.get(k, k) for k in sorted(kinds) if k != "None")
     if value is None or (isinstance(value, str) and not value.strip()):
-        raise ValueError(f"{name} is empty; give {described} (e.g. --set {name}=...).")
+        raise ValueError(f"{name} is empty; give {described} (e.g. `{name}=...`).")
     raise ValueError(f"{name}={value!r} must be {described}.")
 
 
@@ -269,7 +269,7 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in (raw or {}).items()}
     for item in overrides or []:
         if "=" not in item:
-            raise ValueError(f"--set {item!r}: expected key=value, e.g. --set train.steps=100.")
+            raise ValueError(f"`{item}`: expected key=value, e.g. `train.steps=100`.")
         key, value = item.split("=", 1)
         parts = key.strip().split(".")
         if len(parts) == 1:
@@ -286,7 +286,7 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             raw[section] = dict(raw[section])
             raw[section][sub] = _coerce(value, key)
         else:
-            raise ValueError(f"--set {item!r}: keys have at most one dot (section.key).")
+            raise ValueError(f"`{item}`: keys have at most one dot (section.key).")
     return raw
 
 
@@ -313,15 +313,15 @@ def load_config(path_or_name: str = "tiny", overrides: list[str] | None = None) 
         with open(path, encoding="utf-8") as f:
             raw = yaml.safe_load(f) or {}
     except UnicodeDecodeError as error:
-        raise ValueError(f"--config {path}: not UTF-8 text (byte {error.object[error.start]:#x} "
+        raise ValueError(f"config={path}: not UTF-8 text (byte {error.object[error.start]:#x} "
                          f"at offset {error.start}); save the file as UTF-8.") from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(error, "problem", None) or str(error).splitlines()[0]
-        raise ValueError(f"--config {path}: invalid YAML{where} ({problem}); fix the file "
+        raise ValueError(f"config={path}: invalid YAML{where} ({problem}); fix the file "
                          "(see configs/tiny.yaml for the layout).") from None
     if not isinstance(raw, dict):
-        raise ValueError(f"--config {path}: expected a mapping of sections (model:, optimizer:, "
+        raise ValueError(f"config={path}: expected a mapping of sections (model:, optimizer:, "
                          f"train:, run_dir:), got a {type(raw).__name__}.")
     return from_dict(apply_overrides(raw, overrides or []))

@@ -363,10 +363,10 @@ def train(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None
     if resume and not has_steps:
         started = run_dir.is_dir() and (run_dir / "config.yaml").is_file()
         raise FileNotFoundError(
-            f"--resume: no checkpoint in {checkpoints}; " + (
+            f"`resume`: no checkpoint in {checkpoints}; " + (
                 "the run stopped before its first checkpoint, so start it again: drop "
-                "--resume and pass --overwrite." if started else
-                "run without --resume first."))
+                "`resume` and pass `overwrite`." if started else
+                "run without `resume` first."))
     multihost.on_main_process(  # one lock per run, held by process 0 (it writes the files)
         lambda: prepare_output(run_dir, command="pretrain", argument="run_dir",
                                overwrite=overwrite, resume=resume, owned_names=RUN_FILES,
@@ -383,8 +383,8 @@ def train(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None
     manager = checkpoint_manager(run_dir, data_iterator=data is not None)
     if not resume and manager.latest_step() is not None:
         raise FileExistsError(
-            f"{run_dir} already holds a checkpoint (step {manager.latest_step()}); pass --resume "
-            f"to continue it or choose another run_dir (--set run_dir=runs/new)."
+            f"{run_dir} already holds a checkpoint (step {manager.latest_step()}); pass `resume` "
+            f"to continue it or choose another run_dir (`run_dir=runs/new`)."
         )
     state, tx = init_state(cfg, mesh)
     metrics_path = run_dir / "metrics.jsonl"
@@ -479,7 +479,7 @@ def train(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None
                 indent=2))
         raise signals.Stopped(
             f"stopped by SIGTERM at step {state.step} of {cfg.train.steps}; checkpoint and "
-            f"summary.json saved in {run_dir} — continue with --resume") from None
+            f"summary.json saved in {run_dir} — continue with `resume`") from None
     except KeyboardInterrupt:
         try:
             save_checkpoint(manager, state, cfg, position())

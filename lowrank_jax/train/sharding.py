@@ -91,12 +91,12 @@ def parse_mesh(text: str) -> dict[str, int]:
     sizes = {axis: 1 for axis in AXES}
     for item in filter(None, (s.strip() for s in text.split(","))):
         if "=" not in item:
-            raise ValueError(f"--mesh {text!r}: expected axis=size pairs like data=2,fsdp=4.")
+            raise ValueError(f"mesh={text!r}: expected axis=size pairs like data=2,fsdp=4.")
         axis, size = item.split("=", 1)
         if axis not in AXES:
-            raise ValueError(f"--mesh: unknown axis {axis!r}; use {', '.join(AXES)}.")
+            raise ValueError(f"`mesh`: unknown axis {axis!r}; use {', '.join(AXES)}.")
         if not size.isdigit() or int(size) < 1:
-            raise ValueError(f"--mesh: size of {axis} must be a positive integer, got {size!r}.")
+            raise ValueError(f"`mesh`: size of {axis} must be a positive integer, got {size!r}.")
         sizes[axis] = int(size)
     return sizes
 

@@ -45,11 +45,11 @@ def load_run(run_dir, *, log=print):
     config = run_dir / "config.yaml"
     if not config.is_file():
         raise FileNotFoundError(
-            f"--run {run_dir}: no config.yaml; pass the run_dir of a `lowrank-jax pretrain` "
+            f"run_dir={run_dir}: no config.yaml; pass the run_dir of a `lowrank-jax pretrain` "
             "run.")
     cfg = load_config(str(config))
     if not (run_dir / "checkpoints").is_dir():
-        raise FileNotFoundError(f"--run {run_dir}: no checkpoints/ folder; the run saved no "
+        raise FileNotFoundError(f"run_dir={run_dir}: no checkpoints/ folder; the run saved no "
                                 "checkpoint yet.")
     state, _ = init_state(cfg)
     manager = checkpoint_manager(run_dir, create=False)
@@ -98,26 +98,26 @@ def export_salaad(run_dir, budget: float, out, *, gamma: float = 0.5, overwrite:
     from lowrank_jax.optim.salaad_deploy import apply_surrogate, hpa_allocate, hpa_materialize
 
     if not (isinstance(budget, (int, float)) and math.isfinite(budget) and 0 < budget <= 1):
-        raise ValueError(f"--budget {budget}: must be a fraction of the parameters in (0, 1], "
-                         "e.g. --budget 0.5.")
+        raise ValueError(f"budget={budget}: must be a fraction of the parameters in (0, 1], "
+                         "e.g. 0.5.")
     if not 0.0 <= gamma <= 1.0:
-        raise ValueError(f"--gamma {gamma}: must lie in [0, 1] (the share of the reduction "
+        raise ValueError(f"gamma={gamma}: must lie in [0, 1] (the share of the reduction "
                          "taken from the low-rank parts).")
     cfg, state = load_run(run_dir, log=log)
     if cfg.structure != "salaad":
         raise ValueError(
-            f"--run {run_dir}: the run was trained with structure={cfg.structure!r}, so it has "
-            "no SALAAD state; pretrain with --set structure=salaad (and "
-            "--set model.projection=dense) to export budgets.")
+            f"run_dir={run_dir}: the run was trained with structure={cfg.structure!r}, so it has "
+            "no SALAAD state; pretrain with the overrides structure=salaad and "
+            "model.projection=dense to export budgets.")
     sstate = find_salaad_state(state.opt_state)
     n_total = sum(int(x.size) for x in jax.tree.leaves(state.params))
     target = int(math.floor(budget * n_total))
     allocation = hpa_allocate(sstate, n_total, target, gamma=gamma)
     if allocation.n_params > target:
         raise ValueError(
-            f"--budget {budget}: {target:,} parameters cannot hold the weights SALAAD does not "
+            f"budget={budget}: {target:,} parameters cannot hold the weights SALAAD does not "
             f"decompose (norms, ...); the smallest model has {allocation.n_params:,}; raise "
-            "--budget.")
+            "`budget`.")
     folder = prepare_output(out, command="export", overwrite=overwrite, owned_names=EXPORT_FILES)
     surrogate = apply_surrogate(state.params, sstate, allocation)
     tensors = {}

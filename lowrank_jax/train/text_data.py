@@ -103,8 +103,8 @@ def open_training_data(cfg, mesh=None, batch_sharding=None) -> TrainingData:
         raise DataError(str(err).splitlines()[0]) from None
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise DataError(f"tokenizer={data.tokenizer} has {tokenizer.vocab_size} tokens but "
-                        f"model.vocab_size={cfg.model.vocab_size}; use --set "
-                        f"model.vocab_size={tokenizer.vocab_size}.")
+                        f"model.vocab_size={cfg.model.vocab_size}; use "
+                        f"`model.vocab_size={tokenizer.vocab_size}`.")
     tokenize = TokenizeText(_tokenizer_loader(data.tokenizer), tokenizer=tokenizer)
     order = np.random.default_rng(train.seed).permutation(len(documents))
     n_val = min(max(1, round(train.val_fraction * len(documents))), len(documents) - 1)

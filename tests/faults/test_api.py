@@ -125,7 +125,7 @@ CASES = {
         lambda: _kv().kv_cache_factory("nope", 8.0, 4, 1), ValueError,
         ("KV method 'nope' is unknown", "choose from")),
     "kv_cache_factory ratio NaN": (
-        lambda: _kv().kv_cache_factory("xkv", NAN, 4, 1), ValueError, ("--kv-ratio=nan", "> 0")),
+        lambda: _kv().kv_cache_factory("xkv", NAN, 4, 1), ValueError, ("ratio=nan", "> 0")),
     "rtn_quantize bits 5": (
         lambda: _quant().rtn_quantize(jnp.ones((4, 64)), bits=5), ValueError,
         ("bits=5", "use one of (2, 3, 4, 8)")),
@@ -140,7 +140,7 @@ CASES = {
         ("zero_point='x'", "use one of")),
     "kv_cache_factory group 0": (
         lambda: _kv().kv_cache_factory("xkv", 8.0, 0, 1), ValueError,
-        ("--kv-group=0", "positive int")),
+        ("group_size=0", "positive int")),
 }
 
 

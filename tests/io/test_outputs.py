@@ -25,7 +25,7 @@ def test_our_run_is_refused_then_resumed_or_overwritten(tmp_path):
     (out / "checkpoints" / "2").mkdir(parents=True)  # a run with a checkpoint (step 2)
     (out / "metrics.jsonl").write_text("{}\n")
     (out / "notes.txt").write_text("the user's notes")
-    with pytest.raises(ValueError, match="already holds a pretrain run .*pass --resume"):
+    with pytest.raises(ValueError, match="already holds a pretrain run .*pass `resume`"):
         prepare_output(out, command="pretrain")
     with pytest.raises(ValueError, match="holds a pretrain run; choose another folder for "
                                          "finetune"):

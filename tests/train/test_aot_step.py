@@ -74,11 +74,11 @@ def test_a_step_too_big_for_the_chip_is_one_line_and_status_2(capsys):
 def test_a_mesh_that_does_not_cover_the_topology_suggests_one():
     cfg = load_config("tpu_v5e_256")
     with pytest.raises(ValueError, match=r"mesh data=1 x fsdp=64 x tensor=4 = 256 devices, "
-                       r"but topology 'v5e-8' has 8; .* --set mesh.data=1 --set mesh.fsdp=2 "
-                       r"--set mesh.tensor=4"):
+                       r"but topology 'v5e-8' has 8; .* `mesh.data=1` `mesh.fsdp=2` "
+                       r"`mesh.tensor=4`"):
         topology_mesh(cfg, "v5e-8")
     assert suggest_mesh(load_config("tiny", ["mesh.tensor=3"]), 8).endswith(
-        "mesh.fsdp=8 --set mesh.tensor=1")
+        "`mesh.fsdp=8` `mesh.tensor=1`")
 
 
 def test_without_libtpu_one_line_says_how_to_install_it(monkeypatch, capsys):
