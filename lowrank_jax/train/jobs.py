@@ -116,6 +116,8 @@ def run_jobs(spec: dict, *, model: str = "tiny", out: str = "runs/finetune",
     from lowrank_jax.models.presets import PRESETS
     from lowrank_jax.nn import LoRARule, apply_lora, lora_layers, remove_lora
     from lowrank_jax.nn.multi_lora import apply_multi_lora, multi_lora_layers
+    from lowrank_jax.runs.outputs import atomic_write_text
+    from lowrank_jax.train import multihost
     from lowrank_jax.train.finetune import load_model_and_tokens
     from lowrank_jax.train.multi_job import per_job_adamw
 
@@ -169,29 +171,34 @@ def run_jobs(spec: dict, *, model: str = "tiny", out: str = "runs/finetune",
     lora = run_steps(step, lora, opt, batches, steps=steps, what=what, on_step=record,
                      hint="lower the jobs' lr.", progress=what if progress else None).params
     nnx.update(model, lora)
-    # export: one plain LoRA per job on the same base, then removed again (unmerged)
-    multi = dict(multi_lora_layers(model))
-    export_base = load_model_and_tokens(model_name, None)[0]
-    os.makedirs(out, exist_ok=True)
     summary = []
     for k, job in enumerate(jobs):
-        pattern = "(" + "|".join(targets) + ")$"
-        apply_lora(export_base, LoRARule(pattern, rank=job["rank"], alpha=float(job["alpha"])),
-                   rngs=nnx.Rngs(0))
-        for path, layer in lora_layers(export_base):
-            a, b = multi[path].adapter(k)
-            layer.lora_a[...] = a
-            layer.lora_b[...] = b
-        folder = os.path.join(out, job["name"], "adapter")
-        export_peft(export_base, folder, base_model_name_or_path=base_name)
-        remove_lora(export_base, merge=False)
         first, last = history[0][k], float(np.mean([h[k] for h in history[-5:]]))
         summary.append({"name": job["name"], "rank": job["rank"], "first_loss": first,
-                        "final_loss": last, "adapter": folder})
-        log(f"{job['name']}: rank {job['rank']}, loss {first:.4f} -> {last:.4f}; "
-              f"PEFT adapter in {folder}")
-    with open(os.path.join(out, "jobs_summary.json"), "w") as f:
-        json.dump({"jobs": summary, "history": history}, f, indent=1)
+                        "final_loss": last,
+                        "adapter": os.path.join(out, job["name"], "adapter")})
+
+    def export():  # one plain LoRA per job on the same base, then removed again (unmerged)
+        multi = dict(multi_lora_layers(model))
+        export_base = load_model_and_tokens(model_name, None)[0]
+        os.makedirs(out, exist_ok=True)
+        pattern = "(" + "|".join(targets) + ")$"
+        for k, (job, row) in enumerate(zip(jobs, summary)):
+            apply_lora(export_base, LoRARule(pattern, rank=job["rank"],
+                                             alpha=float(job["alpha"])), rngs=nnx.Rngs(0))
+            for path, layer in lora_layers(export_base):
+                a, b = multi[path].adapter(k)
+                layer.lora_a[...] = a
+                layer.lora_b[...] = b
+            export_peft(export_base, row["adapter"], base_model_name_or_path=base_name)
+            remove_lora(export_base, merge=False)
+            log(f"{job['name']}: rank {job['rank']}, loss {row['first_loss']:.4f} -> "
+                f"{row['final_loss']:.4f}; PEFT adapter in {row['adapter']}")
+        atomic_write_text(os.path.join(out, "jobs_summary.json"),
+                          json.dumps({"jobs": summary, "history": history}, indent=1))
+
+    # every process trained the same jobs; the files are written once, by process 0
+    multihost.on_main_process(export, what="exporting the jobs' adapters")
     return summary
 
 
@@ -214,9 +221,13 @@ def run_jobs_file(path: str, *, model: str = "tiny", out: str = "runs/finetune",
     from lowrank_jax.runs.outputs import prepare_output
     from lowrank_jax.runs.validate import check_jobs_file
 
+    from lowrank_jax.train import multihost
+
     jobs_out = check_jobs_file(path, out, argument=argument)[1]
-    prepare_output(jobs_out, command="finetune", argument="`out`", overwrite=overwrite,
-                   reads={argument: path, "`model`": model})
+    multihost.on_main_process(  # the folder is claimed once, by process 0 (it writes the files)
+        lambda: prepare_output(jobs_out, command="finetune", argument="`out`",
+                               overwrite=overwrite, reads={argument: path, "`model`": model}),
+        what="checking the jobs' out folder")
     return run_jobs(load_jobs(path), model=model, out=out, progress=progress, log=log)
 
 

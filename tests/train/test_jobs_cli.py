@@ -63,3 +63,18 @@ def test_flags_that_jobs_would_ignore_are_refused_by_name(tmp_path, capsys, flag
     err = capsys.readouterr().err
     assert f"{named} would be ignored" in err and "jobs.yaml" in err, err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def test_only_process_0_writes_the_jobs_files(tmp_path, monkeypatch):
+    """Under several processes every process trains the same jobs; process 0 alone writes."""
+    from lowrank_jax.train import multihost
+    from lowrank_jax.train.jobs import load_jobs, run_jobs
+
+    spec = tmp_path / "jobs.yaml"
+    spec.write_text(SPEC.format(out=tmp_path / "out").replace("steps: 3", "steps: 1"))
+    monkeypatch.setattr(multihost, "is_main_process", lambda: False)
+    summary = run_jobs(load_jobs(str(spec)), progress=False, log=lambda *_: None)
+    assert not (tmp_path / "out").exists()  # nothing written off process 0
+    assert [row["name"] for row in summary] == ["small", "big"]
+    assert all(np.isfinite(row["final_loss"]) for row in summary)
+    assert summary[0]["adapter"] == str(tmp_path / "out" / "small" / "adapter")
