@@ -198,7 +198,7 @@ def test_rope_convention_matches_model():
 def test_cache_factory_validates():
     factory = xkv.xkv_cache_factory(8, 4)
     assert (factory.ratio, factory.group_size) == (8.0, 4)
-    with pytest.raises(ValueError, match="kv-ratio"):
+    with pytest.raises(ValueError, match="ratio=0.0 must be > 0"):
         xkv.xkv_cache_factory(0.0, 4)
 
 
