@@ -26,7 +26,8 @@ def register(subparsers) -> None:
         description="Cut the low-rank + sparse surrogate of a `pretrain --set structure=salaad` "
                     "run to a fraction of its parameters (HPA allocation) and write a model "
                     "folder that eval / generate load.")
-    p.add_argument("--run", dest="run_dir", required=True, help="run_dir of the SALAAD pretraining run")
+    p.add_argument("--run", dest="run_dir", required=True,
+                   help="run_dir of the SALAAD pretraining run")
     p.add_argument("--budget", type=positive_float, required=True,
                    help="fraction of the dense parameter count in (0, 1], e.g. 0.5")
     p.add_argument("--out", required=True, help="output folder")

@@ -73,7 +73,8 @@ def render_chat_template(
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:
         raise ValueError("this model's chat template is Jinja (not ChatML); rendering it needs "
-                         "jinja2: pip install jinja2 (or pass the prompt as it is, `raw`).") from None
+                         "jinja2: pip install jinja2 (or pass the prompt as it is, `raw`)."
+                         ) from None
     from datetime import datetime
 
     def raise_exception(message):

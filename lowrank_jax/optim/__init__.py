@@ -11,18 +11,14 @@ module). Factor pairs are found by
 from lowrank_jax.optim.balora import (
     BaLoRAState,
     balance_lora_params,
-    balance_pair,
     balancing_gap,
     balora,
     scale_by_balora,
 )
 from lowrank_jax.optim.crispedit import (
     CrispEditState,
-    LayerProjector,
-    build_projector,
     crispedit_adam,
     crispedit_refresh,
-    kron_project,
     needs_refresh,
     scale_by_crispedit,
 )
@@ -51,9 +47,6 @@ from lowrank_jax.optim.loda import feature_stats as loda_feature_stats
 from lowrank_jax.optim.loda import merge as loda_merge
 from lowrank_jax.optim.loda import recalibrate as loda_recalibrate
 from lowrank_jax.optim.loda import update_memory as loda_update_memory
-from lowrank_jax.optim.linalg import (
-    power_iteration,
-)
 from lowrank_jax.optim.spectron import (
     SpectronState,
     scale_by_spectron,
@@ -82,32 +75,26 @@ from lowrank_jax.optim.salaad import (
     SalaadState,
     ScaleBySalaadState,
     find_salaad_state,
-    penalty_gradient,
     salaad,
     salaad_admm_step,
     salaad_init,
     salaad_penalty,
     salaad_stats,
     scale_by_salaad,
-    soft_threshold,
-    svt,
 )
 from lowrank_jax.optim.salaad_deploy import (
     HpaAllocation,
     apply_surrogate,
     hpa_allocate,
     hpa_materialize,
-    surrogate_counts,
 )
 
 __all__ = [
     "apply_surrogate",
     "balance_lora_params",
-    "balance_pair",
     "balancing_gap",
     "balora",
     "BaLoRAState",
-    "build_projector",
     "communication_per_sync",
     "crispedit",
     "crispedit_adam",
@@ -122,8 +109,6 @@ __all__ = [
     "hpa_materialize",
     "HpaAllocation",
     "janus",
-    "kron_project",
-    "LayerProjector",
     "loda",
     "loda_decompose",
     "loda_feature_stats",
@@ -141,8 +126,6 @@ __all__ = [
     "orthogonality_clamp",
     "outer_average",
     "outer_nesterov",
-    "penalty_gradient",
-    "power_iteration",
     "reanchor",
     "salaad",
     "salaad_admm_step",
@@ -165,13 +148,10 @@ __all__ = [
     "set_subspaces",
     "simulate_ddp",
     "simulate_lordo",
-    "soft_threshold",
     "spectron",
     "spectron_with_adamw",
     "SpectronState",
     "SubspaceMemory",
-    "surrogate_counts",
-    "svt",
     "SyncResult",
     "with_subspaces",
     "WithSubspacesState",

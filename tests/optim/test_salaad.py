@@ -21,10 +21,9 @@ from lowrank_jax.optim import (
     salaad_penalty,
     salaad_stats,
     scale_by_salaad,
-    soft_threshold,
-    surrogate_counts,
-    svt,
 )
+from lowrank_jax.optim.salaad import soft_threshold, svt
+from lowrank_jax.optim.salaad_deploy import surrogate_counts
 
 
 def _rng(seed=0):

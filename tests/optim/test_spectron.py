@@ -10,9 +10,9 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lowrank_jax.models import Llama, LlamaConfig
+from lowrank_jax.core.linalg import power_iteration
 from lowrank_jax.optim import (
     SpectronState,
-    power_iteration,
     scale_by_spectron,
     spectron,
     spectron_with_adamw,

@@ -162,7 +162,8 @@ def test_export_refuses_run_without_salaad_state(tmp_path, capsys):
     train(cfg, **QUIET)
     assert cli_main(["export", "--run", cfg.run_dir, "--budget", "0.5",
                      "--out", str(tmp_path / "o")]) == 2
-    assert "no SALAAD state; pretrain with the overrides structure=salaad" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no SALAAD state; pretrain with the overrides structure=salaad" in err
     (tmp_path / "not_a_run").mkdir()  # a folder that holds no run (and is not --out's parent)
     assert cli_main(["export", "--run", str(tmp_path / "not_a_run"), "--budget", "0.5",
                      "--out", str(tmp_path / "o")]) == 2
