@@ -35,7 +35,7 @@ CALLS = {
     "internalize": [[internalize, {}], [DocToLoRAConfig, {}]],
     "select": [[select_subset, {}], [text_embeddings, {}]],
     "quantize": [[quantize_model, {}], [UniSVQConfig, {}],
-                 [calibration_tokens, {"calib_seqs": "n_seq"}]],
+                 [calibration_tokens, {}]],
     "analyze": [[model_report, {}]],
     "export": [[export_salaad, {}]],
     "launch": [[launch, {}]],

@@ -44,7 +44,7 @@ def register(subparsers) -> None:
                         help="write into an output folder that is not empty")
     parser.add_argument("--calib-file", default=None,
                         help="calibration text file (default: the stdlib-docstring corpus)")
-    parser.add_argument("--calib-seqs", type=positive_int, default=32)
+    parser.add_argument("--calib-seqs", dest="n_seq", type=positive_int, default=32)
     parser.add_argument("--seq-len", type=positive_int, default=128)
     from lowrank_jax.commands._common import library_default
     from lowrank_jax.quant.unisvq import UniSVQConfig
@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
             from lowrank_jax.data import corpus_text
 
             text = corpus_text()
-        calib = calibration_tokens(tokenizer, text, args.calib_seqs, args.seq_len, args.seed)
+        calib = calibration_tokens(tokenizer, text, args.n_seq, args.seq_len, args.seed)
     layers = None if args.layers is None else list(range(min(args.layers, model.cfg.n_layers)))
     cfg = UniSVQConfig(tune_iters=args.tune_iters, finetune_steps=args.finetune_steps,
                        seed=args.seed)

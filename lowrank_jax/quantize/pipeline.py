@@ -399,8 +399,8 @@ def calibration_tokens(tokenizer, text: str, n_seq: int, seq_len: int, seed: int
                      else list(text.encode("utf-8")), np.int32)
     if len(ids) < n_seq * seq_len // 2 or len(ids) <= seq_len:
         raise ValueError(
-            f"calibration text has {len(ids)} tokens, too few for --calib-seqs {n_seq} × "
-            f"--seq-len {seq_len}; give a longer --calib-file or lower them."
+            f"calibration text has {len(ids)} tokens, too few for `n_seq` {n_seq} × "
+            f"`seq_len` {seq_len}; give longer calibration text or lower them."
         )
     rng = np.random.default_rng(seed)
     starts = np.sort(rng.choice(len(ids) - seq_len, size=n_seq, replace=len(ids) - seq_len < n_seq))
