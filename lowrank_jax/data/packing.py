@@ -94,6 +94,11 @@ def _stack(elements: list[dict]) -> dict[str, np.ndarray]:
             "positions": np.stack([e["tokens_positions"] for e in elements]).astype(np.int32)}
 
 
+class DataStateMismatch(ValueError):
+    """A saved iterator state that does not fit this iterator (other data, batch, seed or process
+    layout): the user's mistake, not a damaged checkpoint."""
+
+
 class PackedRows(grain.DatasetIterator):
     """Rows ``rows`` of every global batch of packed documents (see the module docstring).
 
@@ -148,7 +153,7 @@ class PackedRows(grain.DatasetIterator):
                  "version": "the state format"}
         for key, value in want.items():
             if state.get(key) != value:
-                raise ValueError(
+                raise DataStateMismatch(
                     f"`resume`: the data iterator in the checkpoint was saved with {key}="
                     f"{state.get(key)} ({names[key]}), this run has {value}; resume with the "
                     "same data, batch size, sequence length, seed and process layout, or start "
@@ -220,4 +225,5 @@ def packed_batch(rows: dict[str, np.ndarray]) -> PackedBatch:
                        mask.astype(np.int32))
 
 
-__all__ = ["PackedBatch", "PackedRows", "TokenizeText", "held_out_rows", "packed_batch"]
+__all__ = ["DataStateMismatch", "PackedBatch", "PackedRows", "TokenizeText", "held_out_rows",
+           "packed_batch"]

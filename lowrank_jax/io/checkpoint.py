@@ -295,8 +295,11 @@ def _restore_step(manager, step: int, abstract, cfg, run_dir, data_iterator=None
                 default=ocp.args.StandardRestore(abstract),
                 **{DATA_ITEM: grain.checkpoint.CheckpointRestore(data_iterator)}))["default"]
     except ValueError as error:
-        if str(error).startswith("`resume`:"):  # the iterator refused another layout / data
-            raise
+        if data_iterator is not None:
+            from lowrank_jax.data.packing import DataStateMismatch
+
+            if isinstance(error, DataStateMismatch):  # the iterator refused other data / layout
+                raise
         quiet.record(f"restoring step {step} failed: {error!r}")
         raise _CorruptStep(_short(error)) from None
     except Exception as error:  # noqa: BLE001 - any orbax/tensorstore failure = damaged step

@@ -154,6 +154,19 @@ def test_bad_data_is_one_line_before_any_compile(tmp_path, capsys, monkeypatch):
                      "--tokenizer and --text-field apply to --data PATH")
 
 
+def test_resume_on_changed_data_is_one_line_not_a_corrupt_checkpoint(tmp_path, capsys):
+    """The checkpointed iterator refuses other data; the checkpoint itself is not damaged."""
+    data = write_jsonl_folder(tmp_path / "data", files=2, per_file=20)
+    assert cli_main([str(a) for a in _argv(tmp_path, data, "--stop-after", "2")]) == 0
+    capsys.readouterr()
+    write_jsonl_folder(tmp_path / "more", files=1, per_file=5)
+    (tmp_path / "more" / "part0.jsonl").rename(data / "part9.jsonl")  # the folder grew
+    _expect_one_line(capsys, _argv(tmp_path, data, "--resume"),
+                     "--resume: the data iterator in the checkpoint was saved with documents=")
+    assert (tmp_path / "run" / "checkpoints" / "2").is_dir()  # kept, not moved aside as corrupt
+    assert not (tmp_path / "run" / "corrupt_checkpoints").exists()
+
+
 def test_parquet_without_pyarrow_says_how_to_get_it(tmp_path, capsys, monkeypatch):
     _no_compile(monkeypatch)
     monkeypatch.setitem(sys.modules, "pyarrow", None)  # import pyarrow raises ImportError
