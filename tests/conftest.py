@@ -34,6 +34,30 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
+# Most of the suite's ~22,000 compiled programs are one eager operation each (a multiply, a
+# reshape of a new shape). JAX lowers each in a fresh MLIR context, and making one (loading
+# every dialect) and freeing it cost about a third of such a program's whole dispatch
+# (docs/results/test_suite.md). Each test thread lowers into one context it keeps, and starts
+# a fresh one after 256 lowerings, which bounds what a context holds (MLIR never frees the
+# constants and types it has made). Only the tests' own process does this: the library and the
+# CLI processes tests launch use JAX as it is. LOWRANK_JAX_TEST_IR_CONTEXT=fresh turns it off.
+if os.environ.get("LOWRANK_JAX_TEST_IR_CONTEXT", "reuse") != "fresh":
+    import threading  # noqa: E402
+
+    from jax._src.interpreters import mlir as _mlir  # noqa: E402
+
+    _fresh_ir_context = _mlir.make_ir_context
+    _kept_ir_context = threading.local()
+
+    def _reused_ir_context():
+        kept = _kept_ir_context
+        if getattr(kept, "uses", 256) >= 256:
+            kept.context, kept.uses = _fresh_ir_context(), 0
+        kept.uses += 1
+        return kept.context
+
+    _mlir.make_ir_context = _reused_ir_context
+
 # An opt-in persistent compilation cache: LOWRANK_JAX_TEST_CACHE=FOLDER shares compiled programs
 # between the workers and between runs (tests that build the same small models from fresh
 # closures hit it by their HLO). Off by default: XLA has crashed (segfault) inside
