@@ -45,7 +45,12 @@ Counts:
 - **homonyms** (issue 52): public top-level names (``def``, ``class``, assignment; no leading
   ``_``) defined in two or more modules of ``lowrank_jax`` / ``pallas_kernels`` (a re-export
   ``from x import name`` is not a definition), except the names of a plugin protocol that every
-  module of one family defines on purpose (``PROTOCOL_NAMES``).
+  module of one family defines on purpose (``PROTOCOL_NAMES``);
+- **deep imports past a face** (issue 52): ``from lowrank_jax.pkg.module import name`` in a
+  command (``lowrank_jax/commands/``) where ``name`` is in ``lowrank_jax.pkg``'s ``__all__``:
+  the command should import it from the face (``from lowrank_jax.pkg import name``). A name
+  the face does not export (a command's own validators, an application's internals) is not
+  counted.
 """
 
 from __future__ import annotations
@@ -491,6 +496,35 @@ def homonyms() -> dict[str, list[str]]:
     return {name: where for name, where in sorted(defined.items()) if len(where) > 1}
 
 
+def _face_names(package: str) -> set[str]:
+    """The literal ``__all__`` of ``lowrank_jax/<package>/__init__.py`` (empty if none)."""
+    init = ROOT / PACKAGE / package / "__init__.py"
+    if not init.is_file():
+        return set()
+    for node in parse(init).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__"
+                                                for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    return set()
+
+
+def deep_face_imports() -> list[str]:
+    """``path:line module.name`` of each name a command imports from a module under a
+    subpackage whose face (``__all__``) exports it."""
+    found = []
+    for path in sorted((ROOT / PACKAGE / "commands").glob("*.py")):
+        for node in ast.walk(parse(path)):
+            if not isinstance(node, ast.ImportFrom) or node.level or not node.module:
+                continue
+            parts = node.module.split(".")
+            if len(parts) < 3 or parts[0] != PACKAGE or parts[1] == "commands":
+                continue
+            face = _face_names(parts[1])
+            found += [f"{path.relative_to(ROOT)}:{node.lineno} {node.module}.{alias.name}"
+                      for alias in node.names if alias.name in face]
+    return found
+
+
 def counts() -> dict[str, object]:
     modules = package_modules()
     edges, private = import_graph(modules)
@@ -511,6 +545,7 @@ def counts() -> dict[str, object]:
         "dense_accessors": dense_accessors(),
         "pair_finders": pair_finders(),
         "homonyms": homonyms(),
+        "deep_imports": deep_face_imports(),
     }
 
 
@@ -518,7 +553,7 @@ def counts() -> dict[str, object]:
 DETAILS = {"ops_missing_block_sizes": "no BlockSizes", "steps": "step", "nll": "nll",
            "loops": "loop", "adapter_bodies": "adapter body",
            "dense_accessors": "dense-weight accessor", "pair_finders": "pair finder",
-           "homonyms": "homonym"}
+           "homonyms": "homonym", "deep_imports": "deep import"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -548,6 +583,7 @@ def main(argv: list[str] | None = None) -> int:
         ("dense-weight accessors", len(c["dense_accessors"]), "1"),
         ("pair finders", len(c["pair_finders"]), "1"),
         ("public names defined twice", len(c["homonyms"]), "0"),
+        ("commands' imports past a face", len(c["deep_imports"]), "0"),
     ]
     print(f"{'count':34s} {'now':>8s} {'target':>8s}")
     for name, value, target in rows:

@@ -25,7 +25,7 @@ def add_model_arguments(parser, *, kv_help: str) -> None:
                         help="rank ratio for --projection factorized (default 0.5)")
     parser.add_argument("--attention", default="reference", choices=("reference", "flash", "sale"),
                         help="attention implementation (Pallas kernels: flash, sale)")
-    from lowrank_jax.kv.methods import KV_METHODS
+    from lowrank_jax.kv import KV_METHODS
 
     parser.add_argument("--kv", default="none", choices=tuple(KV_METHODS), help=kv_help)
     parser.add_argument("--kv-ratio", type=positive_float, default=8.0,
@@ -61,7 +61,7 @@ def kv_factory_from_args(args, model):
     unset ``--kv-group`` is xKV's 4, or the model's layer count when it has fewer; a set one
     larger than the layer count is refused naming the flag."""
     from lowrank_jax.kv import kv_cache_factory
-    from lowrank_jax.kv.ranks import DEFAULT_GROUP_SIZE
+    from lowrank_jax.kv import DEFAULT_GROUP_SIZE
 
     layers = int(model.cfg.n_layers)
     group = getattr(args, "kv_group", None)

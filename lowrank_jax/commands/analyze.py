@@ -64,7 +64,7 @@ def run(args) -> int:
     from lowrank_jax.analysis import checkpoint as ckpt
     from lowrank_jax.analysis import report
     from lowrank_jax.analysis.model_report import model_report
-    from lowrank_jax.runs.outputs import prepare_output
+    from lowrank_jax.runs import prepare_output
     from lowrank_jax.runs.validate import check_regex
 
     check_regex(args.layers, "--layers")

@@ -31,7 +31,7 @@ def run(args) -> int:
         run_suite,
         select_benchmarks,
     )
-    from lowrank_jax.runs.outputs import atomic_write_text, prepare_output
+    from lowrank_jax.runs import atomic_write_text, prepare_output
 
     select_benchmarks(args.only)  # a bad name fails before any work
     # resume=True: a folder of an earlier bench run is reused (bench.json replaced)

@@ -26,7 +26,7 @@ def run(args) -> int:
     from pallas_kernels.aot import TopologyError
 
     from lowrank_jax.train.aot_step import DoesNotFit, compile_pretrain_step, native_stderr
-    from lowrank_jax.train.config import load_config
+    from lowrank_jax.train import load_config
 
     try:
         with native_stderr(show=args.debug):  # libtpu's / the CUDA plugin's start-up lines

@@ -45,7 +45,7 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from lowrank_jax import editing as ed
-    from lowrank_jax.runs.outputs import prepare_output
+    from lowrank_jax.runs import prepare_output
     from lowrank_jax.runs.validate import check_regex, check_text_file
     from lowrank_jax.hub import load_model, save_model
 

@@ -34,7 +34,7 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Load, tokenize, evaluate, print one result line; returns the exit code."""
-    from lowrank_jax.models.generate import english_eval_text, perplexity
+    from lowrank_jax.models import english_eval_text, perplexity
 
     if args.text is None:
         text, source = english_eval_text(), "bundled English license texts"

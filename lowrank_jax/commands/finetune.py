@@ -21,7 +21,8 @@ from lowrank_jax.runs.validate import (
     positive_int,
 )
 from lowrank_jax.train.finetune import FALLBACK_LR, FINETUNE_METHODS, default_lr
-from lowrank_jax.train.job import QUANTIZE, FinetuneJob
+from lowrank_jax.train import FinetuneJob
+from lowrank_jax.train.job import QUANTIZE
 
 # the flags that map one to one onto FinetuneJob's fields (--no-progress is progress=False)
 _JOB_FIELDS = ("model", "quantize", "save_base", "data", "method", "rank_plan", "rank", "alpha",
@@ -100,7 +101,7 @@ def _run_jobs(args) -> int:
     """``finetune --jobs JOBS.yaml``: ``lowrank-jax jobs JOBS.yaml``, refusing the flags of one
     run (they would be ignored)."""
     from lowrank_jax.train.job import device_mesh
-    from lowrank_jax.train.jobs import run_jobs_file
+    from lowrank_jax.train import run_jobs_file
 
     if device_mesh(args.mesh) is not None:  # joins the other processes first, as finetune does
         raise ValueError("--jobs trains packed jobs on one device; drop --mesh (or --jobs).")

@@ -37,7 +37,7 @@ def register(subparsers) -> None:
                            "default when the model has one)")
     mode.add_argument("--raw", action="store_true",
                       help="continue the prompt text as is (no chat template)")
-    from lowrank_jax.models.generate import generate
+    from lowrank_jax.models import generate
 
     parser.add_argument("--max-new-tokens", type=positive_int,
                         default=library_default(generate, "max_new_tokens"))
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace, *, cache_factory=None) -> int:
     """
     import jax
 
-    from lowrank_jax.models.generate import generate
+    from lowrank_jax.models import generate
 
     model, tokenizer = load_model_from_args(args)
     if args.top_p > 1:

@@ -58,7 +58,7 @@ def run(args) -> int:
         internalize,
         load_hypernetwork,
     )
-    from lowrank_jax.runs.outputs import prepare_output
+    from lowrank_jax.runs import prepare_output
     from lowrank_jax.runs.validate import check_text_file
     from lowrank_jax.hub import SMOLLM2_HF_NAME
 

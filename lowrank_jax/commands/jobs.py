@@ -9,7 +9,7 @@ HuggingFace PEFT format to ``OUT/<name>/adapter``.
 from __future__ import annotations
 
 from lowrank_jax.commands._common import library_default
-from lowrank_jax.train.jobs import run_jobs_file
+from lowrank_jax.train import run_jobs_file
 
 
 def register(subparsers) -> None:

@@ -38,13 +38,13 @@ def run(args) -> int:
     import numpy as np
 
     from lowrank_jax.io.adapters import read_adapter
-    from lowrank_jax.runs.outputs import atomic_write_text, prepare_output, staged_folder
-    from lowrank_jax.io.peft import import_peft
+    from lowrank_jax.runs import atomic_write_text, prepare_output, staged_folder
+    from lowrank_jax.io import import_peft
     from lowrank_jax.runs.validate import check_text_file
     from lowrank_jax.models import english_eval_text, perplexity
     from lowrank_jax.hub import load_model, save_model
     from lowrank_jax.nn.merge import merge_report
-    from lowrank_jax.quantize.qlora_base import quantize_base
+    from lowrank_jax.quantize import quantize_base
 
     check_text_file(args.data, "--data")
     if not os.path.isdir(args.adapter):

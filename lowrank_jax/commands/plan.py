@@ -16,7 +16,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from lowrank_jax.train.config import load_config
+    from lowrank_jax.train import load_config
     from lowrank_jax.train.plan import plan_memory
 
     if args.devices < 1:

@@ -45,9 +45,8 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from lowrank_jax.runs import signals
-    from lowrank_jax.train import multihost, sharding
-    from lowrank_jax.train.config import MeshConfig, load_config
-    from lowrank_jax.train.loop import train
+    from lowrank_jax.train import load_config, multihost, sharding, train
+    from lowrank_jax.train.config import MeshConfig
 
     # SIGTERM (a scheduler, a closed session): stop at the next step boundary with a checkpoint
     # and summary.json, exit 143; a second SIGTERM interrupts at once (exit 130)

@@ -47,7 +47,7 @@ def register(subparsers) -> None:
     parser.add_argument("--calib-seqs", dest="n_seq", type=positive_int, default=32)
     parser.add_argument("--seq-len", type=positive_int, default=128)
     from lowrank_jax.commands._common import library_default
-    from lowrank_jax.quant.unisvq import UniSVQConfig
+    from lowrank_jax.quant import UniSVQConfig
 
     parser.add_argument("--tune-iters", type=non_negative_int,
                         default=library_default(UniSVQConfig, "tune_iters"))
@@ -64,9 +64,9 @@ def run(args: argparse.Namespace) -> int:
     from flax import nnx
 
     from lowrank_jax.hub import save_model
-    from lowrank_jax.models.llama import projections
+    from lowrank_jax.models import projections
     from lowrank_jax.quantize import calibration_tokens, model_bits_per_weight, quantize_model
-    from lowrank_jax.quant.unisvq import UniSVQConfig
+    from lowrank_jax.quant import UniSVQConfig
 
     allowed = _METHOD_BITS.get(args.method)
     if allowed is None:
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     from lowrank_jax.runs.validate import check_text_file
 
     check_text_file(args.calib_file, "--calib-file")
-    from lowrank_jax.runs.outputs import prepare_output
+    from lowrank_jax.runs import prepare_output
 
     prepare_output(args.out, command="quantize", overwrite=args.overwrite,
                    reads={"--model": args.model, "--calib-file": args.calib_file})
@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     report = quantize_model(model, calib, method=args.method, bits=args.bits,
                             group_size=args.group_size, zero_point=args.zero_point, cfg=cfg,
                             layers=layers, progress=True)
-    from lowrank_jax.runs.outputs import staged_folder
+    from lowrank_jax.runs import staged_folder
 
     with staged_folder(args.out) as tmp:  # all or nothing (a full disk leaves no half model)
         save_model(model, tmp, tokenizer=tokenizer, report=report)

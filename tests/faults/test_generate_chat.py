@@ -49,7 +49,11 @@ def captured_prompts(monkeypatch):
 
     monkeypatch.setattr("lowrank_jax.hub.load_model",
                         lambda *a, **k: (model, ChatTokenizer()))
-    # the package re-exports the function under the module's name: patch the module itself
+    # the command imports it from the face (lowrank_jax.models.generate, the function, which
+    # hides the module of that name); the module's own binding is patched too
+    import lowrank_jax.models
+
+    monkeypatch.setattr(lowrank_jax.models, "generate", fake_generate)
     monkeypatch.setattr(module, "generate", fake_generate)
     return prompts
 
