@@ -35,18 +35,20 @@ import jax  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 8)
 
 # Most of the suite's ~22,000 compiled programs are one eager operation each (a multiply, a
-# reshape of a new shape). JAX lowers each in a fresh MLIR context, and making one (loading
-# every dialect) and freeing it cost about a third of such a program's whole dispatch
-# (docs/results/test_suite.md). Each test thread lowers into one context it keeps, and starts
-# a fresh one after 256 lowerings, which bounds what a context holds (MLIR never frees the
-# constants and types it has made). Only the tests' own process does this: the library and the
-# CLI processes tests launch use JAX as it is. LOWRANK_JAX_TEST_IR_CONTEXT=fresh turns it off.
+# reshape of a new shape). jax 0.10 lowers each in a fresh MLIR context, and making one
+# (loading every dialect) and freeing it cost about a third of such a program's whole dispatch
+# (docs/results/test_suite.md: the suite 10 min 6 s -> 8 min 38 s). Each test thread lowers
+# into one context it keeps, and starts a fresh one after 256 lowerings, which bounds what a
+# context holds (MLIR never frees the constants and types it has made); jax 0.12 does the same
+# itself with 10. Only the tests' own process does this: the library and the CLI processes
+# tests launch use JAX as it is. LOWRANK_JAX_TEST_IR_CONTEXT=fresh turns it off.
 if os.environ.get("LOWRANK_JAX_TEST_IR_CONTEXT", "reuse") != "fresh":
     import threading  # noqa: E402
 
     from jax._src.interpreters import mlir as _mlir  # noqa: E402
 
-    _fresh_ir_context = _mlir.make_ir_context
+    # JAX 0.12 reuses each context 10 times itself; its creator of a fresh one is this
+    _fresh_ir_context = getattr(_mlir, "_create_ir_context", _mlir.make_ir_context)
     _kept_ir_context = threading.local()
 
     def _reused_ir_context():
