@@ -496,16 +496,17 @@ def homonyms() -> dict[str, list[str]]:
     return {name: where for name, where in sorted(defined.items()) if len(where) > 1}
 
 
-def _face_names(package: str) -> set[str]:
+@functools.cache
+def _face_names(package: str) -> frozenset[str]:
     """The literal ``__all__`` of ``lowrank_jax/<package>/__init__.py`` (empty if none)."""
     init = ROOT / PACKAGE / package / "__init__.py"
     if not init.is_file():
-        return set()
+        return frozenset()
     for node in parse(init).body:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__"
                                                 for t in node.targets):
-            return set(ast.literal_eval(node.value))
-    return set()
+            return frozenset(ast.literal_eval(node.value))
+    return frozenset()
 
 
 def deep_face_imports() -> list[str]:

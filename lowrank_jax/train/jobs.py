@@ -220,7 +220,6 @@ def run_jobs_file(path: str, *, model: str = "tiny", out: str = "runs/finetune",
     """
     from lowrank_jax.runs.outputs import prepare_output
     from lowrank_jax.runs.validate import check_jobs_file
-
     from lowrank_jax.train import multihost
 
     jobs_out = check_jobs_file(path, out, argument=argument)[1]
